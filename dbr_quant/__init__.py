@@ -1,0 +1,23 @@
+"""dbr_quant: define-by-run FP8 post-training quantization for eager PyTorch models.
+
+    prepared = dbr_quant.prepare(model, example_inputs)
+    dbr_quant.calibrate(prepared, batches)
+    converted = dbr_quant.convert(prepared)
+"""
+
+from . import kernels
+from .api import PrepareError, calibrate, convert, disabled, format_report, prepare, quant_state, report
+from .formats import FP8Format
+from .fusions import Fusion, register_fusion
+from .observers import MSE, AmaxHistory, MovingAverage, Percentile, RunningMax
+from .qconfig import Override, QConfig, TensorQConfig
+from .quantization_state import AutoQuantizationState, UncalibratedError, UnseenOpError
+
+__all__ = [
+    "prepare", "calibrate", "convert", "disabled", "report", "format_report", "quant_state",
+    "QConfig", "TensorQConfig", "Override", "FP8Format",
+    "RunningMax", "MovingAverage", "AmaxHistory", "Percentile", "MSE",
+    "AutoQuantizationState", "Fusion", "register_fusion", "kernels",
+    "PrepareError", "UncalibratedError", "UnseenOpError",
+]
+__version__ = "0.1.0"

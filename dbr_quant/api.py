@@ -1,0 +1,274 @@
+"""Public API: prepare → calibrate → convert, ``disabled()`` and ``report``."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from . import kernels
+from .auto_trace import disabled, intercepting, is_disabled
+from .formats import safe_scale
+from .mappings import LINEAR, QUANTIZEABLE, is_container
+from .qconfig import QConfig
+from .quantization_state import AutoQuantizationState, UncalibratedError
+from .runs import CalibrateRun, ConvertRun, HighPrecisionRun, ModelRecord, state_of
+from .tracer import TraceRun
+
+__all__ = ["prepare", "calibrate", "convert", "disabled", "report", "PrepareError"]
+
+
+class PrepareError(RuntimeError):
+    """The model's forward failed while prepare() traced it."""
+
+
+class _RootForward:
+    """Installed as the root module's ``forward``: starts a run around the original forward.
+
+    An instance attribute (not a hook) so that a ``try/finally`` encloses the whole forward: global
+    state is restored on every exit path, KeyboardInterrupt included.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    @property
+    def __wrapped__(self):  # inspect.signature(model.forward) shows the user's signature
+        return type(self.module).forward.__get__(self.module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        m = self.module
+        record: ModelRecord = m.__dict__["_dbr_record"]
+        forward = type(m).forward.__get__(m)
+        if record.phase == "tracing":
+            run = record.trace_run
+        elif is_disabled():
+            if record.phase == "prepared":
+                return forward(*args, **kwargs)
+            run = HighPrecisionRun(m, record)
+        elif record.phase == "prepared":
+            run = CalibrateRun(m, record)
+        else:
+            run = ConvertRun(m, record)
+        run.begin()
+        with intercepting(run):
+            return run.finish(forward(*args, **kwargs))
+
+
+def _as_args(example_inputs: Any) -> tuple:
+    if isinstance(example_inputs, tuple):
+        return example_inputs
+    if isinstance(example_inputs, list):
+        return tuple(example_inputs)
+    return (example_inputs,)
+
+
+def _record(model: nn.Module, want: str, fn: str) -> ModelRecord:
+    record = model.__dict__.get("_dbr_record") if isinstance(model, nn.Module) else None
+    if record is None:
+        raise TypeError(f"dbr_quant.{fn}() needs a model returned by dbr_quant.prepare(); got {type(model).__name__}")
+    if record.phase != want:
+        raise RuntimeError(f"dbr_quant.{fn}() needs a {want} model, but this one is {record.phase}")
+    return record
+
+
+def prepare(
+    model: nn.Module,
+    example_inputs: Any = (),
+    qconfig: QConfig | None = None,
+    *,
+    example_kwargs: Mapping[str, Any] | None = None,
+    inplace: bool = False,
+) -> nn.Module:
+    """Trace ``model`` once on the example inputs and attach quantization state to it.
+
+    Returns a copy (the original is untouched) unless ``inplace=True``. Every later forward of the
+    returned model calibrates its observers until :func:`convert`.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"dbr_quant.prepare() takes an nn.Module, got {type(model).__name__}")
+    if "_dbr_record" in model.__dict__:
+        raise RuntimeError("this model was already prepared by dbr_quant; prepare the original model instead")
+    qconfig = QConfig() if qconfig is None else qconfig
+    if not isinstance(qconfig, QConfig):
+        raise TypeError(f"qconfig must be a dbr_quant.QConfig, got {type(qconfig).__name__}")
+    args, kwargs = _as_args(example_inputs), dict(example_kwargs or {})
+    m = model if inplace else copy.deepcopy(model)
+    for name, mod in m.named_modules():
+        mod.__dict__["_dbr_fqn"] = name
+        mod.__dict__["_dbr_owner"] = mod is m or bool(mod._modules)
+    record = ModelRecord(qconfig)
+    record.trace_run = run = TraceRun(m, record)
+    m.__dict__["_dbr_record"] = record
+    m.__dict__["forward"] = _RootForward(m)
+    try:
+        with torch.no_grad():
+            m(*args, **kwargs)
+    except Exception as e:
+        where = " > ".join(mod.__dict__.get("_dbr_fqn") or type(mod).__name__ for mod in run.stack[1:])
+        _undo_prepare(m)
+        raise PrepareError(
+            f"prepare(): the model's forward raised {type(e).__name__} while tracing "
+            f"{'in module ' + where if where else 'at the top level'}: {e}. Check that example_inputs "
+            f"(positional) and example_kwargs (keyword) are what the model's forward takes."
+        ) from e
+    except BaseException:
+        _undo_prepare(m)
+        raise
+    run.build()
+    for module, st in run.states.items():
+        _attach_state(module, st, record)
+    record.states = list(run.states.values())
+    del record.trace_run
+    record.phase = "prepared"
+    if not any(op.kind in QUANTIZEABLE for st in record.states for op in st.seen_ops):
+        warnings.warn("dbr_quant.prepare(): the forward ran no quantizeable op (linear, matmul, "
+                      "scaled_dot_product_attention); nothing will be converted to FP8", stacklevel=2)
+    return m
+
+
+def _undo_prepare(m: nn.Module) -> None:
+    for mod in m.modules():
+        for key in ("_dbr_fqn", "_dbr_owner", "_dbr_record", "forward"):
+            if key == "forward" and not isinstance(mod.__dict__.get("forward"), _RootForward):
+                continue
+            mod.__dict__.pop(key, None)
+
+
+# ---------------------------------------------------------------------- state attachment
+def _attach_state(module: nn.Module, st: AutoQuantizationState, record: ModelRecord) -> None:
+    """Register the state as a child, except on containers, whose iteration and len() user code sees:
+    there it is a plain attribute that saves and loads through state-dict hooks."""
+    if not is_container(module):
+        module._auto_quant_state = st
+        return
+    module.__dict__["_auto_quant_state"] = st
+    module._register_state_dict_hook(_container_state_dict_hook)
+    module._register_load_state_dict_pre_hook(_container_load_hook, with_module=True)
+    record.hidden_states.append((module, st))
+
+
+def _container_state_dict_hook(module, state_dict, prefix, local_metadata):
+    st = module.__dict__.get("_auto_quant_state")
+    if st is not None:
+        st.state_dict(destination=state_dict, prefix=prefix + "_auto_quant_state.")
+
+
+def _container_load_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    st = module.__dict__.get("_auto_quant_state")
+    if st is None:
+        return
+    sub_prefix = prefix + "_auto_quant_state."
+    sub = {k[len(sub_prefix):]: state_dict.pop(k) for k in list(state_dict) if k.startswith(sub_prefix)}
+    result = st.load_state_dict(sub, strict=False)
+    missing.extend(sub_prefix + k for k in result.missing_keys)
+    unexpected.extend(sub_prefix + k for k in result.unexpected_keys)
+
+
+# ---------------------------------------------------------------------- calibrate / convert
+def calibrate(prepared: nn.Module, batches: Iterable[Any], *, num_batches: int | None = None,
+              progress: bool = True) -> nn.Module:
+    """Run batches through a prepared model so its observers see real data.
+
+    A batch is a tensor (one positional argument), a tuple/list (positional) or a mapping (keyword).
+    """
+    _record(prepared, "prepared", "calibrate")
+    total = num_batches if num_batches is not None else (len(batches) if hasattr(batches, "__len__") else None)
+    with torch.no_grad():
+        for i, batch in enumerate(tqdm(batches, total=total, disable=not progress, desc="calibrate")):
+            if num_batches is not None and i >= num_batches:
+                break
+            if isinstance(batch, torch.Tensor):
+                prepared(batch)
+            elif isinstance(batch, Mapping):
+                prepared(**batch)
+            elif isinstance(batch, (tuple, list)):
+                prepared(*batch)
+            else:
+                raise TypeError(f"calibrate(): batch {i} is a {type(batch).__name__}; give a tensor, a tuple of "
+                                "positional arguments or a dict of keyword arguments")
+    return prepared
+
+
+def convert(prepared: nn.Module, *, inplace: bool = False) -> nn.Module:
+    """Freeze scales, store nn.Linear weights in FP8 and bind recorded subgraphs to FP8 kernels."""
+    record = _record(prepared, "prepared", "convert")
+    missing = [entry for st in record.states for entry in st.uncalibrated()]
+    if missing:
+        shown = "\n  ".join(missing[:20]) + (f"\n  … and {len(missing) - 20} more" if len(missing) > 20 else "")
+        raise UncalibratedError(
+            f"convert(): {len(missing)} activation(s) have no calibration data:\n  {shown}\n"
+            "Run dbr_quant.calibrate(prepared, batches) first, or prepare with QConfig(dynamic=True)."
+        )
+    m = prepared if inplace else copy.deepcopy(prepared)
+    record = m.__dict__["_dbr_record"]
+    for st in record.states:
+        st.freeze_scales()
+    _quantize_linear_weights(m, record)
+    record.phase = "converted"
+    return m
+
+
+def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
+    ops_by_module: dict[str, list] = {}
+    for st in record.states:
+        for op in st.seen_ops:
+            if op.kind == LINEAR and op.weight_owner is not None:
+                ops_by_module.setdefault(op.weight_owner, []).append(op)
+    for fqn, ops in ops_by_module.items():
+        if not all(op.quantize for op in ops):
+            continue  # some call runs in high precision: it needs the original weight
+        module = m.get_submodule(fqn)
+        w = module.weight.detach()
+        if not torch.isfinite(w).all():
+            raise ValueError(f"convert(): the weight of '{fqn}' ({type(module).__name__}) has NaN/inf values; "
+                             "fix the weights or skip this module with QConfig(overrides=(Override(pattern=...,"
+                             " skip=True),))")
+        cfg = ops[0].qconfig.weight
+        if cfg.granularity == "channel":
+            scale = safe_scale(w.float().abs().amax(dim=1), cfg.format)
+            q = kernels.quantize(w, scale.unsqueeze(1), cfg.format)
+        else:
+            scale = safe_scale(w.float().abs().amax(), cfg.format)
+            q = kernels.quantize(w, scale, cfg.format)
+        del module._parameters["weight"]
+        module.register_buffer("weight_fp8", q)
+        module.register_buffer("weight_scale", scale)
+        module.__dict__["_dbr_weight_dtype"] = w.dtype
+
+
+# ---------------------------------------------------------------------- report
+def report(model: nn.Module) -> list[dict[str, Any]]:
+    """One row per recorded quantizeable op: where it is, whether it runs in FP8, and why not."""
+    record = model.__dict__.get("_dbr_record")
+    if record is None:
+        raise TypeError("dbr_quant.report() needs a model returned by prepare() or convert()")
+    rows = []
+    for st in record.states:
+        for op in st.seen_ops:
+            if op.kind not in QUANTIZEABLE:
+                continue
+            rows.append({"fqn": op.fqn, "kind": op.kind, "module": st.fqn, "fp8": op.quantize,
+                         "fusion": op.fusion, "reason": op.reason})
+    return rows
+
+
+def format_report(rows: list[dict[str, Any]]) -> str:
+    """A plain-text table of :func:`report` rows, high-precision ops first."""
+    rows = sorted(rows, key=lambda r: r["fp8"])
+    width = max([len(r["fqn"]) for r in rows] + [3])
+    lines = [f"{'op':<{width}}  kind    precision  fusion          reason"]
+    for r in rows:
+        lines.append(f"{r['fqn']:<{width}}  {r['kind']:<7} {'fp8' if r['fp8'] else 'high':<10} "
+                     f"{r['fusion'] or '-':<15} {r['reason']}")
+    return "\n".join(lines)
+
+
+def quant_state(module: nn.Module) -> AutoQuantizationState | None:
+    """The ``_auto_quant_state`` of a module (also for containers, where it is not a child)."""
+    return state_of(module)

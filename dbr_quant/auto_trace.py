@@ -1,0 +1,113 @@
+"""Interception: ``__torch_function__`` (a thread-local TorchFunctionMode) and ``nn.Module.__call__``.
+
+Both are overridden only while a prepared or converted model runs, for the calling thread only:
+``Module.__call__`` is swapped for a dispatcher that falls through to the original unless this thread
+is inside a run, and the swap is reference-counted across threads and undone on every exit path,
+exceptions (KeyboardInterrupt included) too. What each intercepted call *does* is decided by the run
+object (``runs.py``): record it, observe it, or execute it in FP8.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+_tls = threading.local()
+_ORIGINAL_CALL = nn.Module.__call__
+_patch_lock = threading.Lock()
+_patch_depth = 0
+
+
+def current_run() -> Any:
+    return getattr(_tls, "run", None)
+
+
+def original_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Call a module the stock way (its hooks included), bypassing interception of this call."""
+    return _ORIGINAL_CALL(module, *args, **kwargs)
+
+
+def _intercepting_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    run = getattr(_tls, "run", None)
+    if run is None or run.suspended:
+        return _ORIGINAL_CALL(module, *args, **kwargs)
+    return run.module_call(module, args, kwargs)
+
+
+class _FunctionMode(TorchFunctionMode):
+    """Routes every torch function called during a run to the run (the mode stack is thread-local)."""
+
+    def __init__(self, run: Any) -> None:
+        super().__init__()
+        self.run = run
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.run.suspended:
+            return func(*args, **kwargs)
+        return self.run.function_call(func, args, kwargs)
+
+
+@contextlib.contextmanager
+def intercepting(run: Any) -> Iterator[None]:
+    """Route this thread's torch functions and module calls to ``run`` for the duration of the block."""
+    global _patch_depth
+    with _patch_lock:
+        if _patch_depth == 0:
+            nn.Module.__call__ = _intercepting_call
+        _patch_depth += 1
+    previous = getattr(_tls, "run", None)
+    _tls.run = run
+    try:
+        with _FunctionMode(run):
+            yield
+    finally:
+        _tls.run = previous
+        with _patch_lock:
+            _patch_depth -= 1
+            if _patch_depth == 0:
+                nn.Module.__call__ = _ORIGINAL_CALL
+
+
+def is_patched() -> bool:
+    """True while some thread is inside a run (tests use it to check global state is restored)."""
+    return nn.Module.__call__ is not _ORIGINAL_CALL
+
+
+@contextlib.contextmanager
+def suspended(run: Any) -> Iterator[None]:
+    """Run the block without interception (used to execute a recognised op's own forward)."""
+    before = run.suspended
+    run.suspended = True
+    try:
+        yield
+    finally:
+        run.suspended = before
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Module-level forward hooks (user code that could observe the module's inputs and outputs)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+_disabled = threading.local()
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Inside the block, prepared and converted models run their original high-precision path."""
+    before = getattr(_disabled, "on", False)
+    _disabled.on = True
+    try:
+        yield
+    finally:
+        _disabled.on = before
+
+
+def is_disabled() -> bool:
+    return getattr(_disabled, "on", False)

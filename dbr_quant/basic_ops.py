@@ -1,0 +1,137 @@
+"""FP8 execution of single recorded ops (the "basic ops"); fused subgraphs in fusions.py build on them.
+
+Each executor gets the intercepted call and an ``env`` (the converted model's run context) that hands
+out activation scales and FP8 weights; the arithmetic itself is in ``dbr_quant.kernels``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from . import kernels
+from .mappings import LINEAR, MATMUL, SDPA
+from .quantization_state import AutoQuantizationState, SeenOp
+
+
+@dataclass
+class Call:
+    """One intercepted call as it arrived at run time."""
+
+    kind: str
+    func: Any  # the torch function, or the nn.Linear module for module calls
+    args: tuple
+    kwargs: dict
+    op: SeenOp | None = None
+    state: AutoQuantizationState | None = None
+    placeholder: Any = None  # what this call returned while its subgraph was still pending
+
+    @property
+    def module(self) -> nn.Module | None:
+        return self.func if isinstance(self.func, nn.Module) else None
+
+    def run_original(self, args: tuple | None = None) -> Any:
+        """The high-precision op as the user wrote it."""
+        args = self.args if args is None else args
+        if self.module is not None:
+            m = self.module
+            return torch.nn.functional.linear(args[0], *linear_hp_weight(m))
+        return self.func(*args, **self.kwargs)
+
+
+class Env(Protocol):
+    def input_scale(self, call: Call, slot: str, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def linear_hp_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight and bias of an nn.Linear in high precision (dequantized when stored in FP8)."""
+    w = module._parameters.get("weight")
+    if w is None:
+        w = kernels.dequantize(module.weight_fp8, module.weight_scale.unsqueeze(-1), module._dbr_weight_dtype)
+    return w, module.bias
+
+
+def linear_operands(call: Call) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(x, weight-or-None-if-stored-FP8, bias) of a linear call, module or functional."""
+    if call.module is not None:
+        m = call.module
+        return call.args[0], m._parameters.get("weight"), m.bias
+    args, kw = call.args, call.kwargs
+    x = args[0]
+    w = args[1] if len(args) > 1 else kw["weight"]
+    b = args[2] if len(args) > 2 else kw.get("bias")
+    return x, w, b
+
+
+def fp8_weight(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 weight and its scale: stored on the module by convert, else quantized now (dynamic)."""
+    m = call.module
+    if m is not None and "weight_fp8" in m._buffers:
+        return m.weight_fp8, m.weight_scale
+    _, w, _ = linear_operands(call)
+    wcfg = call.op.qconfig.weight
+    per_channel = wcfg.granularity == "channel"
+    scale = kernels.dynamic_scale(w, wcfg.format, per_token=per_channel)
+    return kernels.quantize(w, scale, wcfg.format), scale.reshape(-1) if per_channel else scale
+
+
+def quantized_input(call: Call, slot: str, x: torch.Tensor, env: Env) -> tuple[torch.Tensor, torch.Tensor]:
+    fmt = call.op.qconfig.activation.format
+    scale = env.input_scale(call, slot, x)
+    return kernels.quantize(x, scale, fmt), scale
+
+
+def run_linear(call: Call, env: Env, *, x: torch.Tensor | None = None, activation: str | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+    x0, _, bias = linear_operands(call)
+    x = x0 if x is None else x
+    x_q, x_scale = quantized_input(call, "input", x, env)
+    w_q, w_scale = fp8_weight(call)
+    return kernels.fp8_linear(
+        x_q, x_scale, w_q, w_scale, bias=bias, activation=activation, residual=residual, out_dtype=x.dtype
+    )
+
+
+def run_matmul(call: Call, env: Env, *, a: torch.Tensor | None = None, b: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    a = call.args[0] if a is None else a
+    b = call.args[1] if b is None else b
+    a_q, a_s = quantized_input(call, "a", a, env)
+    b_q, b_s = quantized_input(call, "b", b, env)
+    return kernels.fp8_matmul(a_q, a_s, b_q, b_s).to(torch.promote_types(a.dtype, b.dtype))
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def sdpa_arguments(call: Call) -> dict[str, Any]:
+    bound = dict(zip(_SDPA_ARGS, call.args))
+    bound.update(call.kwargs)
+    return bound
+
+
+def run_sdpa(call: Call, env: Env) -> torch.Tensor:
+    a = sdpa_arguments(call)
+    q, k, v = a["query"], a["key"], a["value"]
+    q_q, q_s = quantized_input(call, "q", q, env)
+    k_q, k_s = quantized_input(call, "k", k, env)
+    v_q, v_s = quantized_input(call, "v", v, env)
+    out = kernels.fp8_attention(
+        q_q, q_s, k_q, k_s, v_q, v_s,
+        attn_mask=a.get("attn_mask"), is_causal=bool(a.get("is_causal", False)),
+        softmax_scale=a.get("scale"), fmt=call.op.qconfig.activation.format,
+    )
+    return out.to(q.dtype)
+
+
+EXECUTORS = {LINEAR: run_linear, MATMUL: run_matmul, SDPA: run_sdpa}
+
+
+def run_basic(call: Call, env: Env) -> torch.Tensor:
+    """Run one recorded op: in FP8 when it is quantized, else as written."""
+    if call.op is None or not call.op.quantize:
+        return call.run_original()
+    return EXECUTORS[call.kind](call, env)

@@ -1,0 +1,46 @@
+"""FP8 formats: the one place that knows each format's dtype and largest finite value."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+
+class FP8Format(enum.Enum):
+    """An FP8 storage format. ``max`` is the largest finite magnitude (values saturate to it)."""
+
+    E4M3 = "e4m3"
+    E5M2 = "e5m2"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self is FP8Format.E4M3 else torch.float8_e5m2
+
+    @property
+    def max(self) -> float:
+        return 448.0 if self is FP8Format.E4M3 else 57344.0
+
+    @classmethod
+    def parse(cls, value: FP8Format | str) -> FP8Format:
+        """Accept the enum or its name/value in any case ("E4M3", "e5m2")."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            raise ValueError(f"unknown FP8 format {value!r}: use one of {[f.value for f in cls]}") from None
+
+
+def safe_scale(amax: torch.Tensor, fmt: FP8Format, margin: int = 0) -> torch.Tensor:
+    """Dequantization scale for an amax: x ≈ fp8 · scale with |x| = amax landing on fmt.max.
+
+    All-zero (amax == 0) and non-finite amax give scale 1; the result is never 0, inf or NaN.
+    ``margin`` leaves 2**margin headroom (Transformer Engine's delayed-scaling margin).
+    """
+    amax = amax.float()
+    scale = amax * (2.0**margin) / fmt.max
+    ok = torch.isfinite(scale) & (scale > 0) & torch.isfinite(amax)
+    scale = torch.where(ok, scale, torch.ones_like(scale))
+    # a tiny but non-zero amax must not produce a subnormal/zero scale whose inverse overflows
+    return scale.clamp(min=torch.finfo(torch.float32).tiny)

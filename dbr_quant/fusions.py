@@ -1,0 +1,283 @@
+"""The fusion registry: which recorded op sequences run as one subgraph, and how.
+
+A fusion is a pattern over the trace (a head op and the ops that consume its output, one after the
+other) plus ``run``: an implementation that must equal running its ops one by one (``reference``).
+Register one with ``@register_fusion``; matching tries longer patterns first. A subgraph only forms
+where every intermediate tensor has exactly one consumer (the next op of the pattern), is not
+returned to the caller, and crosses no module that has hooks — so fusing never changes what user
+code or hooks can observe. See docs/extending.md for the recipe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .basic_ops import Call, Env, run_basic, run_linear
+from .mappings import activation_name
+from .mappings import ACT, ADD, DIV, LINEAR, MATMUL, MUL, NORM, PASSTHROUGH, SOFTMAX
+from .quantization_state import SeenOp
+
+
+@dataclass
+class Event:
+    """One call seen during the trace (any torch function, or an nn.Linear module call)."""
+
+    index: int
+    kind: str | None
+    func: Any
+    arg_ids: tuple[int | None, ...]  # trace ids of the positional tensor args (None for non-tensors)
+    kwarg_ids: tuple[int, ...]
+    output: int | None
+    op: SeenOp | None = None
+    detail: dict = field(default_factory=dict)
+
+    def quantized(self, kind: str) -> bool:
+        return self.kind == kind and self.op is not None and self.op.quantize
+
+
+@dataclass
+class TraceGraph:
+    """Dataflow of one traced forward: who consumes each tensor, and which tensors escape."""
+
+    events: list[Event]
+    consumers: dict[int, list[int]]
+    escaped: set[int]  # returned to the caller, or seen by a module that has hooks
+
+    def sole_consumer(self, tid: int | None) -> Event | None:
+        if tid is None or tid in self.escaped:
+            return None
+        users = self.consumers.get(tid, ())
+        return self.events[users[0]] if len(users) == 1 else None
+
+
+@dataclass(frozen=True)
+class Step:
+    """One op of a chain pattern: its kind, whether it may be absent, and an extra condition."""
+
+    kind: str
+    optional: bool = False
+    accepts: Callable[[Event, Event], bool] = lambda ev, prev: True
+
+
+class Fusion:
+    """Base class: a chain pattern (override ``match`` for non-chains) and a fused ``run``."""
+
+    name: str = ""
+    steps: tuple[Step, ...] = ()
+
+    def match(self, graph: TraceGraph, head: Event) -> list[Event] | None:
+        if not _accepts(self.steps[0], head, None):
+            return None
+        matched, cur, i = [head], head, 1
+        while i < len(self.steps):
+            nxt = graph.sole_consumer(cur.output)
+            while nxt is not None and nxt.kind == PASSTHROUGH and nxt.detail.get("passthrough"):
+                matched.append(nxt)
+                cur, nxt = nxt, graph.sole_consumer(nxt.output)
+            step = self.steps[i]
+            if nxt is not None and _accepts(step, nxt, cur):
+                matched.append(nxt)
+                cur, i = nxt, i + 1
+            elif step.optional:
+                i += 1
+            else:
+                return None
+        while matched[-1].kind == PASSTHROUGH:
+            matched.pop()
+        return matched if len(matched) > 1 else None
+
+    def run(self, calls: Sequence[Call], env: Env) -> torch.Tensor:
+        """The fused implementation; the default is the reference itself."""
+        return self.reference(calls, env)
+
+    @staticmethod
+    def reference(calls: Sequence[Call], env: Env) -> torch.Tensor:
+        """Run the ops one by one (each quantized op on its own), feeding outputs forward."""
+        values: dict[int, torch.Tensor] = {}
+        out = None
+        for call in calls:
+            args = tuple(values.get(id(a), a) for a in call.args)
+            kwargs = {k: values.get(id(v), v) for k, v in call.kwargs.items()}
+            out = run_basic(Call(call.kind, call.func, args, kwargs, call.op, call.state), env)
+            values[id(call.placeholder)] = out
+        return out
+
+
+def _accepts(step: Step, ev: Event, prev: Event | None) -> bool:
+    if ev.kind != step.kind:
+        return False
+    if ev.kind in (LINEAR, MATMUL) and (ev.op is None or not ev.op.quantize):
+        return False
+    if prev is not None and prev.output not in ev.arg_ids:
+        return False
+    return step.accepts(ev, prev)
+
+
+FUSIONS: list[Fusion] = []
+
+
+def register_fusion(cls: type[Fusion]) -> type[Fusion]:
+    """Class decorator: add a fusion to the registry (longest patterns are tried first)."""
+    FUSIONS.append(cls())
+    FUSIONS.sort(key=lambda f: -len(f.steps))
+    return cls
+
+
+def find_subgraphs(graph: TraceGraph) -> list[tuple[Fusion, list[Event]]]:
+    """Greedy left-to-right matching over the trace: each event joins at most one subgraph."""
+    taken: set[int] = set()
+    found = []
+    for head in graph.events:
+        if head.index in taken or head.op is None:
+            continue
+        for fusion in FUSIONS:
+            matched = fusion.match(graph, head)
+            if matched and not any(ev.index in taken for ev in matched):
+                taken.update(ev.index for ev in matched)
+                found.append((fusion, matched))
+                break
+    return found
+
+
+# --------------------------------------------------------------------------- step conditions
+def _first_arg(ev: Event, prev: Event) -> bool:
+    return ev.arg_ids[:1] == (prev.output,)
+
+
+def _residual(ev: Event, prev: Event) -> bool:
+    """``a + b`` with both tensors of the same shape, no ``alpha`` (a residual connection)."""
+    ids = [i for i in ev.arg_ids[:2] if i is not None]
+    return len(ids) == 2 and not ev.kwarg_ids and ev.detail.get("same_shape", False) \
+        and "alpha" not in ev.detail.get("kwargs", ())
+
+
+def _scalar_operand(ev: Event, prev: Event) -> bool:
+    """Multiplying or dividing the scores by a Python number (the softmax scale)."""
+    return ev.arg_ids[:1] == (prev.output,) and ev.detail.get("scalar_other", False)
+
+
+def _last_dim(ev: Event, prev: Event) -> bool:
+    return ev.detail.get("softmax_last_dim", False)
+
+
+def _calls(calls: Sequence[Call], kind: str) -> list[Call]:
+    return [c for c in calls if c.kind == kind]
+
+
+def _other_operand(call: Call) -> torch.Tensor:
+    """The operand of a binary op that is not the subgraph's own intermediate (a placeholder)."""
+    a, b = call.args[0], call.args[1]
+    return b if getattr(a, "_dbr_placeholder", False) else a
+
+
+def _activation(calls: Sequence[Call]) -> str | None:
+    acts = _calls(calls, ACT)
+    return activation_name(acts[0].func, acts[0].args, acts[0].kwargs) if acts else None
+
+
+# --------------------------------------------------------------------------- the fusions
+@register_fusion
+class LinearActivation(Fusion):
+    """linear (+bias) → relu / gelu / gelu-tanh / silu, one GEMM with the activation in its epilogue."""
+
+    name = "linear_act"
+    steps = (Step(LINEAR), Step(ACT, accepts=_first_arg))
+
+    def run(self, calls, env):
+        return run_linear(calls[0], env, activation=_activation(calls))
+
+
+@register_fusion
+class LinearResidual(Fusion):
+    """linear (+bias) → + residual, the residual added in the GEMM epilogue."""
+
+    name = "linear_residual"
+    steps = (Step(LINEAR), Step(ADD, accepts=_residual))
+
+    def run(self, calls, env):
+        out = run_linear(calls[0], env, residual=_other_operand(_calls(calls, ADD)[0]))
+        return out
+
+
+@register_fusion
+class MLP(Fusion):
+    """fc1 → activation → fc2 (→ + residual): fc1's epilogue hands fc2 its input."""
+
+    name = "mlp"
+    steps = (Step(LINEAR), Step(ACT, accepts=_first_arg), Step(LINEAR, accepts=_first_arg),
+             Step(ADD, optional=True, accepts=_residual))
+
+    def run(self, calls, env):
+        fc1, fc2 = _calls(calls, LINEAR)
+        h = run_linear(fc1, env, activation=_activation(calls))
+        adds = _calls(calls, ADD)
+        return run_linear(fc2, env, x=h, residual=_other_operand(adds[0]) if adds else None)
+
+
+@register_fusion
+class NormLinear(Fusion):
+    """LayerNorm / RMSNorm → linear (optionally → activation → linear: the whole MLP block)."""
+
+    name = "norm_linear"
+    steps = (Step(NORM), Step(LINEAR, accepts=_first_arg), Step(ACT, optional=True, accepts=_first_arg),
+             Step(LINEAR, optional=True, accepts=_first_arg), Step(ADD, optional=True, accepts=_residual))
+
+    def run(self, calls, env):
+        norm = calls[0]
+        y = norm.func(*norm.args, **norm.kwargs)
+        linears = _calls(calls, LINEAR)
+        act = _activation(calls)
+        adds = _calls(calls, ADD)
+        residual = _other_operand(adds[0]) if adds else None
+        if len(linears) == 1:
+            return run_linear(linears[0], env, x=y, activation=act, residual=residual)
+        h = run_linear(linears[0], env, x=y, activation=act)
+        return run_linear(linears[1], env, x=h, residual=residual)
+
+
+@register_fusion
+class GatedMLP(Fusion):
+    """SwiGLU / GEGLU: down(act(gate(x)) * up(x)); gate and up read the same input."""
+
+    name = "gated_mlp"
+    steps = (Step(LINEAR), Step(ACT), Step(LINEAR), Step(MUL), Step(LINEAR, optional=True))
+
+    def match(self, graph, head):
+        if not head.quantized(LINEAR):
+            return None
+        act = graph.sole_consumer(head.output)
+        if act is None or act.kind != ACT or act.detail.get("activation") not in ("silu", "gelu", "gelu_tanh"):
+            return None
+        mul = graph.sole_consumer(act.output)
+        if mul is None or mul.kind != MUL or act.output not in mul.arg_ids[:2]:
+            return None
+        other = [i for i in mul.arg_ids[:2] if i != act.output]
+        ups = [ev for ev in graph.events[act.index + 1: mul.index]
+               if ev.quantized(LINEAR) and ev.output in other and ev.arg_ids[:1] == head.arg_ids[:1]]
+        if len(ups) != 1 or graph.sole_consumer(ups[0].output) is not mul:
+            return None
+        matched = [head, act, ups[0], mul]
+        down = graph.sole_consumer(mul.output)
+        if down is not None and down.quantized(LINEAR) and down.arg_ids[:1] == (mul.output,):
+            matched.append(down)
+        return matched
+
+    def run(self, calls, env):
+        linears = _calls(calls, LINEAR)
+        gated = run_linear(linears[0], env, activation=_activation(calls))
+        h = gated * run_linear(linears[1], env)
+        return run_linear(linears[2], env, x=h) if len(linears) == 3 else h
+
+
+@register_fusion
+class Attention(Fusion):
+    """q·kᵀ → (× or ÷ scale) → (+ mask) → softmax → ·v, with FP8 GEMMs and an fp32 softmax."""
+
+    name = "attention"
+    steps = (Step(MATMUL), Step(MUL, optional=True, accepts=_scalar_operand),
+             Step(DIV, optional=True, accepts=_scalar_operand), Step(ADD, optional=True),
+             Step(SOFTMAX, accepts=_last_dim), Step(MATMUL, accepts=_first_arg))

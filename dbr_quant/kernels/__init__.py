@@ -1,0 +1,65 @@
+"""FP8 kernels behind one dispatch point.
+
+Every quantized subgraph calls one of the entry points below. Each entry point counts a launch (see
+:func:`count_launches`) and runs the implementation of the current backend (:func:`current_backend`;
+``$DBR_QUANT_BACKEND`` or :func:`use_backend`). This release ships the ``reference`` backend (plain
+torch, exact FP8 semantics, the CPU default); the Triton backends plug into the same entry points.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import FP8Format
+from . import reference
+from .dispatch import BACKENDS, count_launches, current_backend, record_launch, use_backend
+
+__all__ = [
+    "BACKENDS", "count_launches", "current_backend", "use_backend",
+    "quantize", "dequantize", "dynamic_scale", "fp8_linear", "fp8_matmul", "fp8_attention",
+]
+
+
+def _impl():
+    backend = current_backend()
+    if backend != "reference":
+        raise NotImplementedError(
+            f"kernel backend {backend!r} is not available in this release; unset $DBR_QUANT_BACKEND "
+            "or use dbr_quant.kernels.use_backend('reference')"
+        )
+    return reference
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    record_launch("quantize")
+    return _impl().quantize(x, scale, fmt)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    record_launch("dequantize")
+    return _impl().dequantize(q, scale, dtype)
+
+
+def dynamic_scale(x: torch.Tensor, fmt: FP8Format, per_token: bool = False) -> torch.Tensor:
+    record_launch("amax")
+    return _impl().dynamic_scale(x, fmt, per_token)
+
+
+def fp8_linear(x_q, x_scale, w_q, w_scale, *, bias=None, activation=None, residual=None,
+               out_dtype=torch.float32) -> torch.Tensor:
+    """``act(x·Wᵀ·sx·sw + bias) + residual`` on FP8 operands (see reference.fp8_linear)."""
+    record_launch("fp8_linear")
+    return _impl().fp8_linear(x_q, x_scale, w_q, w_scale, bias=bias, activation=activation,
+                              residual=residual, out_dtype=out_dtype)
+
+
+def fp8_matmul(a_q, a_scale, b_q, b_scale) -> torch.Tensor:
+    record_launch("fp8_matmul")
+    return _impl().fp8_matmul(a_q, a_scale, b_q, b_scale)
+
+
+def fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, *, attn_mask=None, is_causal=False,
+                  softmax_scale=None, p_scale=None, fmt=FP8Format.E4M3) -> torch.Tensor:
+    record_launch("fp8_attention")
+    return _impl().fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, attn_mask=attn_mask,
+                                 is_causal=is_causal, softmax_scale=softmax_scale, p_scale=p_scale, fmt=fmt)

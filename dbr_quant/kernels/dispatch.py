@@ -1,0 +1,70 @@
+"""Backend selection and launch counting: the one place that decides which implementation runs.
+
+Every kernel entry point in ``dbr_quant.kernels`` calls :func:`backend_for` and bumps the launch
+counter, so tests can assert that a fusion fired and how many kernels a forward launched.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+
+BACKENDS = ("reference", "triton", "triton-interpret")
+ENV_VAR = "DBR_QUANT_BACKEND"
+
+_tls = threading.local()
+
+
+def _env_backend() -> str | None:
+    name = os.environ.get(ENV_VAR)
+    if name is None or name == "":
+        return None
+    if name not in BACKENDS:
+        raise ValueError(f"{ENV_VAR}={name!r} is not a backend; use one of {BACKENDS}")
+    return name
+
+
+def current_backend() -> str:
+    """The backend in force: the innermost ``use_backend`` block, else $DBR_QUANT_BACKEND, else reference."""
+    forced = getattr(_tls, "backend", None)
+    if forced is not None:
+        return forced
+    return _env_backend() or "reference"
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Run the block with ``name`` as backend (thread-local; nests)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; use one of {BACKENDS}")
+    if name != "reference":
+        raise NotImplementedError(
+            f"backend {name!r} is not built yet: only 'reference' runs in this release"
+        )
+    previous = getattr(_tls, "backend", None)
+    _tls.backend = name
+    try:
+        yield
+    finally:
+        _tls.backend = previous
+
+
+def record_launch(kernel: str) -> None:
+    """Count one launch of ``kernel`` in every active ``count_launches`` block of this thread."""
+    for counter in getattr(_tls, "counters", ()):
+        counter[kernel] += 1
+
+
+@contextlib.contextmanager
+def count_launches() -> Iterator[collections.Counter]:
+    """``with count_launches() as counts:`` → ``counts[kernel_name]`` launches inside the block."""
+    counter: collections.Counter = collections.Counter()
+    stack = getattr(_tls, "counters", ())
+    _tls.counters = (*stack, counter)
+    try:
+        yield counter
+    finally:
+        _tls.counters = stack

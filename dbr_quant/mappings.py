@@ -1,0 +1,98 @@
+"""Which torch functions and modules dbr_quant recognises, and what kind of op each one is.
+
+Quantizeable kinds run in FP8 after convert. Fusable kinds are never quantized themselves; they can
+join a subgraph (a fusion) behind a quantizeable op. Adding an op = one line in FUNC_KINDS (and, for a
+new quantizeable kind, an executor in ``quantization_state``). See docs/extending.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+LINEAR = "linear"
+MATMUL = "matmul"
+SDPA = "sdpa"
+NORM = "norm"
+ACT = "act"
+ADD = "add"
+MUL = "mul"
+DIV = "div"
+SOFTMAX = "softmax"
+PASSTHROUGH = "passthrough"  # dropout in eval, same-dtype casts: identity inside a fused subgraph
+
+QUANTIZEABLE = frozenset({LINEAR, MATMUL, SDPA})
+# ops that get an index in their module's record (so a later forward can be matched against the trace)
+INDEXED = QUANTIZEABLE | {NORM}
+
+FUNC_KINDS: dict[object, str] = {
+    F.linear: LINEAR,
+    torch.matmul: MATMUL,
+    Tensor.matmul: MATMUL,
+    Tensor.__matmul__: MATMUL,
+    torch.bmm: MATMUL,
+    Tensor.bmm: MATMUL,
+    F.scaled_dot_product_attention: SDPA,
+    F.layer_norm: NORM,
+    F.rms_norm: NORM,
+    F.relu: ACT,
+    torch.relu: ACT,
+    Tensor.relu: ACT,
+    F.gelu: ACT,
+    F.silu: ACT,
+    torch.add: ADD,
+    Tensor.add: ADD,
+    Tensor.__add__: ADD,
+    Tensor.__radd__: ADD,
+    torch.mul: MUL,
+    Tensor.mul: MUL,
+    Tensor.__mul__: MUL,
+    Tensor.__rmul__: MUL,
+    torch.div: DIV,
+    Tensor.div: DIV,
+    Tensor.__truediv__: DIV,
+    F.softmax: SOFTMAX,
+    torch.softmax: SOFTMAX,
+    Tensor.softmax: SOFTMAX,
+    F.dropout: PASSTHROUGH,
+    Tensor.to: PASSTHROUGH,
+    Tensor.contiguous: PASSTHROUGH,
+}
+
+
+def activation_name(func: object, args: tuple, kwargs: dict) -> str | None:
+    """The epilogue name of an activation call (relu, gelu, gelu_tanh, silu)."""
+    if func in (F.relu, torch.relu, Tensor.relu):
+        return "relu"
+    if func is F.silu:
+        return "silu"
+    if func is F.gelu:
+        approximate = kwargs.get("approximate", args[1] if len(args) > 1 else "none")
+        return "gelu_tanh" if approximate == "tanh" else "gelu"
+    return None
+
+
+def is_passthrough(func: object, args: tuple, kwargs: dict) -> bool:
+    """True when the call returns its input unchanged (eval dropout, a cast to the same dtype)."""
+    if func is F.dropout:
+        training = kwargs.get("training", args[2] if len(args) > 2 else True)
+        p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+        return not training or p == 0
+    if func is Tensor.contiguous:
+        return True
+    if func is Tensor.to:
+        x = args[0]
+        rest = list(args[1:]) + list(kwargs.values())
+        return all((r == x.dtype) or (r is None) for r in rest) and len(rest) > 0
+    return False
+
+
+def is_linear_module(module: nn.Module) -> bool:
+    """An nn.Linear whose forward is the stock one (subclasses with their own forward stay opaque)."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
+def is_container(module: nn.Module) -> bool:
+    """Containers whose iteration/len user code relies on: their state is kept out of ``_modules``."""
+    return isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict))

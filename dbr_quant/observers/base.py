@@ -1,0 +1,180 @@
+"""Base class for amax observers: statistics live in buffers so they save, load and move with the model.
+
+An observer watches tensors during calibration and keeps an "amax" (the magnitude that should land on the
+FP8 format's largest finite value).  ``scale()`` turns it into a dequantization scale via ``safe_scale``.
+
+Per-tensor observers (``axis=None``) keep a 0-d amax.  Per-channel observers (``axis=k``) keep one amax per
+index of dimension ``k`` of the observed tensor; because the channel count is unknown until data arrives,
+their per-channel buffers start with zero channels and are sized on the first update (or by
+``load_state_dict``, so a fresh observer can restore a calibrated one).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dbr_quant.formats import FP8Format, safe_scale
+
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def _check_axis(axis: int | None) -> int | None:
+    if axis is None:
+        return None
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise ValueError(f"axis must be None (per-tensor) or an int (per-channel dimension), got {axis!r}")
+    return axis
+
+
+def _as_channels(x: Tensor, axis: int | None) -> tuple[Tensor, Tensor]:
+    """Flatten ``x`` to ``(C, N)`` fp32 values (non-finite replaced by 0) plus the matching finite mask.
+
+    Per-tensor data becomes a single row (C = 1) so every observer can be written once, for channels.
+    Values are clamped to the fp32 range first so finite fp64 data never turns into inf.
+    """
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.float()  # fp16/bf16/fp8 widen to fp32 exactly, keeping inf/NaN
+    finite = torch.isfinite(x)
+    values = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    if x.dtype == torch.float64:
+        values = values.clamp(-_F32_MAX, _F32_MAX)
+    values = values.float()
+    if axis is None:
+        return values.reshape(1, -1), finite.reshape(1, -1)
+    shape = (x.shape[axis], math.prod(s for i, s in enumerate(x.shape) if i != axis % x.dim()))
+    return values.movedim(axis, 0).reshape(shape), finite.movedim(axis, 0).reshape(shape)
+
+
+def _abs_reduce_max(values: Tensor, finite: Tensor) -> Tensor:
+    """Per-row max of |values| over finite entries; NaN for rows without any finite entry."""
+    if values.shape[1] == 0:
+        return torch.full((values.shape[0],), float("nan"), device=values.device)
+    amax = values.abs().amax(dim=1)
+    return torch.where(finite.any(dim=1), amax, torch.full_like(amax, float("nan")))
+
+
+class AmaxObserver(nn.Module):
+    """Base observer. Subclasses choose the per-batch statistic and how batches are merged into ``amax``.
+
+    Buffers (all in ``state_dict``): ``amax`` (fp32; 0-d per-tensor, ``(C,)`` per-channel), ``nonfinite``
+    (int64: NaN/inf elements seen and ignored) and ``num_updates`` (int64: forward calls, including calls
+    whose batch had no finite data, which leave the statistic unchanged).
+    """
+
+    amax: Tensor
+    nonfinite: Tensor
+    num_updates: Tensor
+
+    def __init__(self, fmt: FP8Format | str, axis: int | None = None) -> None:
+        super().__init__()
+        self.fmt = FP8Format.parse(fmt)
+        self.axis = _check_axis(axis)
+        self.margin = 0
+        # name -> leading (non-channel) shape of buffers whose last dim is the channel dim when per-channel
+        self._channel_buffers: dict[str, tuple[int, ...]] = {}
+        self._register_stat("amax")
+        self.register_buffer("nonfinite", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("num_updates", torch.zeros((), dtype=torch.int64))
+
+    # ----------------------------------------------------------------------------------------- buffers
+    @property
+    def per_channel(self) -> bool:
+        return self.axis is not None
+
+    @property
+    def num_channels(self) -> int | None:
+        """Channel count (0 until the first update or load for per-channel); None for per-tensor."""
+        return int(self.amax.shape[0]) if self.per_channel else None
+
+    def _register_stat(self, name: str, lead: tuple[int, ...] = (),
+                       dtype: torch.dtype = torch.float32) -> None:
+        """Register a zero buffer shaped ``lead`` (per-tensor) or ``lead + (C,)`` (per-channel, C = 0 now)."""
+        shape = lead + ((0,) if self.per_channel else ())
+        self.register_buffer(name, torch.zeros(shape, dtype=dtype))
+        self._channel_buffers[name] = lead
+
+    def _resize_channels(self, channels: int) -> None:
+        # built outside inference mode so a later load_state_dict / normal-mode update can write into them
+        with torch.inference_mode(False):
+            for name, lead in self._channel_buffers.items():
+                old = getattr(self, name)
+                setattr(self, name, torch.zeros((*lead, channels), dtype=old.dtype, device=old.device))
+
+    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: dict,
+                              strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                              error_msgs: list[str]) -> None:
+        incoming = state_dict.get(prefix + "amax")
+        if (self.per_channel and self.amax.numel() == 0 and isinstance(incoming, Tensor)
+                and incoming.dim() == 1 and incoming.shape[0] > 0):
+            self._resize_channels(int(incoming.shape[0]))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+    # ----------------------------------------------------------------------------------------- update
+    @torch.no_grad()
+    def forward(self, x: Tensor) -> None:
+        """Fold ``x`` (detached, any float dtype, computed in fp32) into the statistics; returns None."""
+        if not isinstance(x, Tensor) or not x.is_floating_point():
+            raise TypeError(f"{type(self).__name__} observes floating-point tensors, got "
+                            f"{x.dtype if isinstance(x, Tensor) else type(x).__name__}")
+        x = x.detach()
+        if self.per_channel:
+            assert self.axis is not None
+            if not -x.dim() <= self.axis < x.dim():
+                raise ValueError(f"{type(self).__name__}(axis={self.axis}) cannot observe a tensor of shape "
+                                 f"{tuple(x.shape)}")
+            channels = x.shape[self.axis]
+            if self.amax.numel() == 0:
+                self._resize_channels(channels)
+            elif self.amax.shape[0] != channels:
+                raise ValueError(f"{type(self).__name__} was sized for {self.amax.shape[0]} channels along "
+                                 f"axis {self.axis}, got a tensor of shape {tuple(x.shape)}")
+        values, finite = _as_channels(x, self.axis)
+        device = self.amax.device
+        self.nonfinite.add_((finite.numel() - finite.sum()).to(device))
+        batch = self._batch_statistic(values, finite).to(device)
+        self._accumulate(batch, torch.isfinite(batch))
+        self.num_updates.add_(1)
+
+    def _batch_statistic(self, values: Tensor, finite: Tensor) -> Tensor:
+        """Per-channel statistic of one batch, shape ``(C,)``; NaN marks channels with no finite data."""
+        return _abs_reduce_max(values, finite)
+
+    def _accumulate(self, batch: Tensor, valid: Tensor) -> None:
+        """Merge a batch's ``(C,)`` statistic into the buffers; channels with ``valid`` False keep theirs."""
+        raise NotImplementedError
+
+    def _set_amax(self, value: Tensor) -> None:
+        self.amax.copy_(value.reshape(self.amax.shape))
+
+    # ----------------------------------------------------------------------------------------- results
+    @property
+    def calibrated(self) -> bool:
+        return bool(self.num_updates.item() > 0)
+
+    def scale(self) -> Tensor:
+        """Dequantization scale(s), fp32, shaped like ``amax``; never 0, inf or NaN (see ``safe_scale``)."""
+        if not self.calibrated:
+            raise RuntimeError(f"{type(self).__name__} has not observed any data yet: run calibration "
+                               f"(call it on tensors) or load a calibrated state_dict before scale()")
+        return safe_scale(self.amax, self.fmt, margin=self.margin)
+
+    def extra_repr(self) -> str:
+        parts = [f"fmt={self.fmt.value}", f"axis={self.axis}"]
+        if self.margin:
+            parts.append(f"margin={self.margin}")
+        if not self.calibrated:
+            parts.append("amax=<uncalibrated>")
+        elif self.amax.dim() == 0:
+            parts.append(f"amax={self.amax.item():.6g}")
+        elif self.amax.numel() == 0:
+            parts.append("amax=<0 channels>")
+        else:
+            parts.append(f"amax=<{self.amax.numel()} channels, min={self.amax.min().item():.6g}, "
+                         f"max={self.amax.max().item():.6g}>")
+        return ", ".join(parts)

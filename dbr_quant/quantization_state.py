@@ -1,0 +1,165 @@
+"""AutoQuantizationState: what one module's forward was seen to do, and the quantization state for it.
+
+One state is attached as ``_auto_quant_state`` to every module whose forward runs recorded ops. It keeps
+the ops in call order (``seen_ops``), an observer per quantized activation (``observers``), and after
+convert the activation scales as buffers. It does not know how ops are intercepted (auto_trace) nor
+how they are computed (fusions / kernels).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .qconfig import OpQConfig
+
+
+class UnseenOpError(RuntimeError):
+    """A forward ran a recorded op the trace never saw, with ``QConfig(strict=True)``."""
+
+
+class UncalibratedError(RuntimeError):
+    """convert() was called before calibration ran the observers it needs."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor as seen during the trace: a trace-local id, its dtype and shape."""
+
+    id: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def __repr__(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"t{self.id}:{dtype}{list(self.shape)}"
+
+
+@dataclass
+class SeenOp:
+    """One recorded op: its position in the module's forward, what it is, and how it will run."""
+
+    index: int
+    kind: str
+    fqn: str
+    target: str
+    inputs: tuple[TensorInfo | None, ...]
+    outputs: tuple[TensorInfo, ...]
+    qconfig: OpQConfig
+    quantize: bool
+    reason: str = ""  # why it stays in high precision, when quantize is False
+    slots: tuple[str, ...] = ()  # activation inputs that get an observer / scale
+    group: tuple[int, int] | None = None  # (subgraph id, step) when part of a fused subgraph
+    fusion: str | None = None
+    weight_owner: str | None = None  # fqn of the nn.Linear holding a static weight
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What a later forward must match to reuse this record (kind and fqn / target)."""
+        return (self.kind, self.fqn)
+
+    def describe(self) -> str:
+        ins = ", ".join(repr(t) if t is not None else "-" for t in self.inputs)
+        outs = ", ".join(repr(t) for t in self.outputs)
+        mode = "fp8" if self.quantize else f"high precision ({self.reason})"
+        fused = f" fusion={self.fusion}#{self.group[0]}.{self.group[1]}" if self.group else ""
+        return f"({self.index}) {self.kind} {self.fqn} [{self.target}] in=({ins}) out=({outs}) {mode}{fused}"
+
+
+def observer_key(index: int, slot: str) -> str:
+    return f"{index}_{slot}"
+
+
+class AutoQuantizationState(nn.Module):
+    """Per-module record of quantizeable ops (call order), their observers and converted scales."""
+
+    def __init__(self, fqn: str) -> None:
+        super().__init__()
+        self.fqn = fqn
+        self.seen_ops: list[SeenOp] = []
+        self.observers = nn.ModuleDict()
+        self.converted = False
+        self.cursor = 0  # position of the next op in the current forward; reset per root call
+        self._warned: set[tuple] = set()
+
+    # ----------------------------------------------------------------- recording (trace)
+    def add_op(self, op: SeenOp, make_observer) -> SeenOp:
+        self.seen_ops.append(op)
+        if op.quantize and not op.qconfig.dynamic:
+            for slot in op.slots:
+                self.observers[observer_key(op.index, slot)] = make_observer(op)
+        return op
+
+    # ----------------------------------------------------------------- matching (later runs)
+    def next_op(self, kind: str, fqn: str, strict: bool) -> SeenOp | None:
+        """The record for the op now running, or None (with one warning) when the trace never saw it.
+
+        Records are matched in call order. When an earlier record was skipped (a branch not taken
+        this time), the cursor moves forward to the next record with the same kind and fqn.
+        """
+        ops = self.seen_ops
+        i = self.cursor
+        if i < len(ops) and ops[i].kind == kind and ops[i].fqn == fqn:
+            self.cursor = i + 1
+            return ops[i]
+        for j in range(i + 1, len(ops)):
+            if ops[j].kind == kind and ops[j].fqn == fqn:
+                self.cursor = j + 1
+                return ops[j]
+        msg = (
+            f"dbr_quant: module '{self.fqn or '<root>'}' ran op '{kind}' ({fqn}) that the trace in prepare() "
+            f"never saw at this point (control flow changed). It runs in high precision. Re-run prepare() "
+            f"with example inputs that take this path to quantize it."
+        )
+        if strict:
+            raise UnseenOpError(msg + " (QConfig(strict=True) turns this warning into this error.)")
+        key = (kind, fqn, i)
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(msg, stacklevel=4)
+        return None
+
+    # ----------------------------------------------------------------- calibration / convert
+    def observe(self, op: SeenOp, slot: str, x: torch.Tensor) -> None:
+        self.observers[observer_key(op.index, slot)](x)
+
+    def uncalibrated(self) -> list[str]:
+        return [
+            f"{self.fqn or '<root>'}: op {op.index} {op.kind} {op.fqn} input '{slot}'"
+            for op in self.seen_ops
+            if op.quantize and not op.qconfig.dynamic
+            for slot in op.slots
+            if not self.observers[observer_key(op.index, slot)].calibrated
+        ]
+
+    def freeze_scales(self) -> None:
+        """Turn every observer into a fixed scale buffer (kept beside the observer's amax)."""
+        for op in self.seen_ops:
+            if not op.quantize or op.qconfig.dynamic:
+                continue
+            for slot in op.slots:
+                key = observer_key(op.index, slot)
+                self.register_buffer(f"scale_{key}", self.observers[key].scale().detach().clone())
+        self.converted = True
+
+    def scale(self, op: SeenOp, slot: str) -> torch.Tensor:
+        return getattr(self, f"scale_{observer_key(op.index, slot)}")
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # scale buffers exist only after convert(); a freshly converted skeleton has them, but make
+        # loading robust to a skeleton whose scales were computed from different data.
+        for name, value in state_dict.items():
+            if name.startswith(prefix + "scale_") and "." not in name[len(prefix):]:
+                local = name[len(prefix):]
+                if local not in self._buffers:
+                    self.register_buffer(local, torch.empty_like(value))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    # ----------------------------------------------------------------- display
+    def extra_repr(self) -> str:
+        head = f"fqn={self.fqn or '<root>'!r}, converted={self.converted}"
+        return "\n".join([head, "(seen_ops):"] + ["  " + op.describe() for op in self.seen_ops])

@@ -1,0 +1,332 @@
+"""What happens to each intercepted call, per phase: trace, calibrate, convert, high precision.
+
+A *run* lives for one call of the root model. ``auto_trace.intercepting(run)`` routes this thread's
+torch functions and module calls to ``run.function_call`` / ``run.module_call``. Runs read and write
+``AutoQuantizationState`` objects; the arithmetic of quantized ops is in ``basic_ops`` / ``fusions``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from . import kernels
+from .auto_trace import has_hooks, original_call, suspended
+from .basic_ops import Call, linear_hp_weight, run_basic
+from .fusions import Fusion
+from .mappings import FUNC_KINDS, INDEXED, LINEAR, is_linear_module
+from .quantization_state import AutoQuantizationState
+
+
+@dataclass
+class Subgraph:
+    """A matched fusion instance: its kinds in call order and the modules whose hooks would see inside."""
+
+    id: int
+    fusion: Fusion
+    kinds: tuple[str, ...]
+    modules: tuple[nn.Module, ...]
+    enabled: bool = True
+
+
+@dataclass
+class ModelRecord:
+    """Everything dbr_quant keeps about one prepared model (held on the root as ``_dbr_record``)."""
+
+    qconfig: Any
+    phase: str = "tracing"  # tracing → prepared → converted
+    states: list[AutoQuantizationState] = field(default_factory=list)
+    hidden_states: list[tuple[nn.Module, AutoQuantizationState]] = field(default_factory=list)
+    subgraphs: dict[int, Subgraph] = field(default_factory=dict)
+
+
+def state_of(module: nn.Module) -> AutoQuantizationState | None:
+    st = module.__dict__.get("_auto_quant_state")
+    return st if st is not None else module._modules.get("_auto_quant_state")
+
+
+def fqn_of(module: nn.Module) -> str | None:
+    return module.__dict__.get("_dbr_fqn")
+
+
+class Run:
+    """Shared bookkeeping: the module stack and where an op's record lives."""
+
+    def __init__(self, root: nn.Module, record: ModelRecord) -> None:
+        self.root = root
+        self.record = record
+        self.stack: list[nn.Module] = [root]
+        self.suspended = False
+
+    def owner(self) -> nn.Module:
+        """The innermost module on the stack that owns records (a non-leaf module of the model, or root)."""
+        for m in reversed(self.stack):
+            if m.__dict__.get("_dbr_owner"):
+                return m
+        return self.root
+
+    def op_fqn(self, kind: str, module: nn.Module | None = None) -> str:
+        if module is not None and fqn_of(module) is not None:
+            return fqn_of(module)
+        for m in reversed(self.stack):
+            base = fqn_of(m)
+            if base is not None:
+                return f"{base}.{kind}" if base else kind
+        return kind
+
+    def call_module(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        self.stack.append(module)
+        try:
+            return original_call(module, *args, **kwargs)
+        finally:
+            self.stack.pop()
+
+    def begin(self) -> None:
+        for st in self.record.states:
+            st.cursor = 0
+
+    def finish(self, out: Any) -> Any:
+        return out
+
+
+class CalibrateRun(Run):
+    """Runs the model in high precision and feeds each quantized op's inputs to its observers."""
+
+    def _observe(self, kind: str, call_args: tuple, kwargs: dict, module: nn.Module | None) -> None:
+        st = state_of(self.owner())
+        if st is None:
+            return
+        op = st.next_op(kind, self.op_fqn(kind, module), self.record.qconfig.strict)
+        if op is None or not op.quantize or op.qconfig.dynamic:
+            return
+        values = observed_inputs(kind, call_args, kwargs)
+        for slot in op.slots:
+            st.observe(op, slot, values[slot])
+
+    def function_call(self, func, args, kwargs):
+        kind = FUNC_KINDS.get(func)
+        if kind in INDEXED:
+            self._observe(kind, args, kwargs, None)
+        return func(*args, **kwargs)
+
+    def module_call(self, module, args, kwargs):
+        if is_linear_module(module):
+            with suspended(self):
+                self._observe(LINEAR, args, kwargs, module)
+                return original_call(module, *args, **kwargs)
+        return self.call_module(module, args, kwargs)
+
+
+def observed_inputs(kind: str, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
+    """The activation tensors of an op by slot name (input; a, b; q, k, v)."""
+    if kind == LINEAR:
+        return {"input": args[0] if args else kwargs["input"]}
+    if kind == "matmul":
+        return {"a": args[0], "b": args[1] if len(args) > 1 else kwargs["other"]}
+    if kind == "sdpa":
+        names = ("query", "key", "value")
+        vals = dict(zip(names, args))
+        vals.update({k: v for k, v in kwargs.items() if k in names})
+        return {"q": vals["query"], "k": vals["key"], "v": vals["value"]}
+    return {}
+
+
+@dataclass
+class _Pending:
+    subgraph: Subgraph
+    calls: list[Call] = field(default_factory=list)
+
+
+class ConvertRun(Run):
+    """Executes quantized ops in FP8 and recorded subgraphs through their fusions.
+
+    A subgraph runs when its last op arrives: until then each of its ops returns a placeholder (an
+    empty meta tensor) that only the next op of the same subgraph consumes — the trace proved it. If
+    anything else touches a placeholder (control flow changed, a hook appeared, it is returned), the
+    subgraph is *materialized*: its ops so far run one by one, and the real values replace the
+    placeholders.
+    """
+
+    def begin(self) -> None:
+        super().begin()
+        self.pending: dict[int, _Pending] = {}
+        self.placeholders: dict[int, _Pending] = {}
+        self.resolved: dict[int, torch.Tensor] = {}
+        self.done: list[_Pending] = []  # keeps placeholder objects alive so their ids stay unique
+
+    # ------------------------------------------------------------------ env for executors
+    def input_scale(self, call: Call, slot: str, x: torch.Tensor) -> torch.Tensor:
+        op = call.op
+        if op.qconfig.dynamic:
+            cfg = op.qconfig.activation
+            per_token = cfg.granularity == "token" and slot in ("input", "a", "q", "k")
+            return kernels.dynamic_scale(x, cfg.format, per_token=per_token)
+        s = call.state.scale(op, slot)
+        return s if s.device == x.device else s.to(x.device)
+
+    # ------------------------------------------------------------------ placeholders
+    def _scan(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, _Pending | None]:
+        """Swap resolved placeholders for values; return the pending subgraph an argument belongs to."""
+        hit = None
+
+        def fix(a):
+            nonlocal hit
+            if isinstance(a, torch.Tensor):
+                key = id(a)
+                if key in self.resolved:
+                    return self.resolved[key]
+                p = self.placeholders.get(key)
+                if p is not None:
+                    if hit is not None and hit is not p:
+                        self.materialize(hit)
+                    hit = p
+            elif isinstance(a, (list, tuple)) and a and any(isinstance(x, torch.Tensor) for x in a):
+                return type(a)(fix(x) for x in a) if not hasattr(a, "_fields") else a
+            return a
+
+        args = tuple(fix(a) for a in args)
+        kwargs = {k: fix(v) for k, v in kwargs.items()} if kwargs else kwargs
+        if hit is not None and hit.subgraph.id not in self.pending:  # materialized while scanning
+            args = tuple(self.resolved.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args)
+            hit = None
+        return args, kwargs, hit
+
+    def _resolve_all(self, args: tuple, kwargs: dict, hit: _Pending | None) -> tuple[tuple, dict]:
+        if hit is not None:
+            self.materialize(hit)
+            args, kwargs, _ = self._scan(args, kwargs)
+        return args, kwargs
+
+    def materialize(self, p: _Pending) -> None:
+        """Run a pending subgraph's ops one by one and record the real value of each placeholder."""
+        self.pending.pop(p.subgraph.id, None)
+        for call in p.calls:
+            self.placeholders.pop(id(call.placeholder), None)
+            args = tuple(self.resolved.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in call.args)
+            out = run_basic(Call(call.kind, call.func, args, call.kwargs, call.op, call.state), self)
+            self.resolved[id(call.placeholder)] = out
+        self.done.append(p)
+
+    def _placeholder(self, p: _Pending, call: Call) -> torch.Tensor:
+        ph = torch.empty(0, device="meta")
+        ph._dbr_placeholder = True
+        call.placeholder = ph
+        p.calls.append(call)
+        self.placeholders[id(ph)] = p
+        return ph
+
+    def _step(self, p: _Pending, call: Call) -> torch.Tensor:
+        """Add ``call`` to its subgraph: run the fusion if it completes it, else return a placeholder."""
+        if len(p.calls) + 1 == len(p.subgraph.kinds):
+            p.calls.append(call)
+            self.pending.pop(p.subgraph.id, None)
+            for c in p.calls[:-1]:
+                self.placeholders.pop(id(c.placeholder), None)
+            self.done.append(p)
+            return p.subgraph.fusion.run(p.calls, self)
+        return self._placeholder(p, call)
+
+    # ------------------------------------------------------------------ interception
+    def _execute(self, call: Call, hit: _Pending | None) -> Any:
+        op = call.op
+        sg = self.record.subgraphs.get(op.group[0]) if op.group is not None else None
+        if sg is not None and sg.enabled:
+            step = op.group[1]
+            p = self.pending.get(sg.id)
+            if step == 0:
+                if p is not None:
+                    self.materialize(p)
+                if hit is not None:
+                    call.args, call.kwargs = self._resolve_all(call.args, call.kwargs, hit)
+                p = _Pending(sg)
+                self.pending[sg.id] = p
+                return self._step(p, call)
+            if p is not None and len(p.calls) == step and (hit is None or hit is p):
+                return self._step(p, call)
+            if p is not None:
+                self.materialize(p)
+        call.args, call.kwargs = self._resolve_all(call.args, call.kwargs, hit)
+        return run_basic(call, self)
+
+    def function_call(self, func, args, kwargs):
+        hit = None
+        if self.placeholders or self.resolved:
+            args, kwargs, hit = self._scan(args, kwargs)
+        kind = FUNC_KINDS.get(func)
+        if kind in INDEXED:
+            st = state_of(self.owner())
+            op = st.next_op(kind, self.op_fqn(kind), self.record.qconfig.strict) if st is not None else None
+            if op is not None:
+                return self._execute(Call(kind, func, args, kwargs, op, st), hit)
+        elif hit is not None:
+            kinds = hit.subgraph.kinds
+            if len(hit.calls) < len(kinds) and kinds[len(hit.calls)] == kind:
+                return self._step(hit, Call(kind, func, args, kwargs))
+        if hit is not None:
+            args, kwargs = self._resolve_all(args, kwargs, hit)
+        return func(*args, **kwargs)
+
+    def module_call(self, module, args, kwargs):
+        if is_linear_module(module):
+            with suspended(self):  # our own torch calls below are not the model's
+                return self._linear_call(module, args, kwargs)
+        if (self.placeholders or self.resolved) and has_hooks(module):
+            with suspended(self):
+                args, kwargs, hit = self._scan(args, kwargs)
+                args, kwargs = self._resolve_all(args, kwargs, hit)
+        return self.call_module(module, args, kwargs)
+
+    def _linear_call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        hit = None
+        if self.placeholders or self.resolved:
+            args, kwargs, hit = self._scan(args, kwargs)
+        st = state_of(self.owner())
+        op = st.next_op(LINEAR, self.op_fqn(LINEAR, module), self.record.qconfig.strict) if st else None
+        if has_hooks(module):
+            # hooks must see real tensors: no fusion, and the stock __call__ runs them around our op
+            args, kwargs = self._resolve_all(args, kwargs, hit)
+            return _call_with_forward(self, module, lambda *a, **k: run_basic(
+                Call(LINEAR, module, a, k, op, st), self), args, kwargs)
+        if op is None:
+            args, kwargs = self._resolve_all(args, kwargs, hit)
+            return Call(LINEAR, module, args, kwargs).run_original()
+        return self._execute(Call(LINEAR, module, args, kwargs, op, st), hit)
+
+    def finish(self, out: Any) -> Any:
+        for p in list(self.pending.values()):
+            self.materialize(p)
+        if self.resolved:
+            out = tree_map(lambda t: self.resolved.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
+        return out
+
+
+class HighPrecisionRun(Run):
+    """``dbr_quant.disabled()`` on a converted model: every op as written, FP8 weights dequantized."""
+
+    def function_call(self, func, args, kwargs):
+        return func(*args, **kwargs)
+
+    def module_call(self, module, args, kwargs):
+        if is_linear_module(module) and "weight_fp8" in module._buffers:
+            with suspended(self):
+                return _call_with_forward(self, module, lambda x: torch.nn.functional.linear(
+                    x, *linear_hp_weight(module)), args, kwargs)
+        return self.call_module(module, args, kwargs)
+
+
+def _call_with_forward(run: Run, module: nn.Module, forward, args: tuple, kwargs: dict) -> Any:
+    """Call ``module`` through the stock ``__call__`` (so its hooks run) with ``forward`` as its body."""
+    module.__dict__["forward"] = forward
+    try:
+        with suspended(run):
+            return original_call(module, *args, **kwargs)
+    finally:
+        del module.__dict__["forward"]
+
+
+def tensor_leaves(obj: Any) -> list[torch.Tensor]:
+    return [x for x in tree_flatten(obj)[0] if isinstance(x, torch.Tensor)]

@@ -1,0 +1,202 @@
+"""The trace run of ``prepare``: one forward that records ops into states and finds subgraphs.
+
+Every torch function and nn.Linear call is logged with the (trace-local) ids of the tensors it reads
+and writes, so that after the forward the dataflow is known: which tensor each op consumes, which
+tensors escape (returned, or seen by a module hook). Fusions are matched on that dataflow.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+
+from .auto_trace import has_hooks, original_call, suspended
+from .fusions import Event, TraceGraph, find_subgraphs
+from .mappings import (
+    ACT, ADD, DIV, FUNC_KINDS, INDEXED, LINEAR, MATMUL, MUL, NORM, PASSTHROUGH, SDPA, SOFTMAX,
+    activation_name, is_linear_module, is_passthrough,
+)
+from .quantization_state import AutoQuantizationState, SeenOp, TensorInfo
+from .runs import ModelRecord, Run, Subgraph, observed_inputs, tensor_leaves
+
+SLOTS = {LINEAR: ("input",), MATMUL: ("a", "b"), SDPA: ("q", "k", "v")}
+
+
+class TraceRun(Run):
+    """Runs the model once in high precision, recording every op."""
+
+    def __init__(self, root: nn.Module, record: ModelRecord) -> None:
+        super().__init__(root, record)
+        self.events: list[Event] = []
+        self.tids: dict[int, int] = {}
+        self.keep: list[torch.Tensor] = []  # holds every traced tensor so ids are never reused
+        self.escaped: set[int] = set()
+        self.spans: list[tuple[nn.Module, int, int]] = []
+        self.states: dict[nn.Module, AutoQuantizationState] = {}
+
+    # ------------------------------------------------------------------ ids
+    def tid(self, t: torch.Tensor, new: bool = False) -> int:
+        key = id(t)
+        if new or key not in self.tids:
+            self.tids[key] = len(self.keep)
+            self.keep.append(t)
+        return self.tids[key]
+
+    def info(self, t: Any) -> TensorInfo | None:
+        if not isinstance(t, torch.Tensor):
+            return None
+        return TensorInfo(self.tid(t), t.dtype, tuple(t.shape))
+
+    # ------------------------------------------------------------------ recording
+    def _state(self) -> AutoQuantizationState:
+        owner = self.owner()
+        st = self.states.get(owner)
+        if st is None:
+            st = self.states[owner] = AutoQuantizationState(owner.__dict__.get("_dbr_fqn", ""))
+        return st
+
+    def _record(self, kind: str | None, func: Any, args: tuple, kwargs: dict, out: Any,
+                module: nn.Module | None = None) -> None:
+        arg_ids = tuple(self.tid(a) if isinstance(a, torch.Tensor) else None for a in args)
+        nested = [t for a in args if not isinstance(a, torch.Tensor) for t in tensor_leaves(a)]
+        kwarg_ids = tuple(self.tid(t) for t in nested + tensor_leaves(kwargs))
+        if not arg_ids and not kwarg_ids and kind is None:
+            return
+        outs = tensor_leaves(out)
+        inplace = isinstance(out, torch.Tensor) and any(out is a for a in args)
+        out_ids = [self.tid(t, new=not inplace) for t in outs]
+        output = out_ids[0] if isinstance(out, torch.Tensor) else None
+        ev = Event(len(self.events), kind, func, arg_ids, kwarg_ids, output, detail=_detail(kind, func, args,
+                                                                                            kwargs))
+        if inplace:
+            ev.kind = None  # an in-place op mutates its input: never part of a subgraph
+        if kind in INDEXED:
+            ev.op = self._seen_op(kind, func, args, kwargs, out, module)
+        self.events.append(ev)
+
+    def _seen_op(self, kind, func, args, kwargs, out, module) -> SeenOp:
+        st = self._state()
+        fqn = self.op_fqn(kind, module)
+        types = tuple(type(m) for m in self.stack) + ((type(module),) if module is not None else ())
+        qc = self.record.qconfig.for_op(fqn, types)
+        quantize, reason = _decide(kind, args, kwargs, qc, module)
+        if kind == NORM:
+            reason = "norm (a fusion partner, not quantized itself)"
+        inputs = tuple(self.info(a) for a in (args if module is None else (args[0], module.weight)))
+        op = SeenOp(
+            index=len(st.seen_ops), kind=kind, fqn=fqn,
+            target=type(module).__name__ if module is not None else getattr(func, "__name__", str(func)),
+            inputs=inputs, outputs=tuple(self.info(t) for t in tensor_leaves(out)),
+            qconfig=qc, quantize=quantize, reason=reason, slots=SLOTS.get(kind, ()) if quantize else (),
+            weight_owner=fqn if module is not None and module.__dict__.get("_dbr_fqn") is not None else None,
+        )
+
+        def make_observer(op: SeenOp) -> nn.Module:
+            cfg = op.qconfig.activation
+            return cfg.observer.create(cfg.format, None)
+
+        st.add_op(op, make_observer)
+        return op
+
+    # ------------------------------------------------------------------ interception
+    def function_call(self, func, args, kwargs):
+        out = func(*args, **kwargs)
+        self._record(FUNC_KINDS.get(func), func, args, kwargs, out)
+        return out
+
+    def module_call(self, module, args, kwargs):
+        if is_linear_module(module):
+            with suspended(self):  # the bookkeeping's own torch calls must not be recorded
+                out = original_call(module, *args, **kwargs)
+                x = args[0] if args else kwargs.get("input")
+                self._record(LINEAR, module, (x,), {}, out, module)
+                if has_hooks(module):
+                    self._escape((x, out))
+            return out
+        hooked = has_hooks(module)
+        if hooked:
+            with suspended(self):
+                self._escape((args, kwargs))
+        enter = len(self.events)
+        out = self.call_module(module, args, kwargs)
+        self.spans.append((module, enter, len(self.events)))
+        if hooked:
+            with suspended(self):
+                self._escape(out)
+        return out
+
+    def _escape(self, obj: Any) -> None:
+        for t in tensor_leaves(obj):
+            self.escaped.add(self.tid(t))
+
+    def finish(self, out: Any) -> Any:
+        with suspended(self):
+            self._escape(out)
+        return out
+
+    # ------------------------------------------------------------------ after the forward
+    def build(self) -> None:
+        """Attach states, match subgraphs and tag their ops (called once the forward returned)."""
+        consumers: dict[int, list[int]] = defaultdict(list)
+        for ev in self.events:
+            for i in {*ev.arg_ids, *ev.kwarg_ids} - {None}:
+                consumers[i].append(ev.index)
+        graph = TraceGraph(self.events, dict(consumers), self.escaped)
+        if self.record.qconfig.fuse:
+            for gid, (fusion, events) in enumerate(find_subgraphs(graph)):
+                lo, hi = events[0].index, events[-1].index
+                crossed = [m for m, a, b in self.spans if lo < a <= hi or lo < b <= hi]
+                crossed += [ev.func for ev in events if isinstance(ev.func, nn.Module)]
+                self.record.subgraphs[gid] = Subgraph(gid, fusion, tuple(ev.kind for ev in events),
+                                                      tuple(crossed))
+                for step, ev in enumerate(events):
+                    if ev.op is not None:
+                        ev.op.group = (gid, step)
+                        ev.op.fusion = fusion.name
+        self.keep.clear()
+        self.tids.clear()
+
+
+def _decide(kind: str, args: tuple, kwargs: dict, qc, module: nn.Module | None) -> tuple[bool, str]:
+    """Whether a recorded op runs in FP8, and if not, why."""
+    if kind == NORM:
+        return False, ""
+    if qc.skip:
+        return False, "skipped by a QConfig override"
+    values = observed_inputs(kind, args, kwargs)
+    if module is not None:
+        values["weight"] = module.weight
+    for name, t in values.items():
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            return False, f"'{name}' is not a floating-point tensor"
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float64):
+            return False, f"'{name}' has dtype {t.dtype}"
+    if kind == SDPA:
+        dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+        if dropout:
+            return False, "attention dropout is active (dropout_p > 0)"
+    return True, ""
+
+
+def _detail(kind: str | None, func: Any, args: tuple, kwargs: dict) -> dict:
+    """What fusion conditions need to know about a call beyond its kind and tensor ids."""
+    if kind == ACT:
+        return {"activation": activation_name(func, args, kwargs)}
+    if kind == PASSTHROUGH:
+        return {"passthrough": is_passthrough(func, args, kwargs)}
+    if kind == ADD:
+        a, b = (args + (None, None))[:2]
+        same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+        return {"same_shape": same and a.dtype == b.dtype, "kwargs": tuple(kwargs)}
+    if kind in (MUL, DIV):
+        other = args[1] if len(args) > 1 else kwargs.get("other")
+        return {"scalar_other": isinstance(other, numbers.Number) and not kwargs}
+    if kind == SOFTMAX:
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        x = args[0]
+        return {"softmax_last_dim": dim is not None and dim in (-1, x.dim() - 1)}
+    return {}
