@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -81,11 +82,16 @@ def is_patched() -> bool:
 
 @contextlib.contextmanager
 def suspended(run: Any) -> Iterator[None]:
-    """Run the block without interception (used to execute a recognised op's own forward)."""
+    """Run the block without interception: our own bookkeeping and kernels, a recognised op's forward.
+
+    Torch-function dispatch is switched off too, so the kernels' many small torch calls do not each
+    take a trip through the Python mode (that trip cost more than the ops themselves).
+    """
     before = run.suspended
     run.suspended = True
     try:
-        yield
+        with torch._C.DisableTorchFunction():
+            yield
     finally:
         run.suspended = before
 

@@ -17,8 +17,7 @@ from typing import Any
 import torch
 
 from .basic_ops import Call, Env, run_basic, run_linear
-from .mappings import activation_name
-from .mappings import ACT, ADD, DIV, LINEAR, MATMUL, MUL, NORM, PASSTHROUGH, SOFTMAX
+from .mappings import ACT, ADD, DIV, LINEAR, MATMUL, MUL, NORM, PASSTHROUGH, SOFTMAX, activation_name
 from .quantization_state import SeenOp
 
 

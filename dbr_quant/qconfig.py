@@ -76,6 +76,9 @@ class QConfig:
     E4M3 weights by default. dynamic: compute activation scales at run time (no calibration).
     strict: raise instead of warning when a later forward runs an op the trace never saw.
     fuse: bind recorded subgraphs to fused kernels (False runs every op on its own).
+    quantize_attention: also run attention in FP8 — scaled_dot_product_attention and matmul/bmm
+    between two activations (q·kᵀ, p·v). Off by default, as in Transformer Engine (fp8_dpa): softmax
+    amplifies the rounding of q·kᵀ (all-MiniLM-L6-v2: embedding cosine 0.9975 → 0.9970 with it on).
     """
 
     activation: TensorQConfig = field(default_factory=TensorQConfig)
@@ -83,6 +86,7 @@ class QConfig:
     dynamic: bool = False
     strict: bool = False
     fuse: bool = True
+    quantize_attention: bool = False
     overrides: tuple[Override, ...] = ()
 
     def __post_init__(self) -> None:

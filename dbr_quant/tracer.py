@@ -17,8 +17,21 @@ from torch import nn
 from .auto_trace import has_hooks, original_call, suspended
 from .fusions import Event, TraceGraph, find_subgraphs
 from .mappings import (
-    ACT, ADD, DIV, FUNC_KINDS, INDEXED, LINEAR, MATMUL, MUL, NORM, PASSTHROUGH, SDPA, SOFTMAX,
-    activation_name, is_linear_module, is_passthrough,
+    ACT,
+    ADD,
+    DIV,
+    FUNC_KINDS,
+    INDEXED,
+    LINEAR,
+    MATMUL,
+    MUL,
+    NORM,
+    PASSTHROUGH,
+    SDPA,
+    SOFTMAX,
+    activation_name,
+    is_linear_module,
+    is_passthrough,
 )
 from .quantization_state import AutoQuantizationState, SeenOp, TensorInfo
 from .runs import ModelRecord, Run, Subgraph, observed_inputs, tensor_leaves
@@ -83,7 +96,7 @@ class TraceRun(Run):
         fqn = self.op_fqn(kind, module)
         types = tuple(type(m) for m in self.stack) + ((type(module),) if module is not None else ())
         qc = self.record.qconfig.for_op(fqn, types)
-        quantize, reason = _decide(kind, args, kwargs, qc, module)
+        quantize, reason = _decide(kind, args, kwargs, qc, module, self.record.qconfig.quantize_attention)
         if kind == NORM:
             reason = "norm (a fusion partner, not quantized itself)"
         inputs = tuple(self.info(a) for a in (args if module is None else (args[0], module.weight)))
@@ -161,12 +174,15 @@ class TraceRun(Run):
         self.tids.clear()
 
 
-def _decide(kind: str, args: tuple, kwargs: dict, qc, module: nn.Module | None) -> tuple[bool, str]:
+def _decide(kind: str, args: tuple, kwargs: dict, qc, module: nn.Module | None, attention: bool
+            ) -> tuple[bool, str]:
     """Whether a recorded op runs in FP8, and if not, why."""
     if kind == NORM:
         return False, ""
     if qc.skip:
         return False, "skipped by a QConfig override"
+    if kind in (MATMUL, SDPA) and not attention:
+        return False, "attention stays in high precision (QConfig(quantize_attention=True) to quantize)"
     values = observed_inputs(kind, args, kwargs)
     if module is not None:
         values["weight"] = module.weight

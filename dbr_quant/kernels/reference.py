@@ -112,13 +112,15 @@ def fp8_linear(
     ``x_scale`` is a scalar or one value per row (…×1); ``w_scale`` a scalar or one per output
     channel (N,). Gated activations take W stacked as [gate; up] (2N×K) and return N columns.
     """
-    acc = fp8_gemm(x_q, w_q, exact=exact)
-    if w_scale.dim() == 0 and x_scale.dim() == 0:
-        y = acc.mul_(x_scale * w_scale)
+    scale = x_scale * w_scale  # (…×1)·(N,) broadcasts to the output's scale grid
+    if exact:
+        acc = F.linear(x_q.float(), w_q.float())
+        y = acc.mul_(scale) if bias is None else acc.mul_(scale).add_(bias.float())
     else:
-        y = acc.mul_(x_scale).mul_(w_scale)
-    if bias is not None:
-        y = y.add_(bias.float())
+        # one fp32 pass for the whole dequantize + bias epilogue: bias + acc·scale
+        acc = F.linear(fp8_to_bf16(x_q), fp8_to_bf16(w_q))
+        base = bias.float() if bias is not None else torch.zeros((), device=acc.device)
+        y = torch.addcmul(base, acc, scale.float() if scale.dim() else scale.float().expand(1))
     if activation in GATED:
         gate, up = y.chunk(2, dim=-1)
         y = apply_activation(gate, "silu" if activation == "swiglu" else "gelu") * up
@@ -167,6 +169,7 @@ def fp8_attention(
         rep = q_q.shape[-3] // k_q.shape[-3]
         k_q = k_q.repeat_interleave(rep, dim=-3)
         v_q = v_q.repeat_interleave(rep, dim=-3)
+    k_scale = k_scale.transpose(-1, -2) if k_scale.dim() else k_scale  # per-token k scales index columns of S
     s = fp8_matmul(q_q, q_scale, k_q.transpose(-1, -2), k_scale, exact=exact).mul_(softmax_scale)
     if is_causal:
         lq, lk = s.shape[-2], s.shape[-1]

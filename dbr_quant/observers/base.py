@@ -134,12 +134,31 @@ class AmaxObserver(nn.Module):
             elif self.amax.shape[0] != channels:
                 raise ValueError(f"{type(self).__name__} was sized for {self.amax.shape[0]} channels along "
                                  f"axis {self.axis}, got a tensor of shape {tuple(x.shape)}")
+        fast = self._fast_batch_amax(x)
+        if fast is not None:
+            self._accumulate(fast.to(self.amax.device), torch.ones(1, dtype=torch.bool, device=self.amax.device))
+            self.num_updates.add_(1)
+            return
         values, finite = _as_channels(x, self.axis)
         device = self.amax.device
         self.nonfinite.add_((finite.numel() - finite.sum()).to(device))
         batch = self._batch_statistic(values, finite).to(device)
         self._accumulate(batch, torch.isfinite(batch))
         self.num_updates.add_(1)
+
+    def _fast_batch_amax(self, x: Tensor) -> Tensor | None:
+        """The batch amax in one pass (aminmax, no copies) for per-tensor max-based observers, or None
+        when the general path is needed (per-channel, another statistic, fp64, or non-finite values).
+
+        Calibration runs this on every quantized activation, so it is the observers' hot path.
+        """
+        if (self.per_channel or type(self)._batch_statistic is not AmaxObserver._batch_statistic
+                or x.numel() == 0 or x.dtype == torch.float64):
+            return None
+        lo, hi = torch.aminmax(x)
+        if not bool(torch.isfinite(lo) & torch.isfinite(hi)):  # NaN or inf present: count them properly
+            return None
+        return torch.maximum(-lo, hi).float().reshape(1)
 
     def _batch_statistic(self, values: Tensor, finite: Tensor) -> Tensor:
         """Per-channel statistic of one batch, shape ``(C,)``; NaN marks channels with no finite data."""

@@ -1,0 +1,45 @@
+"""Side-by-side timing: every variant runs in the same process, interleaved round by round, so load on
+the machine hits all of them alike; each variant's time is the median of its rounds."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+def time_interleaved(variants: dict[str, Callable[[], object]], rounds: int = 15, warmup: int = 3,
+                     inner: int = 1) -> dict[str, float]:
+    """Median seconds per call of each variant (``inner`` calls per timed sample)."""
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    with torch.no_grad():
+        for _ in range(warmup):
+            for fn in variants.values():
+                fn()
+        for _ in range(rounds):
+            for name, fn in variants.items():
+                t0 = time.perf_counter()
+                for _ in range(inner):
+                    fn()
+                samples[name].append((time.perf_counter() - t0) / inner)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def linear_weight_bytes(model: nn.Module) -> int:
+    """Bytes of every nn.Linear weight as stored: fp32/bf16 parameters, or FP8 data plus its scales."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            if "weight_fp8" in m._buffers:
+                total += m.weight_fp8.numel() * m.weight_fp8.element_size()
+                total += m.weight_scale.numel() * m.weight_scale.element_size()
+            else:
+                total += m.weight.numel() * m.weight.element_size()
+    return total
+
+
+def state_dict_bytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
