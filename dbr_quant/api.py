@@ -110,11 +110,13 @@ def prepare(
         with torch.no_grad():
             m(*args, **kwargs)
     except Exception as e:
-        where = " > ".join(mod.__dict__.get("_dbr_fqn") or type(mod).__name__ for mod in run.stack[1:])
+        where = " > ".join(mod.__dict__.get("_dbr_fqn") or type(mod).__name__ for mod in (run.failed_stack or run.stack)[1:])
+        op = getattr(run.current, "__name__", None)
         _undo_prepare(m)
         raise PrepareError(
             f"prepare(): the model's forward raised {type(e).__name__} while tracing "
-            f"{'in module ' + where if where else 'at the top level'}: {e}. Check that example_inputs "
+            f"{'in module ' + where if where else 'at the top level'}"
+            f"{f' (last torch op: {op})' if op else ''}: {e}. Check that example_inputs "
             f"(positional) and example_kwargs (keyword) are what the model's forward takes."
         ) from e
     except BaseException:

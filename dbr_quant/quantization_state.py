@@ -95,9 +95,10 @@ class AutoQuantizationState(nn.Module):
         return op
 
     # ----------------------------------------------------------------- matching (later runs)
-    def next_op(self, kind: str, fqn: str, strict: bool) -> SeenOp | None:
+    def next_op(self, kind: str, fqn: str, strict: bool, warn: bool = True) -> SeenOp | None:
         """The record for the op now running, or None (with one warning) when the trace never saw it.
 
+        ``warn`` is False for kinds this config never quantizes: nothing is lost by not matching them.
         Records are matched in call order. When an earlier record was skipped (a branch not taken
         this time), the cursor moves forward to the next record with the same kind and fqn.
         """
@@ -115,6 +116,8 @@ class AutoQuantizationState(nn.Module):
             f"never saw at this point (control flow changed). It runs in high precision. Re-run prepare() "
             f"with example inputs that take this path to quantize it."
         )
+        if not warn:  # an op that would not have been quantized anyway (a norm, attention when off)
+            return None
         if strict:
             raise UnseenOpError(msg + " (QConfig(strict=True) turns this warning into this error.)")
         key = (kind, fqn, i)

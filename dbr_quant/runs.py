@@ -18,7 +18,7 @@ from . import kernels
 from .auto_trace import has_hooks, original_call, suspended
 from .basic_ops import Call, linear_hp_weight, run_basic
 from .fusions import Fusion
-from .mappings import FUNC_KINDS, INDEXED, LINEAR, is_linear_module
+from .mappings import FUNC_KINDS, INDEXED, LINEAR, MATMUL, SDPA, is_linear_module
 from .quantization_state import AutoQuantizationState
 
 
@@ -78,6 +78,10 @@ class Run:
                 return f"{base}.{kind}" if base else kind
         return kind
 
+    def warns(self, kind: str) -> bool:
+        """Whether an unseen op of this kind deserves a warning: only kinds the config quantizes."""
+        return kind == LINEAR or (kind in (MATMUL, SDPA) and self.record.qconfig.quantize_attention)
+
     def call_module(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         self.stack.append(module)
         try:
@@ -100,7 +104,7 @@ class CalibrateRun(Run):
         st = state_of(self.owner())
         if st is None:
             return
-        op = st.next_op(kind, self.op_fqn(kind, module), self.record.qconfig.strict)
+        op = st.next_op(kind, self.op_fqn(kind, module), self.record.qconfig.strict, self.warns(kind))
         if op is None or not op.quantize or op.qconfig.dynamic:
             return
         values = observed_inputs(kind, call_args, kwargs)
@@ -259,7 +263,7 @@ class ConvertRun(Run):
         kind = FUNC_KINDS.get(func)
         if kind in INDEXED:
             st = state_of(self.owner())
-            op = st.next_op(kind, self.op_fqn(kind), self.record.qconfig.strict) if st is not None else None
+            op = st.next_op(kind, self.op_fqn(kind), self.record.qconfig.strict, self.warns(kind)) if st else None
             if op is not None:
                 return self._execute(Call(kind, func, args, kwargs, op, st), hit)
         elif hit is not None:

@@ -50,6 +50,8 @@ class TraceRun(Run):
         self.escaped: set[int] = set()
         self.spans: list[tuple[nn.Module, int, int]] = []
         self.states: dict[nn.Module, AutoQuantizationState] = {}
+        self.current: Any = None  # the torch function running now, named in errors
+        self.failed_stack: list[nn.Module] | None = None
 
     # ------------------------------------------------------------------ ids
     def tid(self, t: torch.Tensor, new: bool = False) -> int:
@@ -117,6 +119,7 @@ class TraceRun(Run):
 
     # ------------------------------------------------------------------ interception
     def function_call(self, func, args, kwargs):
+        self.current = func
         out = func(*args, **kwargs)
         self._record(FUNC_KINDS.get(func), func, args, kwargs, out)
         return out
@@ -124,7 +127,14 @@ class TraceRun(Run):
     def module_call(self, module, args, kwargs):
         if is_linear_module(module):
             with suspended(self):  # the bookkeeping's own torch calls must not be recorded
-                out = original_call(module, *args, **kwargs)
+                self.stack.append(module)  # so an error inside names this module
+                try:
+                    out = original_call(module, *args, **kwargs)
+                except BaseException:
+                    self.failed_stack = self.failed_stack or list(self.stack)
+                    raise
+                finally:
+                    self.stack.pop()
                 x = args[0] if args else kwargs.get("input")
                 self._record(LINEAR, module, (x,), {}, out, module)
                 if has_hooks(module):
@@ -141,6 +151,14 @@ class TraceRun(Run):
             with suspended(self):
                 self._escape(out)
         return out
+
+    def call_module(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        try:
+            return super().call_module(module, args, kwargs)
+        except BaseException:
+            if self.failed_stack is None:  # the innermost frame sees it first: keep its view
+                self.failed_stack = [*self.stack, module]
+            raise
 
     def _escape(self, obj: Any) -> None:
         for t in tensor_leaves(obj):

@@ -173,7 +173,7 @@ def fp8_attention(
     s = fp8_matmul(q_q, q_scale, k_q.transpose(-1, -2), k_scale, exact=exact).mul_(softmax_scale)
     if is_causal:
         lq, lk = s.shape[-2], s.shape[-1]
-        keep = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril(diagonal=lk - lq)
+        keep = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril()  # top-left, as in SDPA
         s = s.masked_fill(~keep, float("-inf"))
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
