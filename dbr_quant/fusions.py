@@ -240,7 +240,7 @@ class NormLinear(Fusion):
 
 @register_fusion
 class GatedMLP(Fusion):
-    """SwiGLU / GEGLU: down(act(gate(x)) * up(x)); gate and up read the same input."""
+    """SwiGLU / GEGLU / ReGLU: down(act(gate(x)) * up(x)); gate and up read the same input."""
 
     name = "gated_mlp"
     steps = (Step(LINEAR), Step(ACT), Step(LINEAR), Step(MUL), Step(LINEAR, optional=True))
@@ -249,7 +249,7 @@ class GatedMLP(Fusion):
         if not head.quantized(LINEAR):
             return None
         act = graph.sole_consumer(head.output)
-        if act is None or act.kind != ACT or act.detail.get("activation") not in ("silu", "gelu", "gelu_tanh"):
+        if act is None or act.kind != ACT:
             return None
         mul = graph.sole_consumer(act.output)
         if mul is None or mul.kind != MUL or act.output not in mul.arg_ids[:2]:

@@ -82,7 +82,7 @@ class TraceRun(Run):
         if not arg_ids and not kwarg_ids and kind is None:
             return
         outs = tensor_leaves(out)
-        inplace = isinstance(out, torch.Tensor) and any(out is a for a in args)
+        inplace = _mutates(func, kwargs)
         out_ids = [self.tid(t, new=not inplace) for t in outs]
         output = out_ids[0] if isinstance(out, torch.Tensor) else None
         ev = Event(len(self.events), kind, func, arg_ids, kwarg_ids, output, detail=_detail(kind, func, args,
@@ -190,6 +190,20 @@ class TraceRun(Run):
                         ev.op.fusion = fusion.name
         self.keep.clear()
         self.tids.clear()
+
+
+def _mutates(func: Any, kwargs: dict) -> bool:
+    """In-place ops (``relu_``, ``+=``) and ``out=`` calls write into an existing tensor.
+
+    A no-op ``x.to(x.dtype)`` also returns its input object, but writes nothing: identity is no test.
+    """
+    name = getattr(func, "__name__", "")
+    return "out" in kwargs or (name.endswith("_") and not name.startswith("__")) or (
+        name.startswith("__i") and name.endswith("__") and name[3:-2] in _INPLACE_DUNDERS)
+
+
+_INPLACE_DUNDERS = {"add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift",
+                    "rshift", "matmul"}
 
 
 def _decide(kind: str, args: tuple, kwargs: dict, qc, module: nn.Module | None, attention: bool

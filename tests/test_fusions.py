@@ -1,0 +1,205 @@
+"""Every registered fusion fires where it should, never where it must not, and equals its ops run one
+by one (``QConfig(fuse=False)`` runs exactly that: each recorded op on its own)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import dbr_quant as dq
+from dbr_quant.fusions import FUSIONS
+
+ACTS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+class LinearAct(nn.Module):
+    def __init__(self, d, act, bias=True):
+        super().__init__()
+        self.fc, self.act = nn.Linear(d, 2 * d, bias=bias), ACTS[act]
+
+    def forward(self, x):
+        return self.act(self.fc(x)) * 1.5  # the scalar mul keeps the act output out of any longer pattern
+
+
+class LinearResidual(nn.Module):
+    def __init__(self, d, act=None, bias=True):
+        super().__init__()
+        self.fc, self.drop = nn.Linear(d, d, bias=bias), nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(self.fc(x))  # eval dropout is a passthrough inside the subgraph
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, d, act, bias=True):
+        super().__init__()
+        self.fc1, self.fc2, self.act = nn.Linear(d, 3 * d, bias=bias), nn.Linear(3 * d, d, bias=bias), ACTS[act]
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+class NormMLP(nn.Module):
+    def __init__(self, d, act, bias=True, rms=False):
+        super().__init__()
+        self.norm = nn.RMSNorm(d) if rms else nn.LayerNorm(d)
+        self.fc1, self.fc2, self.act = nn.Linear(d, 2 * d, bias=bias), nn.Linear(2 * d, d, bias=bias), ACTS[act]
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+class Gated(nn.Module):
+    def __init__(self, d, act, bias=False):
+        super().__init__()
+        self.gate, self.up = nn.Linear(d, 2 * d, bias=bias), nn.Linear(d, 2 * d, bias=bias)
+        self.down, self.act = nn.Linear(2 * d, d, bias=bias), ACTS[act]
+
+    def forward(self, x):
+        return self.down(self.act(self.gate(x)) * self.up(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, d, act=None, bias=True, heads=2):
+        super().__init__()
+        self.qkv, self.heads = nn.Linear(d, 3 * d, bias=bias), heads
+
+    def forward(self, x, mask):
+        b, t, d = x.shape
+        q, k, v = (y.view(b, t, self.heads, -1).transpose(1, 2) for y in self.qkv(x).split(d, -1))
+        scores = torch.matmul(q, k.transpose(-1, -2)) / (d // self.heads) ** 0.5
+        scores = scores + mask
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return (probs @ v).transpose(1, 2).reshape(b, t, d)
+
+
+CASES = {
+    "linear_act": LinearAct,
+    "linear_residual": LinearResidual,
+    "mlp": MLPBlock,
+    "norm_linear": NormMLP,
+    "gated_mlp": Gated,
+    "attention": Attention,
+}
+
+
+def test_every_registered_fusion_has_a_case():
+    assert {f.name for f in FUSIONS} == set(CASES)
+
+
+def build(name, d, act, bias):
+    return CASES[name](d, act if name != "attention" else None, bias=bias).eval()
+
+
+def inputs(name, b, t, d):
+    x = torch.randn(b, t, d) * 2
+    if name == "attention":
+        return (x, torch.where(torch.rand(b, 1, t, t) > 0.3, 0.0, -1e4))
+    return (x,)
+
+
+def convert_with(model, args, calib, fuse):
+    qc = dq.QConfig(fuse=fuse, quantize_attention=True)
+    p = dq.prepare(model, args, qc)
+    dq.calibrate(p, calib, progress=False)
+    return dq.convert(p)
+
+
+@settings(max_examples=25, deadline=None)
+@given(name=st.sampled_from(sorted(CASES)), d=st.sampled_from([4, 8, 12]), b=st.integers(1, 3),
+       t=st.integers(1, 5), act=st.sampled_from(sorted(ACTS)), bias=st.booleans())
+def test_fused_subgraph_equals_its_ops_one_by_one(name, d, b, t, act, bias):
+    model = build(name, d, act, bias)
+    args = inputs(name, b, t, d)
+    calib = [inputs(name, 4, 6, d) for _ in range(3)] + [args]  # enough data that new inputs rarely clip
+    fused, single = convert_with(model, args, calib, True), convert_with(model, args, calib, False)
+    fusions = {r["fusion"] for r in dq.report(fused)}
+    assert name in fusions, f"{name} did not fire: {fusions}"
+    assert {r["fusion"] for r in dq.report(single)} == {None}
+    new = inputs(name, b + 1, t, d)  # another shape than the trace
+    with torch.no_grad():
+        a, c = fused(*new), single(*new)
+        ref = model(*new)
+    assert torch.equal(a, c)
+    assert F.cosine_similarity(a.flatten(), ref.flatten(), dim=0) > 0.95
+
+
+def test_fusion_does_not_fire_when_the_intermediate_has_another_consumer():
+    class Leaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return F.gelu(h), h.sum()  # h is used twice: a fused gelu would hide it
+
+    p = dq.prepare(Leaky().eval(), (torch.randn(2, 8),))
+    assert dq.report(p)[0]["fusion"] is None
+
+
+def test_fusion_does_not_fire_across_an_intermediate_returned_to_the_caller():
+    class Returns(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = F.relu(self.fc1(x))
+            return self.fc2(h), h
+
+    p = dq.prepare(Returns().eval(), (torch.randn(2, 8),))
+    assert [r["fusion"] for r in dq.report(p)] == ["linear_act", None]
+
+
+def test_subgraph_materializes_when_control_flow_leaves_the_pattern():
+    class Switch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x, other=False):
+            h = self.fc1(x)
+            h = torch.tanh(h) if other else F.gelu(h)
+            return self.fc2(h)
+
+    m = Switch().eval()
+    x = torch.randn(3, 8)
+    c_fused = convert_with(m, (x,), [(x,)], True)
+    c_single = convert_with(m, (x,), [(x,)], False)
+    assert {r["fusion"] for r in dq.report(c_fused)} == {"mlp"}
+    with torch.no_grad():
+        got = c_fused(x, other=True)
+        want = c_single(x, other=True)
+    assert torch.equal(got, want)
+    assert torch.allclose(got, m(x, other=True), atol=0.1)
+
+
+def test_launch_counts_show_the_epilogue_fusion():
+    m = LinearAct(8, "gelu").eval()
+    x = torch.randn(2, 8)
+    c = convert_with(m, (x,), [(x,)], True)
+    with dq.kernels.count_launches() as counts:
+        c(x)
+    assert dict(counts) == {"fp8_linear": 1, "quantize": 1}  # weights were quantized once, by convert
+
+
+def test_placeholders_never_escape_into_outputs():
+    m = MLPBlock(8, "relu").eval()
+    c = convert_with(m, (torch.randn(2, 8),), [(torch.randn(2, 8),)], True)
+    out = c(torch.randn(5, 8))
+    assert out.device.type == "cpu" and out.shape == (5, 8) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_norm_fusion_covers_layer_norm_and_rms_norm(rms):
+    m = NormMLP(8, "silu", rms=rms).eval()
+    p = dq.prepare(m, (torch.randn(2, 8),))
+    assert {r["fusion"] for r in dq.report(p)} == {"norm_linear"}
