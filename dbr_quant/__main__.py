@@ -12,7 +12,11 @@ import torch
 def demo(rounds: int = 7) -> None:
     import dbr_quant as dq
     from dbr_quant.examples.minilm import (
-        CALIBRATION_SENTENCES, EVAL_SENTENCES, encode, load_minilm, sentence_embeddings,
+        CALIBRATION_SENTENCES,
+        EVAL_SENTENCES,
+        encode,
+        load_minilm,
+        sentence_embeddings,
     )
 
     torch.manual_seed(0)

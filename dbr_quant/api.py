@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from . import kernels
 from .auto_trace import disabled, intercepting, is_disabled
 from .formats import safe_scale
-from .mappings import LINEAR, QUANTIZEABLE, is_container
+from .mappings import LINEAR, QUANTIZEABLE, is_container, linear_weight
 from .qconfig import QConfig
 from .quantization_state import AutoQuantizationState, UncalibratedError
 from .runs import CalibrateRun, ConvertRun, HighPrecisionRun, ModelRecord, state_of
@@ -226,7 +226,7 @@ def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
         if not all(op.quantize for op in ops):
             continue  # some call runs in high precision: it needs the original weight
         module = m.get_submodule(fqn)
-        w = module.weight.detach()
+        w = linear_weight(module).detach()
         if not torch.isfinite(w).all():
             raise ValueError(f"convert(): the weight of '{fqn}' ({type(module).__name__}) has NaN/inf values; "
                              "fix the weights or skip this module with QConfig(overrides=(Override(pattern=...,"

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from . import kernels
-from .mappings import LINEAR, MATMUL, SDPA
+from .mappings import LINEAR, MATMUL, SDPA, linear_weight
 from .quantization_state import AutoQuantizationState, SeenOp
 
 
@@ -48,9 +48,9 @@ class Env(Protocol):
 
 def linear_hp_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The weight and bias of an nn.Linear in high precision (dequantized when stored in FP8)."""
-    w = module._parameters.get("weight")
-    if w is None:
-        w = kernels.dequantize(module.weight_fp8, module.weight_scale.unsqueeze(-1), module._dbr_weight_dtype)
+    if "weight" in module._parameters:
+        return linear_weight(module), module.bias
+    w = kernels.dequantize(module.weight_fp8, module.weight_scale.unsqueeze(-1), module._dbr_weight_dtype)
     return w, module.bias
 
 
@@ -58,7 +58,7 @@ def linear_operands(call: Call) -> tuple[torch.Tensor, torch.Tensor | None, torc
     """(x, weight-or-None-if-stored-FP8, bias) of a linear call, module or functional."""
     if call.module is not None:
         m = call.module
-        return call.args[0], m._parameters.get("weight"), m.bias
+        return call.args[0], linear_weight(m) if "weight" in m._parameters else None, m.bias
     args, kw = call.args, call.kwargs
     x = args[0]
     w = args[1] if len(args) > 1 else kw["weight"]

@@ -89,8 +89,22 @@ def is_passthrough(func: object, args: tuple, kwargs: dict) -> bool:
 
 
 def is_linear_module(module: nn.Module) -> bool:
-    """An nn.Linear whose forward is the stock one (subclasses with their own forward stay opaque)."""
-    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+    """A module that computes ``x·Wᵀ + b``: an nn.Linear with the stock forward (subclasses with their own
+    forward stay opaque), or Hugging Face's ``Conv1D`` (GPT-2), which stores W transposed."""
+    if isinstance(module, nn.Linear):
+        return type(module).forward is nn.Linear.forward
+    return _is_hf_conv1d(module)
+
+
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    cls = type(module)
+    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.") and hasattr(module, "nf")
+
+
+def linear_weight(module: nn.Module) -> torch.Tensor:
+    """The high-precision weight of a linear module as (out_features, in_features)."""
+    w = module._parameters["weight"]
+    return w.t() if _is_hf_conv1d(module) else w
 
 
 def is_container(module: nn.Module) -> bool:

@@ -12,6 +12,7 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .auto_trace import has_hooks, original_call, suspended
@@ -32,6 +33,7 @@ from .mappings import (
     activation_name,
     is_linear_module,
     is_passthrough,
+    linear_weight,
 )
 from .quantization_state import AutoQuantizationState, SeenOp, TensorInfo
 from .runs import ModelRecord, Run, Subgraph, observed_inputs, tensor_leaves
@@ -52,13 +54,25 @@ class TraceRun(Run):
         self.states: dict[nn.Module, AutoQuantizationState] = {}
         self.current: Any = None  # the torch function running now, named in errors
         self.failed_stack: list[nn.Module] | None = None
+        # Provenance, so that a matmul is only quantized between two *activations*: float data flowing
+        # from the inputs, or looked up from an embedding by data ids. Parameters, buffers, factory
+        # outputs (arange) and floats cast from integers (positions) are not: e.g. rotary tables.
+        self.param_ids = {id(t) for t in (*root.parameters(), *root.buffers())}
+        self.activations: set[int] = set()
+        self.data_ints: set[int] = set()
 
     # ------------------------------------------------------------------ ids
-    def tid(self, t: torch.Tensor, new: bool = False) -> int:
+    def tid(self, t: torch.Tensor, new: bool = False, activation: bool = False, data_int: bool = False) -> int:
         key = id(t)
         if new or key not in self.tids:
-            self.tids[key] = len(self.keep)
+            self.tids[key] = i = len(self.keep)
             self.keep.append(t)
+            if not new and key not in self.param_ids:  # first seen as an input: model data
+                activation, data_int = t.is_floating_point(), not t.is_floating_point()
+            if activation and t.is_floating_point():
+                self.activations.add(i)
+            elif data_int and not t.is_floating_point():
+                self.data_ints.add(i)
         return self.tids[key]
 
     def info(self, t: Any) -> TensorInfo | None:
@@ -79,21 +93,27 @@ class TraceRun(Run):
         arg_ids = tuple(self.tid(a) if isinstance(a, torch.Tensor) else None for a in args)
         nested = [t for a in args if not isinstance(a, torch.Tensor) for t in tensor_leaves(a)]
         kwarg_ids = tuple(self.tid(t) for t in nested + tensor_leaves(kwargs))
-        if not arg_ids and not kwarg_ids and kind is None:
-            return
+        inputs = [i for i in (*arg_ids, *kwarg_ids) if i is not None]
         outs = tensor_leaves(out)
+        if not inputs and not outs:
+            return
         inplace = _mutates(func, kwargs)
-        out_ids = [self.tid(t, new=not inplace) for t in outs]
+        from_data = any(i in self.activations or i in self.data_ints for i in inputs)
+        activation = any(i in self.activations for i in inputs) or (
+            func is F.embedding and bool(arg_ids) and arg_ids[0] in self.data_ints)
+        out_ids = [self.tid(t, new=not inplace, activation=activation, data_int=from_data) for t in outs]
         output = out_ids[0] if isinstance(out, torch.Tensor) else None
         ev = Event(len(self.events), kind, func, arg_ids, kwarg_ids, output, detail=_detail(kind, func, args,
                                                                                             kwargs))
         if inplace:
             ev.kind = None  # an in-place op mutates its input: never part of a subgraph
         if kind in INDEXED:
-            ev.op = self._seen_op(kind, func, args, kwargs, out, module)
+            operands = observed_inputs(kind, args, kwargs).values() if kind in (MATMUL, SDPA) else ()
+            ev.op = self._seen_op(kind, func, args, kwargs, out, module,
+                                  constant_operand=any(self.tid(t) not in self.activations for t in operands))
         self.events.append(ev)
 
-    def _seen_op(self, kind, func, args, kwargs, out, module) -> SeenOp:
+    def _seen_op(self, kind, func, args, kwargs, out, module, constant_operand: bool) -> SeenOp:
         st = self._state()
         fqn = self.op_fqn(kind, module)
         types = tuple(type(m) for m in self.stack) + ((type(module),) if module is not None else ())
@@ -101,7 +121,10 @@ class TraceRun(Run):
         quantize, reason = _decide(kind, args, kwargs, qc, module, self.record.qconfig.quantize_attention)
         if kind == NORM:
             reason = "norm (a fusion partner, not quantized itself)"
-        inputs = tuple(self.info(a) for a in (args if module is None else (args[0], module.weight)))
+        elif kind in (MATMUL, SDPA) and quantize and constant_operand:
+            quantize, reason = False, ("an operand is not an activation (computed from parameters, buffers, "
+                                       "factories or integer positions, e.g. rotary tables)")
+        inputs = tuple(self.info(a) for a in (args if module is None else (args[0], linear_weight(module))))
         op = SeenOp(
             index=len(st.seen_ops), kind=kind, fqn=fqn,
             target=type(module).__name__ if module is not None else getattr(func, "__name__", str(func)),
@@ -217,7 +240,7 @@ def _decide(kind: str, args: tuple, kwargs: dict, qc, module: nn.Module | None, 
         return False, "attention stays in high precision (QConfig(quantize_attention=True) to quantize)"
     values = observed_inputs(kind, args, kwargs)
     if module is not None:
-        values["weight"] = module.weight
+        values["weight"] = linear_weight(module)
     for name, t in values.items():
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             return False, f"'{name}' is not a floating-point tensor"

@@ -84,8 +84,9 @@ class Spec:
 
 
 SPECS = {
-    # measured (seed 0, eval batch 4×16): bert 0.99900 / 0.99899 (attention), gpt2 0.99934 / 0.99912,
-    # llama 0.99645 / 0.99579; thresholds leave 3-5× margin on 1 - cos
+    # measured cosines, default / quantize_attention (real tokens, eval 4×16 and long 2×40):
+    #   bert 0.99913 (other shapes ≥ 0.99906) / ≥ 0.99888;  gpt2 0.99934 (≥ 0.99936) / 0.99916, 0.99927;
+    #   llama 0.99644 (≥ 0.99619) / 0.99551, 0.99479.  Thresholds leave ≥ 2.6× margin on 1 - cos.
     "bert": Spec("bert", _bert, ("last_hidden_state", "pooler_output"), 0.995, 0.995, False, "encoder.layer"),
     "gpt2": Spec("gpt2", _gpt2, ("logits",), 0.997, 0.996, True, "transformer.h"),
     "llama": Spec("llama", _llama, ("logits",), 0.99, 0.985, True, "model.layers"),
@@ -160,6 +161,14 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return F.cosine_similarity(a.detach().flatten().double(), b.detach().flatten().double(), dim=0).item()
 
 
+def assert_close(out: torch.Tensor, ref: torch.Tensor, min_cos: float, what: str) -> None:
+    """Direction (cosine) and magnitude (norm ratio; cosine alone misses a uniform scale error) vs fp32.
+    Measured norm ratios stay within 1 ± 0.007 on every model, shape and config here."""
+    c = cosine(out, ref)
+    ratio = (out.double().norm() / ref.double().norm()).item()
+    assert c >= min_cos and abs(ratio - 1) <= 0.025, f"{what}: cosine {c:.6f} (min {min_cos}), norm ratio {ratio:.4f}"
+
+
 def forward(model: nn.Module, batch: dict[str, torch.Tensor], **extra: Any) -> Any:
     with torch.no_grad():
         return model(**batch, **extra)
@@ -201,7 +210,12 @@ def assert_same_structure_plain_tensors(out: Any, ref: Any) -> None:
 
 
 def linear_fqns(model: nn.Module) -> set[str]:
-    return {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    """nn.Linear and GPT-2's Conv1D (x·W + b with W stored transposed): both are linears to dbr_quant."""
+    return {n for n, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D))}
+
+
+def out_in(m: nn.Module) -> tuple[int, int]:
+    return (m.nf, m.weight_fp8.shape[1]) if isinstance(m, Conv1D) else (m.out_features, m.in_features)
 
 
 def assert_layers_matter(model: nn.Module, batch: dict[str, torch.Tensor]) -> None:
@@ -215,19 +229,22 @@ def fp8_rounded_weights(model: nn.Module) -> nn.Module:
     amax/448), computed here independently of dbr_quant. New Parameters, so tied weights are untied."""
     ref = copy.deepcopy(model)
     for m in ref.modules():
-        if isinstance(m, nn.Linear):
+        if isinstance(m, (nn.Linear, Conv1D)):
+            conv = isinstance(m, Conv1D)  # Conv1D stores (in, out): output channels are its columns
             w = m.weight.detach().float()
+            w = w.t() if conv else w
             scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
             scale = torch.where(scale > 0, scale, torch.ones_like(scale))
             q = (w * torch.reciprocal(scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-            m.weight = nn.Parameter(q.float() * scale)
+            deq = q.float() * scale
+            m.weight = nn.Parameter(deq.t().contiguous() if conv else deq)
     return ref
 
 
 def attention_ops(rows: list[dict]) -> list[dict]:
     """Report rows of attention ops: sdpa, and matmuls inside the attention modules."""
-    return [r for r in rows if r["kind"] == "sdpa" or (r["kind"] == "matmul" and "attn" in r["module"])
-            or (r["kind"] == "matmul" and "attention" in r["module"])]
+    in_attention = lambda r: r["module"].endswith(("self_attn", ".attn", "attention.self"))
+    return [r for r in rows if r["kind"] == "sdpa" or (r["kind"] == "matmul" and in_attention(r))]
 
 
 def dbr_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
@@ -244,39 +261,35 @@ def test_every_linear_reported_fp8_and_run_in_fp8(pipelines, name):
     linear_rows = [r for r in rows if r["kind"] == "linear"]
     not_fp8 = [(r["fqn"], r["reason"]) for r in linear_rows if not r["fp8"]]
     assert not not_fp8, f"linears left in high precision: {not_fp8}"
-    assert {r["fqn"] for r in linear_rows} >= linears, f"linears missing from report: {linears - {r['fqn'] for r in rows}}"
+    missing = linears - {r["fqn"] for r in linear_rows}
+    assert not missing, f"linears missing from the report: {missing}"
     for fqn in linears:
         m = p.converted.get_submodule(fqn)
         assert "weight" not in m._parameters, fqn
         assert m.weight_fp8.dtype == torch.float8_e4m3fn, fqn
-        assert m.weight_scale.dtype == torch.float32 and m.weight_scale.shape == (m.out_features,), fqn
-        assert m.weight_fp8.shape == (m.out_features, m.in_features), fqn
+        out_features, in_features = out_in(m)
+        assert m.weight_scale.dtype == torch.float32 and m.weight_scale.shape == (out_features,), fqn
+        assert m.weight_fp8.shape == (out_features, in_features), fqn
     # each nn.Linear is called once per forward: as many FP8 GEMMs must actually run
     with dq.kernels.count_launches() as counts:
         forward(p.converted, p.eval_batch)
     assert counts["fp8_linear"] == len(linears), dict(counts)
 
 
-def test_gpt2_conv1d_is_not_recognized_current_behaviour(pipelines):
-    """KNOWN LIMITATION, asserted so that it is visible: GPT-2's attention and MLP projections are
-    ``transformers.pytorch_utils.Conv1D`` (``torch.addmm(bias, x, W)`` with a transposed weight), not
-    nn.Linear, and dbr_quant neither records nor quantizes them: only ``lm_head`` runs in FP8. When
-    Conv1D support lands this test fails; replace it with the (a) checks for Conv1D."""
+def test_gpt2_conv1d_projections_run_in_fp8(pipelines):
+    """GPT-2's attention and MLP projections are ``transformers.pytorch_utils.Conv1D`` (``addmm`` with a
+    transposed weight): dbr_quant treats them as linears, stores their weights as (out, in) FP8."""
     p = pipelines("gpt2")
     conv1d = {n for n, m in p.model.named_modules() if isinstance(m, Conv1D)}
     assert len(conv1d) == 4 * LAYERS  # c_attn, attn.c_proj, c_fc, mlp.c_proj per block
-    rows = dq.report(p.converted)
-    recorded = {r["fqn"] for r in rows}
-    assert not conv1d & recorded, "Conv1D is now recorded: update this test to require FP8 for it"
-    assert {r["fqn"] for r in rows if r["kind"] == "linear"} == {"lm_head"}
+    rows = {r["fqn"]: r for r in dq.report(p.converted)}
+    assert all(rows[fqn]["fp8"] and rows[fqn]["kind"] == "linear" for fqn in conv1d)
     original = dict(p.model.named_parameters(remove_duplicate=False))
     for fqn in conv1d:
         m = p.converted.get_submodule(fqn)
-        assert "weight_fp8" not in m._buffers, fqn
-        assert m.weight.dtype == torch.float32 and torch.equal(m.weight, original[f"{fqn}.weight"]), fqn
-    with dq.kernels.count_launches() as counts:
-        forward(p.converted, p.eval_batch)
-    assert counts["fp8_linear"] == 1, dict(counts)
+        w = original[f"{fqn}.weight"].detach().t()  # (out, in)
+        deq = m.weight_fp8.float() * m.weight_scale[:, None]
+        assert deq.shape == w.shape and (deq - w).abs().max() <= w.abs().amax() / 16, fqn
 
 
 # ----------------------------------------------------------------------------------------- (b), (c)
@@ -296,8 +309,7 @@ def test_close_to_fp32(pipelines, name):
     ref = forward(p.model, p.eval_batch)
     out = forward(p.converted, p.eval_batch)
     for field in p.spec.outputs:
-        c = cosine(out[field], ref[field])
-        assert c >= p.spec.min_cos, f"{name}.{field}: cosine {c:.6f} < {p.spec.min_cos}"
+        assert_close(out[field], ref[field], p.spec.min_cos, f"{name}.{field}")
         assert not torch.equal(out[field], ref[field]), "the converted model ran nothing in FP8"
 
 
@@ -315,8 +327,7 @@ def test_other_shapes_after_convert(pipelines, name):
         assert not dbr_warnings(caught), dbr_warnings(caught)
         assert_same_structure_plain_tensors(out, ref)
         for field in p.spec.outputs:
-            c = cosine(out[field], ref[field])
-            assert c >= p.spec.min_cos, f"{name} {shape} {field}: cosine {c:.6f}"
+            assert_close(out[field], ref[field], p.spec.min_cos, f"{name} {shape} {field}")
 
 
 @MODELS
@@ -353,7 +364,7 @@ def test_disabled_runs_high_precision(pipelines, name):
     for field in p.spec.outputs:
         # converted + disabled = fp32 activations with the FP8-rounded (dequantized) weights
         torch.testing.assert_close(conv_hp[field], rounded[field], rtol=1e-5, atol=1e-5)
-        assert cosine(conv_hp[field], ref[field]) >= p.spec.min_cos
+        assert_close(conv_hp[field], ref[field], p.spec.min_cos, f"disabled {name}.{field}")
         # prepared + disabled is the original model, bit for bit
         assert torch.equal(prep_hp[field], ref[field]), field
     for (path, t), (_, r) in zip(tensor_leaves(prep_hp), tensor_leaves(ref)):
@@ -396,8 +407,17 @@ def test_original_model_untouched(name):
 ATTENTION_CASES = [("bert", "sdpa"), ("bert", "eager"), ("llama", "sdpa"), ("llama", "eager"), ("gpt2", "sdpa")]
 
 
-@pytest.mark.parametrize(("name", "attn"), ATTENTION_CASES, ids=[f"{n}-{a}" for n, a in ATTENTION_CASES])
+ATTENTION_IDS = [f"{n}-{a}" for n, a in ATTENTION_CASES]
+
+
+def token_rows(t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The rows of a per-token output selected by a (batch, seq) bool mask; other outputs whole."""
+    return t[keep] if t.shape[:2] == keep.shape else t
+
+
+@pytest.mark.parametrize(("name", "attn"), ATTENTION_CASES, ids=ATTENTION_IDS)
 def test_quantize_attention(pipelines, name, attn):
+    """Report, launches and closeness on the real (non-padded) tokens, also past the calibrated length."""
     p = pipelines(name, attn, quantize_attention=True)
     rows = dq.report(p.converted)
     attn_rows = attention_ops(rows)
@@ -412,20 +432,38 @@ def test_quantize_attention(pipelines, name, attn):
         assert counts["fp8_attention"] == LAYERS, dict(counts)
     else:
         assert counts["fp8_matmul"] >= 2 * LAYERS, dict(counts)
-    ref = forward(p.model, p.eval_batch)
-    assert_same_structure_plain_tensors(out, ref)
     default = forward(pipelines(name, attn).converted, p.eval_batch)
+    long_batch = make_batch(torch.Generator().manual_seed(4), LONG_SHAPE, p.spec.left_pad)
+    for batch in (p.eval_batch, long_batch):  # the long one is longer than every calibration sequence
+        ref, out = forward(p.model, batch), forward(p.converted, batch)
+        assert_same_structure_plain_tensors(out, ref)
+        real = batch["attention_mask"].bool()
+        for field in p.spec.outputs:
+            shape = tuple(batch["input_ids"].shape)
+            assert_close(token_rows(out[field], real), token_rows(ref[field], real), p.spec.min_cos_attention,
+                         f"{name}/{attn} {shape} {field} (real tokens)")
+            if batch is p.eval_batch:
+                assert not torch.equal(out[field], default[field]), "quantize_attention changed nothing"
+
+
+@pytest.mark.parametrize(("name", "attn"), ATTENTION_CASES, ids=ATTENTION_IDS)
+def test_quantize_attention_padded_positions(pipelines, name, attn):
+    """All positions, padding included, match fp32. With left padding and a causal mask the first query
+    rows of a padded sequence have every key masked; F.scaled_dot_product_attention returns zeros there,
+    and the FP8 attention must do the same (BERT is right-padded: no such rows)."""
+    p = pipelines(name, attn, quantize_attention=True)
+    pad = ~p.eval_batch["attention_mask"].bool()
+    assert pad.any()
+    ref, out = forward(p.model, p.eval_batch), forward(p.converted, p.eval_batch)
     for field in p.spec.outputs:
-        c = cosine(out[field], ref[field])
-        assert c >= p.spec.min_cos_attention, f"{name}/{attn} {field}: cosine {c:.6f}"
-        assert not torch.equal(out[field], default[field]), "attention did not change anything"
-    # a longer sequence than any calibration batch (positions the observers never saw)
-    batch = make_batch(torch.Generator().manual_seed(4), LONG_SHAPE, p.spec.left_pad)
-    ref, out = forward(p.model, batch), forward(p.converted, batch)
-    assert_same_structure_plain_tensors(out, ref)
-    for field in p.spec.outputs:
-        c = cosine(out[field], ref[field])
-        assert c >= p.spec.min_cos_attention, f"{name}/{attn} {LONG_SHAPE} {field}: cosine {c:.6f}"
+        if ref[field].shape[:2] == pad.shape:
+            # cosine is meaningless here (Llama's fp32 logits at pad positions are exactly 0: zero pad
+            # embedding, zero attention): bound the error by the output's range. Measured ≤ 0.075 where
+            # the attention is right (BERT, eager), 0.72 (GPT-2) and 0.90 (Llama) with the SDPA path.
+            err = (out[field][pad] - ref[field][pad]).abs().max().item()
+            bound = 0.2 * ref[field].abs().max().item()
+            assert err <= bound, f"{name}/{attn} {field} at padded positions: max error {err:.3g} > {bound:.3g}"
+        assert_close(out[field], ref[field], p.spec.min_cos_attention, f"{name}/{attn} {field} (all positions)")
 
 
 def test_llama_quantize_attention_keeps_rotary_embedding_exact():
@@ -437,17 +475,18 @@ def test_llama_quantize_attention_keeps_rotary_embedding_exact():
     seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     hooks = [p.model.model.rotary_emb.register_forward_hook(lambda m, a, o: seen.__setitem__("fp32", o)),
              p.converted.model.rotary_emb.register_forward_hook(lambda m, a, o: seen.__setitem__("fp8", o))]
+    errors = {}
     try:
-        for shape in (EVAL_SHAPE, LONG_SHAPE):
+        for shape in (EVAL_SHAPE, LONG_SHAPE):  # LONG_SHAPE: positions past every calibration sequence
             batch = make_batch(torch.Generator().manual_seed(5), shape, left_pad=True)
             forward(p.model, batch)
             forward(p.converted, batch)
             for part, want, got in zip(("cos", "sin"), seen["fp32"], seen["fp8"]):
-                err = (got - want).abs().max().item()
-                assert err <= 1e-5, f"rotary {part} table of a {shape} batch is off by {err:.3g}"
+                errors[f"{part} {shape}"] = (got - want).abs().max().item()
     finally:
         for h in hooks:
             h.remove()
+    assert all(e <= 1e-5 for e in errors.values()), f"rotary cos/sin tables off by (max abs): {errors}"
 
 
 # ----------------------------------------------------------------------------------------- MiniLM

@@ -369,3 +369,24 @@ def test_prepare_error_names_a_nested_module():
     m = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Linear(5, 5))).eval()
     with pytest.raises(dq.PrepareError, match=r"in module 0 > 0\.1"):
         dq.prepare(m, (torch.randn(2, 4),))
+
+
+class Rotary(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.rand(4))
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x, positions):
+        freqs = self.inv_freq[:, None].float() @ positions[None, :].float()  # buffer × integer positions
+        h = self.q(x)
+        return h @ h.transpose(-1, -2) + freqs.sum()  # activation × activation
+
+
+def test_only_matmuls_between_two_activations_are_quantized():
+    m = Rotary().eval()
+    x, pos = torch.randn(4, 8), torch.arange(6)
+    p = dq.prepare(m, (x, pos), dq.QConfig(quantize_attention=True))
+    rows = dq.report(p)
+    assert [(r["kind"], r["fp8"]) for r in rows] == [("matmul", False), ("linear", True), ("matmul", True)]
+    assert "not an activation" in rows[0]["reason"]

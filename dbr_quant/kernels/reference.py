@@ -180,7 +180,8 @@ def fp8_attention(
             s = s.masked_fill(~attn_mask, float("-inf"))
         else:
             s = s + attn_mask.float()
-    p = torch.softmax(s, dim=-1)
+    # a row whose keys are all masked gives 0/0; SDPA returns zeros there, and so do we
+    p = torch.softmax(s, dim=-1).nan_to_num_(0.0)
     if p_scale is None:
         p_scale = torch.tensor(1.0 / fmt.max, device=p.device)
     p_q = quantize(p, p_scale, fmt)
