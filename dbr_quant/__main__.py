@@ -46,7 +46,8 @@ def demo(rounds: int = 7) -> None:
     fused = sorted({r["fusion"] for r in rows if r["fusion"]})
 
     table = [
-        ("nn.Linear layers converted to FP8", f"{sum(r['fp8'] for r in rows if r['kind'] == 'linear')} of {len(linears)}"),
+        ("nn.Linear layers converted to FP8", f"{sum(r['fp8'] for r in rows if r['kind'] == 'linear')} of "
+                                              f"{len(linears)}"),
         ("fused subgraphs", ", ".join(fused) or "-"),
         ("linear weight bytes", f"{fp32_bytes / 2**20:.2f} MiB fp32 → {fp8_bytes / 2**20:.2f} MiB fp8 "
                                 f"({fp8_bytes / fp32_bytes:.3f}×)"),

@@ -110,7 +110,8 @@ def prepare(
         with torch.no_grad():
             m(*args, **kwargs)
     except Exception as e:
-        where = " > ".join(mod.__dict__.get("_dbr_fqn") or type(mod).__name__ for mod in (run.failed_stack or run.stack)[1:])
+        failed = (run.failed_stack or run.stack)[1:]
+        where = " > ".join(mod.__dict__.get("_dbr_fqn") or type(mod).__name__ for mod in failed)
         op = getattr(run.current, "__name__", None)
         _undo_prepare(m)
         raise PrepareError(
