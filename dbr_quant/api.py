@@ -13,7 +13,6 @@ from tqdm.auto import tqdm
 
 from . import kernels
 from .auto_trace import disabled, intercepting, is_disabled
-from .formats import safe_scale
 from .mappings import LINEAR, QUANTIZEABLE, is_container, linear_weight
 from .qconfig import QConfig
 from .quantization_state import AutoQuantizationState, UncalibratedError
@@ -233,12 +232,11 @@ def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
                              "fix the weights or skip this module with QConfig(overrides=(Override(pattern=...,"
                              " skip=True),))")
         cfg = ops[0].qconfig.weight
-        if cfg.granularity == "channel":
-            scale = safe_scale(w.float().abs().amax(dim=1), cfg.format)
-            q = kernels.quantize(w, scale.unsqueeze(1), cfg.format)
-        else:
-            scale = safe_scale(w.float().abs().amax(), cfg.format)
-            q = kernels.quantize(w, scale, cfg.format)
+        per_channel = cfg.granularity == "channel"
+        observer = cfg.observer.create(cfg.format, 0 if per_channel else None)  # e.g. MSE clipping for weights
+        observer(w)
+        scale = observer.scale()
+        q = kernels.quantize(w, scale.unsqueeze(1) if per_channel else scale, cfg.format)
         del module._parameters["weight"]
         module.register_buffer("weight_fp8", q)
         module.register_buffer("weight_scale", scale)

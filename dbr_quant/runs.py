@@ -18,7 +18,7 @@ from . import kernels
 from .auto_trace import has_hooks, original_call, suspended
 from .basic_ops import Call, linear_hp_weight, run_basic
 from .fusions import Fusion
-from .mappings import FUNC_KINDS, INDEXED, LINEAR, MATMUL, SDPA, is_linear_module
+from .mappings import FUNC_KINDS, INDEXED, LINEAR, MATMUL, PASSTHROUGH, SDPA, is_linear_module, is_passthrough
 from .quantization_state import AutoQuantizationState
 
 
@@ -268,7 +268,8 @@ class ConvertRun(Run):
                 return self._execute(Call(kind, func, args, kwargs, op, st), hit)
         elif hit is not None:
             kinds = hit.subgraph.kinds
-            if len(hit.calls) < len(kinds) and kinds[len(hit.calls)] == kind:
+            expected = len(hit.calls) < len(kinds) and kinds[len(hit.calls)] == kind
+            if expected and (kind != PASSTHROUGH or is_passthrough(func, args, kwargs)):  # e.g. train-mode dropout
                 return self._step(hit, Call(kind, func, args, kwargs))
         if hit is not None:
             args, kwargs = self._resolve_all(args, kwargs, hit)

@@ -198,3 +198,19 @@ def test_converted_outputs_are_close_to_fp32_on_a_deeper_model():
     # 8 FP8 linears in a row without residuals: measured 0.9947; E4M3 rounds each by up to 2**-4
     assert F.cosine_similarity(out.flatten(), ref.flatten(), dim=0) > 0.99
     assert out.dtype == torch.float32
+
+
+def test_weight_observer_from_the_qconfig_is_used():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 64)).eval()
+    with torch.no_grad():
+        m[0].weight[:, 0] = 50.0  # one outlier column, which a percentile observer clips
+    x = torch.randn(4, 64)
+    scales = {}
+    for name, obs in (("max", dq.RunningMax()), ("pct", dq.Percentile(95.0))):
+        qc = dq.QConfig(weight=dq.TensorQConfig(granularity="channel", observer=obs))
+        p = dq.prepare(m, (x,), qc)
+        dq.calibrate(p, [x], progress=False)
+        scales[name] = dq.convert(p)[0].weight_scale
+    assert torch.allclose(scales["max"], torch.full((64,), 50.0 / 448))
+    assert (scales["pct"] < scales["max"] / 10).all()

@@ -112,7 +112,7 @@ def convert_with(model, args, calib, fuse):
     return dq.convert(p)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, derandomize=True)
 @given(name=st.sampled_from(sorted(CASES)), d=st.sampled_from([4, 8, 12]), b=st.integers(1, 3),
        t=st.integers(1, 5), act=st.sampled_from(sorted(ACTS)), bias=st.booleans())
 def test_fused_subgraph_equals_its_ops_one_by_one(name, d, b, t, act, bias):
@@ -203,3 +203,16 @@ def test_norm_fusion_covers_layer_norm_and_rms_norm(rms):
     m = NormMLP(8, "silu", rms=rms).eval()
     p = dq.prepare(m, (torch.randn(2, 8),))
     assert {r["fusion"] for r in dq.report(p)} == {"norm_linear"}
+
+
+def test_train_mode_dropout_inside_a_subgraph_is_not_skipped():
+    m = LinearResidual(8).eval()
+    x = torch.randn(4, 8)
+    c = convert_with(m, (x,), [(x,)], True)
+    assert {r["fusion"] for r in dq.report(c)} == {"linear_residual"}
+    c.train()
+    c.drop.p = 0.9
+    torch.manual_seed(3)
+    out = c(x)
+    c.eval()
+    assert not torch.allclose(out, c(x)), "dropout must apply in train mode"

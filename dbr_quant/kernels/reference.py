@@ -47,9 +47,20 @@ def e4m3_to_bf16(q: torch.Tensor) -> torch.Tensor:
     NaN (0x7F/0xFF) is not representable this way and comes out as ±480; quantize() never produces
     NaN from finite input, and NaN input is documented as unsupported on the fast path.
     """
-    bits = q.view(torch.int8).to(torch.int16)
-    bits.bitwise_left_shift_(4).bitwise_and_(0x87F0)
+    # int8 × a 1-d int16 tensor promotes to int16: the sign-extending widen and the shift by 4 in one pass
+    bits = torch.mul(q.view(torch.int8), _sixteen(q.device))
+    bits.bitwise_and_(0x87F0)  # sign bit to 15; clear the copies sign-extension left in bits 11..14
     return bits.view(torch.bfloat16).mul_(_E4M3_REBIAS)
+
+
+_SIXTEEN: dict[torch.device, torch.Tensor] = {}
+
+
+def _sixteen(device: torch.device) -> torch.Tensor:
+    t = _SIXTEEN.get(device)
+    if t is None:
+        t = _SIXTEEN[device] = torch.tensor([16], dtype=torch.int16, device=device)
+    return t
 
 
 def fp8_to_bf16(q: torch.Tensor) -> torch.Tensor:
