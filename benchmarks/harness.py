@@ -12,8 +12,8 @@ from torch import nn
 
 
 def time_interleaved(variants: dict[str, Callable[[], object]], rounds: int = 15, warmup: int = 3,
-                     inner: int = 1) -> dict[str, float]:
-    """Median seconds per call of each variant (``inner`` calls per timed sample)."""
+                     inner: int = 1) -> dict[str, list[float]]:
+    """Seconds per call of each variant, one sample per round (``inner`` calls per sample)."""
     samples: dict[str, list[float]] = {name: [] for name in variants}
     with torch.no_grad():
         for _ in range(warmup):
@@ -25,7 +25,17 @@ def time_interleaved(variants: dict[str, Callable[[], object]], rounds: int = 15
                 for _ in range(inner):
                     fn()
                 samples[name].append((time.perf_counter() - t0) / inner)
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return samples
+
+
+def median(samples: list[float]) -> float:
+    return statistics.median(samples)
+
+
+def paired_ratio(samples: dict[str, list[float]], num: str, den: str) -> float:
+    """Median over rounds of num/den measured in the same round: slow phases of a shared machine
+    hit both sides of each pair alike, so the ratio is steadier than a ratio of medians."""
+    return statistics.median(a / b for a, b in zip(samples[num], samples[den]))
 
 
 def linear_weight_bytes(model: nn.Module) -> int:

@@ -16,6 +16,7 @@ the result is rounded once to bf16, a relative error ≤ 2⁻⁹ — 16× below 
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -41,16 +42,39 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
     return (q.float() * scale.float()).to(dtype)
 
 
-def e4m3_to_bf16(q: torch.Tensor) -> torch.Tensor:
+def e4m3_to_bf16(q: torch.Tensor, reuse_buffer: bool = False) -> torch.Tensor:
     """Exact E4M3 → bf16 by moving bits: sign to bit 15, exponent+mantissa up by 4, then ×2**120.
 
     NaN (0x7F/0xFF) is not representable this way and comes out as ±480; quantize() never produces
     NaN from finite input, and NaN input is documented as unsupported on the fast path.
     """
     # int8 × a 1-d int16 tensor promotes to int16: the sign-extending widen and the shift by 4 in one pass
-    bits = torch.mul(q.view(torch.int8), _sixteen(q.device))
+    out = _scratch(q.shape, q.device) if reuse_buffer else None
+    bits = torch.mul(q.view(torch.int8), _sixteen(q.device), out=out)
     bits.bitwise_and_(0x87F0)  # sign bit to 15; clear the copies sign-extension left in bits 11..14
     return bits.view(torch.bfloat16).mul_(_E4M3_REBIAS)
+
+
+_tls = threading.local()
+
+
+def _scratch(shape: torch.Size, device: torch.device) -> torch.Tensor | None:
+    """A reusable int16 buffer for upcasting weights, so each GEMM does not allocate (and page-fault in)
+    a fresh weight-sized temporary. Only without autograd: a GEMM recorded for backward keeps its input.
+    The buffer is handed out again at the next call, after the GEMM that read it has finished."""
+    if torch.is_grad_enabled() or len(shape) != 2:
+        return None
+    cache = getattr(_tls, "scratch", None)
+    if cache is None:
+        cache = _tls.scratch = {}
+    key = (tuple(shape), device)
+    buf = cache.get(key)
+    if buf is None:
+        if len(cache) >= 16:  # bounded: a model has a handful of distinct weight shapes
+            cache.clear()
+        with torch.inference_mode(False):  # an inference tensor could not be written outside that mode
+            buf = cache[key] = torch.empty(shape, dtype=torch.int16, device=device)
+    return buf
 
 
 _SIXTEEN: dict[torch.device, torch.Tensor] = {}
@@ -63,9 +87,11 @@ def _sixteen(device: torch.device) -> torch.Tensor:
     return t
 
 
-def fp8_to_bf16(q: torch.Tensor) -> torch.Tensor:
+def fp8_to_bf16(q: torch.Tensor, reuse_buffer: bool = False) -> torch.Tensor:
+    """Exact upcast. ``reuse_buffer`` (weights only) writes into a per-shape scratch buffer that the next
+    call with that shape overwrites: use it for one operand of one GEMM at a time."""
     if q.dtype == torch.float8_e4m3fn:
-        return e4m3_to_bf16(q)
+        return e4m3_to_bf16(q, reuse_buffer)
     return q.to(torch.bfloat16)  # E5M2 is the top byte of fp16; torch's cast is exact
 
 
@@ -129,7 +155,7 @@ def fp8_linear(
         y = acc.mul_(scale) if bias is None else acc.mul_(scale).add_(bias.float())
     else:
         # one fp32 pass for the whole dequantize + bias epilogue: bias + acc·scale
-        acc = F.linear(fp8_to_bf16(x_q), fp8_to_bf16(w_q))
+        acc = F.linear(fp8_to_bf16(x_q), fp8_to_bf16(w_q, reuse_buffer=True))
         base = bias.float() if bias is not None else torch.zeros((), device=acc.device)
         y = torch.addcmul(base, acc, scale.float() if scale.dim() else scale.float().expand(1))
     if activation in GATED:
