@@ -69,7 +69,7 @@ def fp8_bits(v, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, EXP_BIAS:
     normal = (tl.maximum(exponent, 0) << MANTISSA_BITS) | mantissa
     a = tl.abs(v)
     steps: tl.constexpr = (2**MANTISSA_BITS) / MIN_NORMAL
-    subnormal = (a * steps).to(tl.int32)  # exact: a is a multiple of the subnormal step
+    subnormal = (tl.minimum(a, MIN_NORMAL) * steps).to(tl.int32)  # exact below MIN_NORMAL; no int overflow
     code = tl.where(a < MIN_NORMAL, subnormal, normal)
     return (code.to(tl.uint32) | sign).to(tl.uint8)
 
