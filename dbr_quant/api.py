@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -26,37 +28,39 @@ class PrepareError(RuntimeError):
     """The model's forward failed while prepare() traced it."""
 
 
-class _RootForward:
-    """Installed as the root module's ``forward``: starts a run around the original forward.
+def _root_forward(m: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Installed (via functools.partial) as the root module's ``forward``: runs the original forward
+    inside a run of the model's current phase.
 
-    An instance attribute (not a hook) so that a ``try/finally`` encloses the whole forward: global
-    state is restored on every exit path, KeyboardInterrupt included.
+    An instance attribute rather than a hook, so that one ``try/finally`` encloses the whole forward and
+    global state is restored on every exit path, KeyboardInterrupt included. A partial, not a class,
+    because torch.export reads ``forward.func.__code__``.
     """
+    record: ModelRecord = m.__dict__["_dbr_record"]
+    forward = type(m).forward.__get__(m)
+    if record.phase == "tracing":
+        run = record.trace_run
+    elif is_disabled():
+        if record.phase == "prepared":
+            return forward(*args, **kwargs)
+        run = HighPrecisionRun(m, record)
+    elif record.phase == "prepared":
+        run = CalibrateRun(m, record)
+    else:
+        run = ConvertRun(m, record)
+    run.begin()
+    with intercepting(run):
+        return run.finish(forward(*args, **kwargs))
 
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
 
-    @property
-    def __wrapped__(self):  # inspect.signature(model.forward) shows the user's signature
-        return type(self.module).forward.__get__(self.module)
+def _install_root_forward(m: nn.Module) -> None:
+    wrapper = functools.partial(_root_forward, m)
+    wrapper.__signature__ = inspect.signature(type(m).forward.__get__(m))  # what users and HF introspect
+    m.__dict__["forward"] = wrapper
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        m = self.module
-        record: ModelRecord = m.__dict__["_dbr_record"]
-        forward = type(m).forward.__get__(m)
-        if record.phase == "tracing":
-            run = record.trace_run
-        elif is_disabled():
-            if record.phase == "prepared":
-                return forward(*args, **kwargs)
-            run = HighPrecisionRun(m, record)
-        elif record.phase == "prepared":
-            run = CalibrateRun(m, record)
-        else:
-            run = ConvertRun(m, record)
-        run.begin()
-        with intercepting(run):
-            return run.finish(forward(*args, **kwargs))
+
+def _is_root_forward(obj: Any) -> bool:
+    return isinstance(obj, functools.partial) and obj.func is _root_forward
 
 
 def _as_args(example_inputs: Any) -> tuple:
@@ -101,10 +105,10 @@ def prepare(
     for name, mod in m.named_modules():
         mod.__dict__["_dbr_fqn"] = name
         mod.__dict__["_dbr_owner"] = mod is m or bool(mod._modules)
-    record = ModelRecord(qconfig)
+    record = ModelRecord(qconfig, example=(args, kwargs))
     record.trace_run = run = TraceRun(m, record)
     m.__dict__["_dbr_record"] = record
-    m.__dict__["forward"] = _RootForward(m)
+    _install_root_forward(m)
     try:
         with torch.no_grad():
             m(*args, **kwargs)
@@ -137,7 +141,7 @@ def prepare(
 def _undo_prepare(m: nn.Module) -> None:
     for mod in m.modules():
         for key in ("_dbr_fqn", "_dbr_owner", "_dbr_record", "forward"):
-            if key == "forward" and not isinstance(mod.__dict__.get("forward"), _RootForward):
+            if key == "forward" and not _is_root_forward(mod.__dict__.get("forward")):
                 continue
             mod.__dict__.pop(key, None)
 

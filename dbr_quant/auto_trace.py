@@ -19,9 +19,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 _tls = threading.local()
-_ORIGINAL_CALL = nn.Module.__call__
 _patch_lock = threading.Lock()
 _patch_depth = 0
+# What Module.__call__ was when we swapped it: the stock one, or a tracer's own wrapper (torch.export
+# patches it too). We call through it and put it back, rather than assuming the stock function.
+_outer_call = nn.Module.__call__
 
 
 def current_run() -> Any:
@@ -30,13 +32,13 @@ def current_run() -> Any:
 
 def original_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """Call a module the stock way (its hooks included), bypassing interception of this call."""
-    return _ORIGINAL_CALL(module, *args, **kwargs)
+    return _outer_call(module, *args, **kwargs)
 
 
 def _intercepting_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     run = getattr(_tls, "run", None)
     if run is None or run.suspended:
-        return _ORIGINAL_CALL(module, *args, **kwargs)
+        return _outer_call(module, *args, **kwargs)
     return run.module_call(module, args, kwargs)
 
 
@@ -57,9 +59,10 @@ class _FunctionMode(TorchFunctionMode):
 @contextlib.contextmanager
 def intercepting(run: Any) -> Iterator[None]:
     """Route this thread's torch functions and module calls to ``run`` for the duration of the block."""
-    global _patch_depth
+    global _patch_depth, _outer_call
     with _patch_lock:
         if _patch_depth == 0:
+            _outer_call = nn.Module.__call__
             nn.Module.__call__ = _intercepting_call
         _patch_depth += 1
     previous = getattr(_tls, "run", None)
@@ -72,12 +75,12 @@ def intercepting(run: Any) -> Iterator[None]:
         with _patch_lock:
             _patch_depth -= 1
             if _patch_depth == 0:
-                nn.Module.__call__ = _ORIGINAL_CALL
+                nn.Module.__call__ = _outer_call
 
 
 def is_patched() -> bool:
     """True while some thread is inside a run (tests use it to check global state is restored)."""
-    return nn.Module.__call__ is not _ORIGINAL_CALL
+    return nn.Module.__call__ is _intercepting_call
 
 
 @contextlib.contextmanager

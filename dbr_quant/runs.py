@@ -42,6 +42,7 @@ class ModelRecord:
     states: list[AutoQuantizationState] = field(default_factory=list)
     hidden_states: list[tuple[nn.Module, AutoQuantizationState]] = field(default_factory=list)
     subgraphs: dict[int, Subgraph] = field(default_factory=dict)
+    example: tuple[tuple, dict] | None = None  # prepare()'s example inputs: the default for the rewriter
 
 
 def state_of(module: nn.Module) -> AutoQuantizationState | None:

@@ -1,1 +1,96 @@
-"""FX rewriter (converted model → torch.fx.GraphModule of custom ops). Not built yet: see issue 4."""
+"""FX rewriter: a converted model → a ``torch.fx.GraphModule`` with no interception left.
+
+Approach: the define-by-run runtime itself is the tracer. ``torch.export`` in non-strict mode runs the
+converted model's Python (Hugging Face shape logic, kwargs, ModelOutput returns and all) on fake
+tensors while our interception is active; every FP8 kernel call is routed to a ``torch.library``
+custom op (``dbr_quant::fp8_linear``, ``::quantize``, ``::fp8_attention``, …) and so lands in the
+graph as one opaque node. Nothing needs to be symbolically traceable, and the graph computes exactly
+what eager does (the ops call the same kernel dispatch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.export import Dim
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..kernels.dispatch import capture_with
+from .ops import GraphOps
+
+__all__ = ["rewrite", "RewriteError"]
+
+
+class RewriteError(RuntimeError):
+    """The model or the example inputs cannot be rewritten (the message says why and what to do)."""
+
+
+def _spec(obj: Any) -> list[tuple]:
+    leaves, _ = tree_flatten(obj)
+    return [("tensor", t.dtype, t.dim()) if isinstance(t, torch.Tensor) else (type(t).__name__,) for t in leaves]
+
+
+def _check_inputs(traced: tuple[tuple, dict], args: tuple, kwargs: dict) -> None:
+    t_args, t_kwargs = traced
+    problems = []
+    if len(args) != len(t_args):
+        problems.append(f"{len(args)} positional argument(s), the trace had {len(t_args)}")
+    if set(kwargs) != set(t_kwargs):
+        problems.append(f"keyword arguments {sorted(kwargs)}, the trace had {sorted(t_kwargs)}")
+    if not problems:
+        for i, (a, b) in enumerate(zip(args, t_args)):
+            if _spec(a) != _spec(b):
+                problems.append(f"positional argument {i} is {_spec(a)}, the trace had {_spec(b)}")
+        for k in kwargs:
+            if _spec(kwargs[k]) != _spec(t_kwargs[k]):
+                problems.append(f"keyword argument {k!r} is {_spec(kwargs[k])}, the trace had {_spec(t_kwargs[k])}")
+    if problems:
+        raise RewriteError("rewrite(): the example inputs do not match the ones prepare() traced: "
+                           + "; ".join(problems) + ". Pass inputs of the same structure, dtypes and ranks "
+                           "(sizes may differ), or none to reuse prepare()'s.")
+
+
+def _dynamic_shapes(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Every dimension of every tensor input may vary (batch, sequence, …): export keeps what it can."""
+    auto = lambda t: {i: Dim.AUTO for i in range(t.dim())} if isinstance(t, torch.Tensor) else None  # noqa: E731
+    return tree_map(auto, args), {k: tree_map(auto, v) for k, v in kwargs.items()}
+
+
+def rewrite(converted: nn.Module, example_inputs: Any = None, *,
+            example_kwargs: dict[str, Any] | None = None) -> torch.fx.GraphModule:
+    """Capture a converted model as a GraphModule of aten ops and ``dbr_quant`` custom ops.
+
+    The result runs without dbr_quant's interception, takes the same inputs (any batch and sequence
+    size) and returns the same output structure; ``torch.compile(gm, fullgraph=True)`` and
+    ``torch.export.export(gm, args)`` take it as it is.
+    """
+    record = converted.__dict__.get("_dbr_record") if isinstance(converted, nn.Module) else None
+    if record is None or record.phase != "converted":
+        phase = "not prepared by dbr_quant" if record is None else record.phase
+        raise RewriteError(f"rewrite() needs a model returned by dbr_quant.convert(); this one is {phase}. "
+                           "Run prepare → calibrate → convert first.")
+    if example_inputs is None and example_kwargs is None:
+        args, kwargs = record.example
+    else:
+        args = example_inputs if isinstance(example_inputs, tuple) else (
+            () if example_inputs is None else (example_inputs,))
+        kwargs = dict(example_kwargs or {})
+        _check_inputs(record.example, args, kwargs)
+    dyn_args, dyn_kwargs = _dynamic_shapes(args, kwargs)
+    with torch.no_grad(), capture_with(GraphOps):
+        exported = torch.export.export(converted, args, kwargs, strict=False,
+                                       dynamic_shapes={**_named(converted, dyn_args), **dyn_kwargs})
+    gm = exported.module()
+    gm.graph.eliminate_dead_code()  # the runtime's placeholders and unused observer buffers
+    gm.recompile()
+    return gm
+
+
+def _named(model: nn.Module, dyn_args: tuple) -> dict[str, Any]:
+    """export wants dynamic shapes keyed by the forward's parameter names."""
+    import inspect
+
+    names = list(inspect.signature(type(model).forward).parameters)[1:]
+    return dict(zip(names, dyn_args))

@@ -12,7 +12,7 @@ import torch
 
 from ..formats import FP8Format
 from . import reference
-from .dispatch import BACKENDS, count_launches, current_backend, record_launch, use_backend
+from .dispatch import BACKENDS, count_launches, current_backend, graph_ops, record_launch, use_backend
 
 __all__ = [
     "BACKENDS", "count_launches", "current_backend", "use_backend",
@@ -31,16 +31,22 @@ def _impl():
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    if (ops := graph_ops()) is not None:
+        return ops.quantize(x, scale, fmt)
     record_launch("quantize")
     return _impl().quantize(x, scale, fmt)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    if (ops := graph_ops()) is not None:
+        return ops.dequantize(q, scale, dtype)
     record_launch("dequantize")
     return _impl().dequantize(q, scale, dtype)
 
 
 def dynamic_scale(x: torch.Tensor, fmt: FP8Format, per_token: bool = False) -> torch.Tensor:
+    if (ops := graph_ops()) is not None:
+        return ops.dynamic_scale(x, fmt, per_token)
     record_launch("amax")
     return _impl().dynamic_scale(x, fmt, per_token)
 
@@ -48,18 +54,26 @@ def dynamic_scale(x: torch.Tensor, fmt: FP8Format, per_token: bool = False) -> t
 def fp8_linear(x_q, x_scale, w_q, w_scale, *, bias=None, activation=None, residual=None,
                out_dtype=torch.float32) -> torch.Tensor:
     """``act(x·Wᵀ·sx·sw + bias) + residual`` on FP8 operands (see reference.fp8_linear)."""
+    if (ops := graph_ops()) is not None:
+        return ops.fp8_linear(x_q, x_scale, w_q, w_scale, bias=bias, activation=activation, residual=residual,
+                              out_dtype=out_dtype)
     record_launch("fp8_linear")
     return _impl().fp8_linear(x_q, x_scale, w_q, w_scale, bias=bias, activation=activation,
                               residual=residual, out_dtype=out_dtype)
 
 
 def fp8_matmul(a_q, a_scale, b_q, b_scale) -> torch.Tensor:
+    if (ops := graph_ops()) is not None:
+        return ops.fp8_matmul(a_q, a_scale, b_q, b_scale)
     record_launch("fp8_matmul")
     return _impl().fp8_matmul(a_q, a_scale, b_q, b_scale)
 
 
 def fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, *, attn_mask=None, is_causal=False,
                   softmax_scale=None, p_scale=None, fmt=FP8Format.E4M3) -> torch.Tensor:
+    if (ops := graph_ops()) is not None:
+        return ops.fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, attn_mask=attn_mask, is_causal=is_causal,
+                                 softmax_scale=softmax_scale, p_scale=p_scale, fmt=fmt)
     record_launch("fp8_attention")
     return _impl().fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, attn_mask=attn_mask,
                                  is_causal=is_causal, softmax_scale=softmax_scale, p_scale=p_scale, fmt=fmt)

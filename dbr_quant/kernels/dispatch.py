@@ -64,3 +64,20 @@ def count_launches() -> Iterator[collections.Counter]:
         yield counter
     finally:
         _tls.counters = stack
+
+
+def graph_ops():
+    """The op table that kernel entry points call instead of running, while a graph is being captured
+    (``dbr_quant.fx_rewriter`` installs its ``torch.library`` custom ops here), else None."""
+    return getattr(_tls, "graph_ops", None)
+
+
+@contextlib.contextmanager
+def capture_with(ops) -> Iterator[None]:
+    """Within the block, kernel entry points call ``ops.<name>(...)`` (graph leaves) instead of running."""
+    previous = getattr(_tls, "graph_ops", None)
+    _tls.graph_ops = ops
+    try:
+        yield
+    finally:
+        _tls.graph_ops = previous

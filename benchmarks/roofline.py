@@ -1,0 +1,291 @@
+"""Roofline ESTIMATE, not a measurement, of what fused FP8 kernels should buy on an H100 SXM.
+
+    .venv/bin/python benchmarks/roofline.py [--launch-overhead-us 3] [--hidden 4096 8192]
+
+Each kernel launch costs max(compute time, HBM time) + a fixed launch overhead; a sequence of launches costs the
+sum. Shapes: Llama-3-8B (hidden 4096, FFN 14336) and Llama-3-70B (hidden 8192, FFN 28672), one sequence of M
+tokens. Use the numbers to rank fusions and to see where memory vs compute bounds bite, not as predicted timings.
+
+Assumptions (identical for the fused and unfused columns, so the comparison is fair):
+- Bytes = every operand read once + every output written once, per launch. No L2 reuse across launches: an
+  intermediate written by one kernel is read back from HBM by the next. Within one launch, tiles reused through
+  L2/SMEM count once (a GEMM reads its weight once; flash attention reads K and V once).
+- bf16 = 2 bytes, FP8 = 1 byte. Scale tensors (M + N fp32 values) are ignored: < 0.1% of bytes for these shapes.
+- Matmul FLOPs (2*M*N*K) run on tensor cores at the dense bf16/FP8 peak; elementwise FLOPs (norm, softmax,
+  activation, epilogue) run on CUDA cores at the FP32 peak (67 TFLOP/s). The two compute times add.
+- "Unfused" = one launch per logical op, each op already a single kernel (RMSNorm, per-token quantize, GEMM,
+  SiLU*mul, add), as in a per-nn.Linear FP8 swap of HF Llama: separate q/k/v and gate/up projections.
+- FP8 written by a GEMM epilogue uses a static (calibrated) per-tensor scale, because a per-token amax needs the
+  whole row and a row spans many N tiles; norm+quantize owns whole rows, so it can use dynamic per-token scales.
+- Batch 1. RoPE and KV-cache writes are left out of both columns (unfused would need one more elementwise launch;
+  fused could fold RoPE into the qkv epilogue), so the block tables slightly understate the fusion gain.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+BF16, FP8 = 2, 1  # bytes per element
+
+# H100 SXM datasheet peaks (dense, i.e. without 2:4 sparsity).
+BF16_FLOPS = 989e12
+FP8_FLOPS = 1979e12
+VECTOR_FLOPS = 67e12  # FP32 on CUDA cores: what elementwise/softmax math runs on
+HBM_BYTES_PER_S = 3.35e12
+
+# Elementwise FLOPs per element. Rough counts: they only matter where bytes are tiny or in softmax.
+NORM_FLOPS = 4  # square, accumulate, x * rsqrt, * gamma
+AMAX_FLOPS = 2  # |x|, running max
+QUANT_FLOPS = AMAX_FLOPS + 1  # + x * (1 / scale); clamp and cast not counted
+ACT_FLOPS = 5  # SiLU / GELU, roughly
+SWIGLU_FLOPS = ACT_FLOPS + 1  # silu(gate) * up
+SOFTMAX_FLOPS = 5  # max, subtract, exp, sum, divide
+SCALE_FLOPS = 2  # acc * row_scale * col_scale in every FP8 GEMM epilogue
+
+HEAD_DIM, KV_HEADS = 128, 8  # Llama-3 8B and 70B both use 8 KV heads of dim 128 (GQA)
+TOKENS = (1, 16, 128, 1024, 4096, 16384)
+LABEL = "estimated from a roofline model, not measured"
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One launch: tensor-core FLOPs, CUDA-core FLOPs and HBM bytes."""
+
+    name: str
+    mma_flops: float
+    vec_flops: float
+    bytes: float
+    mma_peak: float = FP8_FLOPS
+
+    @property
+    def flops(self) -> float:
+        return self.mma_flops + self.vec_flops
+
+    def compute_s(self) -> float:
+        return self.mma_flops / self.mma_peak + self.vec_flops / VECTOR_FLOPS
+
+    def memory_s(self) -> float:
+        return self.bytes / HBM_BYTES_PER_S
+
+    def time_s(self, overhead_s: float) -> float:
+        return max(self.compute_s(), self.memory_s()) + overhead_s
+
+
+Seqs = dict[str, list[Kernel]]  # named launch sequences; the last one is the fused variant
+
+
+def elementwise(name: str, n: float, read: int, write: int, flops: float, extra_bytes: float = 0.0) -> Kernel:
+    """n elements, `read`/`write` bytes per element; extra_bytes for small side operands (gamma, bias)."""
+    return Kernel(name, 0.0, flops * n, n * (read + write) + extra_bytes)
+
+
+def gemm(
+    name: str,
+    m: int,
+    n: int,
+    k: int,
+    *,
+    in_bytes: int = FP8,
+    out_bytes: int = BF16,
+    out_cols: int | None = None,
+    epi_flops: float = SCALE_FLOPS,
+    extra_bytes: float = 0.0,
+) -> Kernel:
+    """C[m, out_cols] = epilogue(A[m, k] @ W[n, k]^T). A and W are read once each, C written once.
+
+    out_cols < n when the epilogue combines columns (SwiGLU halves them); epi_flops is per accumulator element;
+    extra_bytes covers epilogue operands (bias, residual).
+    """
+    out_cols = n if out_cols is None else out_cols
+    peak = FP8_FLOPS if in_bytes == FP8 else BF16_FLOPS
+    nbytes = (m * k + n * k) * in_bytes + m * out_cols * out_bytes + extra_bytes
+    return Kernel(name, 2.0 * m * n * k, epi_flops * m * n, nbytes, peak)
+
+
+def quantize(m: int, k: int) -> Seqs:
+    """(a) Dynamic per-token bf16 -> FP8: amax kernel + quantize kernel (two reads) vs one kernel (one read)."""
+    return {
+        "unfused FP8": [
+            elementwise("amax", m * k, BF16, 0, AMAX_FLOPS),
+            elementwise("quantize", m * k, BF16, FP8, QUANT_FLOPS - AMAX_FLOPS),
+        ],
+        "fused FP8": [elementwise("quantize (per-token, 1 pass)", m * k, BF16, FP8, QUANT_FLOPS)],
+    }
+
+
+def norm_quant(m: int, k: int) -> Seqs:
+    """(b) RMSNorm writing bf16 + quantize reading it back vs one kernel writing FP8 directly."""
+    # The unfused quantize is the one-pass kernel from (a), so this isolates the norm fusion.
+    return {
+        "unfused FP8": [
+            elementwise("rmsnorm", m * k, BF16, BF16, NORM_FLOPS, k * BF16),
+            quantize(m, k)["fused FP8"][0],
+        ],
+        "fused FP8": [elementwise("rmsnorm+quantize", m * k, BF16, FP8, NORM_FLOPS + QUANT_FLOPS, k * BF16)],
+    }
+
+
+def gemm_epilogue(m: int, n: int, k: int, *, bias: bool, act: bool, residual: bool, fp8_out: bool) -> Seqs:
+    """(c) FP8 GEMM with scale/bias/act/residual/FP8-out fused vs FP8 GEMM writing bf16 + one kernel per op."""
+    # Every FP8 GEMM applies its scales in the epilogue (as torch._scaled_mm does), so scaling is never separate.
+    unfused = [gemm("fp8 gemm (bf16 out)", m, n, k)]
+    epi, extra = float(SCALE_FLOPS), 0.0
+    if bias:
+        unfused.append(elementwise("bias add", m * n, BF16, BF16, 1, n * BF16))
+        epi, extra = epi + 1, extra + n * BF16
+    if act:
+        unfused.append(elementwise("activation", m * n, BF16, BF16, ACT_FLOPS))
+        epi += ACT_FLOPS
+    if residual:
+        unfused.append(elementwise("residual add", m * n, 2 * BF16, BF16, 1))
+        epi, extra = epi + 1, extra + m * n * BF16
+    if fp8_out:
+        unfused.append(elementwise("quantize (static)", m * n, BF16, FP8, 1))
+        epi += 1
+    fused = gemm("fp8 gemm + epilogue", m, n, k, out_bytes=FP8 if fp8_out else BF16, epi_flops=epi, extra_bytes=extra)
+    return {"unfused FP8": unfused, "fused FP8": [fused]}
+
+
+def mlp(m: int, h: int, f: int) -> Seqs:
+    """(d) Llama MLP x + down(silu(gate(n)) * up(n)), n = rmsnorm(x): bf16, unfused FP8 (8), fused FP8 (3)."""
+    bf16 = [
+        elementwise("rmsnorm", m * h, BF16, BF16, NORM_FLOPS, h * BF16),
+        gemm("gate_proj", m, f, h, in_bytes=BF16, epi_flops=0),
+        gemm("up_proj", m, f, h, in_bytes=BF16, epi_flops=0),
+        elementwise("silu(gate)*up", m * f, 2 * BF16, BF16, SWIGLU_FLOPS),
+        gemm("down_proj", m, h, f, in_bytes=BF16, epi_flops=0),
+        elementwise("residual add", m * h, 2 * BF16, BF16, 1),
+    ]
+    unfused = [
+        *norm_quant(m, h)["unfused FP8"],  # 1 rmsnorm, 2 quantize
+        gemm("gate_proj fp8", m, f, h),  # 3
+        gemm("up_proj fp8", m, f, h),  # 4
+        elementwise("silu(gate)*up", m * f, 2 * BF16, BF16, SWIGLU_FLOPS),  # 5
+        quantize(m, f)["fused FP8"][0],  # 6
+        gemm("down_proj fp8", m, h, f),  # 7
+        elementwise("residual add", m * h, 2 * BF16, BF16, 1),  # 8
+    ]
+    # fc1: gate and up as one GEMM of 2f columns (interleaved so each tile holds matching gate/up columns); the
+    # epilogue emits silu(gate)*up in FP8, so only f columns hit HBM. SwiGLU + quantize run on half the outputs.
+    fc1_epi = SCALE_FLOPS + (SWIGLU_FLOPS + 1) / 2
+    fused = [
+        *norm_quant(m, h)["fused FP8"],
+        gemm("gate|up + SwiGLU (FP8 out)", m, 2 * f, h, out_bytes=FP8, out_cols=f, epi_flops=fc1_epi),
+        gemm("down + residual", m, h, f, epi_flops=SCALE_FLOPS + 1, extra_bytes=m * h * BF16),
+    ]
+    return {"bf16": bf16, "unfused FP8": unfused, "fused FP8": fused}
+
+
+def attention(s: int, h: int) -> Seqs:
+    """(e) Causal GQA attention over one sequence of s tokens; Q, K, V already FP8, output O quantized to FP8."""
+    heads, d = h // HEAD_DIM, HEAD_DIM
+    q, kv = s * heads * d, s * KV_HEADS * d  # elements of Q (= O) and of each of K, V
+    pairs = s * (s + 1) / 2  # causal: query i attends keys 0..i, so flash attention skips the masked half
+    flash = Kernel(
+        "flash attention fp8 (FP8 out)",
+        4.0 * d * heads * pairs,  # QK^T and PV: 2*d FLOPs each per (query, key) pair per head
+        SOFTMAX_FLOPS * heads * pairs,
+        (q + 2 * kv) * FP8 + q * FP8,  # S and P stay on chip; O written once in FP8
+    )
+    # Unfused batched GEMMs and softmax process the full s x s scores: they do not skip masked tiles.
+    scores = heads * s * s
+    unfused = [
+        Kernel("S = QK^T (bf16 out)", 2.0 * d * scores, scores, (q + kv) * FP8 + scores * BF16),
+        elementwise("mask + softmax (FP8 P)", scores, BF16, FP8, SOFTMAX_FLOPS),
+        Kernel("O = PV (bf16 out)", 2.0 * d * scores, q, scores * FP8 + kv * FP8 + q * BF16),
+        elementwise("quantize O", q, BF16, FP8, QUANT_FLOPS),
+    ]
+    return {"unfused FP8": unfused, "fused FP8": [flash]}
+
+
+def block(s: int, h: int, f: int) -> Seqs:
+    """Pre-norm Llama block: x += o_proj(attn(qkv(norm(x)))); x += mlp(x). Unfused FP8 (22) vs fused FP8 (7)."""
+    q_cols, kv_cols = h, KV_HEADS * HEAD_DIM
+    att, ml = attention(s, h), mlp(s, h, f)
+    unfused = [
+        *norm_quant(s, h)["unfused FP8"],
+        gemm("q_proj fp8", s, q_cols, h),
+        gemm("k_proj fp8", s, kv_cols, h),
+        gemm("v_proj fp8", s, kv_cols, h),
+        quantize(s, q_cols)["fused FP8"][0],
+        quantize(s, kv_cols)["fused FP8"][0],
+        quantize(s, kv_cols)["fused FP8"][0],
+        *att["unfused FP8"],
+        gemm("o_proj fp8", s, h, q_cols),
+        elementwise("residual add", s * h, 2 * BF16, BF16, 1),
+        *ml["unfused FP8"],
+    ]
+    fused = [
+        *norm_quant(s, h)["fused FP8"],
+        gemm("qkv (FP8 out)", s, q_cols + 2 * kv_cols, h, out_bytes=FP8, epi_flops=SCALE_FLOPS + 1),
+        *att["fused FP8"],
+        gemm("o_proj + residual", s, h, q_cols, epi_flops=SCALE_FLOPS + 1, extra_bytes=s * h * BF16),
+        *ml["fused FP8"],
+    ]
+    return {"unfused FP8": unfused, "fused FP8": fused}
+
+
+def ffn(hidden: int) -> int:
+    return hidden * 7 // 2  # Llama-3: 4096 -> 14336, 8192 -> 28672
+
+
+def seq_time_s(kernels: list[Kernel], overhead_s: float) -> float:
+    return sum(k.time_s(overhead_s) for k in kernels)
+
+
+def print_table(title: str, family: Callable[[int, int, int], Seqs], hiddens: list[int], overhead_s: float) -> None:
+    """One row per (hidden, M): launches, GFLOP, MB, est. us per sequence, then fused speedup vs each other."""
+    names = list(family(1, hiddens[0], ffn(hiddens[0])))
+    others = names[:-1]
+    print(f"\n{title} -- {LABEL}")
+    groups = " | ".join(f"{n:^35}" for n in names)
+    print(f"{'':13} | {groups} | fused speedup vs")
+    cols = " | ".join(f"{'launch':>6} {'GFLOP':>9} {'MB':>8} {'est us':>8}" for _ in names)
+    print(f"{'hidden':>6} {'M':>6} | {cols} | " + " ".join(f"{n:>11}" for n in others))
+    for h in hiddens:
+        for m in TOKENS:
+            seqs = family(m, h, ffn(h))
+            times = {n: seq_time_s(ks, overhead_s) for n, ks in seqs.items()}
+            cells = " | ".join(
+                f"{len(ks):>6} {sum(k.flops for k in ks) / 1e9:>9.4g} {sum(k.bytes for k in ks) / 1e6:>8.4g}"
+                f" {times[n] * 1e6:>8.1f}"
+                for n, ks in seqs.items()
+            )
+            speedups = " ".join(f"{times[n] / times[names[-1]]:>10.2f}x" for n in others)
+            print(f"{h:>6} {m:>6} | {cells} | {speedups}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--launch-overhead-us", type=float, default=3.0, help="fixed cost added to every launch")
+    p.add_argument("--hidden", type=int, nargs="+", default=[4096, 8192], help="model widths (FFN = 3.5x)")
+    args = p.parse_args(argv)
+    hs, ov = args.hidden, args.launch_overhead_us * 1e-6
+    peaks = f"bf16 {BF16_FLOPS / 1e12:g} / FP8 {FP8_FLOPS / 1e12:g} / CUDA-core {VECTOR_FLOPS / 1e12:g} TFLOP/s"
+    hbm = f"HBM {HBM_BYTES_PER_S / 1e12:g} TB/s, {args.launch_overhead_us:g} us/launch"
+    print(f"H100 SXM roofline, {LABEL}: {peaks}, {hbm}")
+
+    print_table("1a. Quantize x[M, hidden] bf16 -> FP8", lambda m, h, f: quantize(m, h), hs, ov)
+    print_table("1b. RMSNorm + quantize x[M, hidden]", lambda m, h, f: norm_quant(m, h), hs, ov)
+    fc1 = dict(bias=True, act=True, residual=False, fp8_out=True)  # non-gated fc1 feeding an FP8 fc2
+    proj = dict(bias=True, act=False, residual=True, fp8_out=False)  # o_proj / fc2 adding into the residual
+    print_table(
+        "1c. FP8 GEMM N=FFN K=hidden, scale+bias+act, FP8 out", lambda m, h, f: gemm_epilogue(m, f, h, **fc1), hs, ov
+    )
+    print_table(
+        "1c. FP8 GEMM N=K=hidden, scale+bias+residual, bf16 out", lambda m, h, f: gemm_epilogue(m, h, h, **proj), hs, ov
+    )
+    print_table("1d. Llama MLP (SwiGLU)", mlp, hs, ov)
+    print_table("1e. Causal GQA attention, seq len = M, 8 KV heads of 128", lambda m, h, f: attention(m, h), hs, ov)
+
+    print(f"\n2. Launches per MLP and per transformer block (hidden {hs[0]}, M=1; counts do not depend on shape)")
+    for what, seqs in (("MLP", mlp(1, hs[0], ffn(hs[0]))), ("block", block(1, hs[0], ffn(hs[0])))):
+        for name, ks in seqs.items():
+            print(f"  {what:5} {name:11} {len(ks):>2}: " + ", ".join(k.name for k in ks))
+    print_table("2. Transformer block (norm, qkv, attention, o_proj, MLP)", block, hs, ov)
+
+
+if __name__ == "__main__":
+    main()

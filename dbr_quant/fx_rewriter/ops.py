@@ -1,0 +1,119 @@
+"""``torch.library`` custom ops (namespace ``dbr_quant``): the FP8 kernels as opaque graph leaves.
+
+Each op runs the same kernel dispatch as eager (``dbr_quant.kernels``) and has a fake implementation
+that only computes the output's shape and dtype, so ``torch.export`` and ``torch.compile`` trace them
+as single nodes. :class:`GraphOps` is the table that kernel entry points call while a graph is
+captured (see ``kernels.dispatch.capture_with``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import kernels
+from ..formats import FP8Format
+
+
+def _fmt(name: str) -> FP8Format:
+    return FP8Format.parse(name)
+
+
+@torch.library.custom_op("dbr_quant::quantize", mutates_args=())
+def quantize(x: Tensor, scale: Tensor, fmt: str) -> Tensor:
+    return kernels.quantize(x, scale, _fmt(fmt))
+
+
+@quantize.register_fake
+def _(x, scale, fmt):
+    return torch.empty_like(x, dtype=_fmt(fmt).dtype)
+
+
+@torch.library.custom_op("dbr_quant::dequantize", mutates_args=())
+def dequantize(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    return kernels.dequantize(q, scale, dtype)
+
+
+@dequantize.register_fake
+def _(q, scale, dtype):
+    return torch.empty_like(q, dtype=dtype)
+
+
+@torch.library.custom_op("dbr_quant::dynamic_scale", mutates_args=())
+def dynamic_scale(x: Tensor, fmt: str, per_token: bool) -> Tensor:
+    return kernels.dynamic_scale(x, _fmt(fmt), per_token)
+
+
+@dynamic_scale.register_fake
+def _(x, fmt, per_token):
+    shape = (*x.shape[:-1], 1) if per_token else ()
+    return x.new_empty(shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("dbr_quant::fp8_linear", mutates_args=())
+def fp8_linear(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, bias: Tensor | None,
+               activation: str, residual: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    return kernels.fp8_linear(x_q, x_scale, w_q, w_scale, bias=bias, activation=activation or None,
+                              residual=residual, out_dtype=out_dtype)
+
+
+@fp8_linear.register_fake
+def _(x_q, x_scale, w_q, w_scale, bias, activation, residual, out_dtype):
+    n = w_q.shape[0] // 2 if activation in ("swiglu", "geglu") else w_q.shape[0]
+    return x_q.new_empty((*x_q.shape[:-1], n), dtype=out_dtype)
+
+
+@torch.library.custom_op("dbr_quant::fp8_matmul", mutates_args=())
+def fp8_matmul(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor) -> Tensor:
+    return kernels.fp8_matmul(a_q, a_scale, b_q, b_scale)
+
+
+@fp8_matmul.register_fake
+def _(a_q, a_scale, b_q, b_scale):
+    return torch.empty(torch.matmul(a_q.new_empty(a_q.shape, dtype=torch.float32, device="meta"),
+                                    b_q.new_empty(b_q.shape, dtype=torch.float32, device="meta")).shape,
+                       dtype=torch.float32, device=a_q.device)
+
+
+@torch.library.custom_op("dbr_quant::fp8_attention", mutates_args=())
+def fp8_attention(q_q: Tensor, q_scale: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Tensor,
+                  attn_mask: Tensor | None, is_causal: bool, softmax_scale: float | None, p_scale: Tensor | None,
+                  fmt: str) -> Tensor:
+    return kernels.fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, attn_mask=attn_mask,
+                                 is_causal=is_causal, softmax_scale=softmax_scale, p_scale=p_scale, fmt=_fmt(fmt))
+
+
+@fp8_attention.register_fake
+def _(q_q, q_scale, k_q, k_scale, v_q, v_scale, attn_mask, is_causal, softmax_scale, p_scale, fmt):
+    return q_q.new_empty((*q_q.shape[:-1], v_q.shape[-1]), dtype=torch.float32)
+
+
+class GraphOps:
+    """Kernel entry points → custom ops (what ``kernels.*`` call while a graph is captured)."""
+
+    @staticmethod
+    def quantize(x, scale, fmt):
+        return torch.ops.dbr_quant.quantize(x, scale, fmt.value)
+
+    @staticmethod
+    def dequantize(q, scale, dtype):
+        return torch.ops.dbr_quant.dequantize(q, scale, dtype)
+
+    @staticmethod
+    def dynamic_scale(x, fmt, per_token):
+        return torch.ops.dbr_quant.dynamic_scale(x, fmt.value, per_token)
+
+    @staticmethod
+    def fp8_linear(x_q, x_scale, w_q, w_scale, *, bias, activation, residual, out_dtype):
+        return torch.ops.dbr_quant.fp8_linear(x_q, x_scale, w_q, w_scale, bias, activation or "", residual,
+                                              out_dtype)
+
+    @staticmethod
+    def fp8_matmul(a_q, a_scale, b_q, b_scale):
+        return torch.ops.dbr_quant.fp8_matmul(a_q, a_scale, b_q, b_scale)
+
+    @staticmethod
+    def fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, *, attn_mask, is_causal, softmax_scale, p_scale,
+                      fmt):
+        return torch.ops.dbr_quant.fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, attn_mask, is_causal,
+                                                 softmax_scale, p_scale, fmt.value)

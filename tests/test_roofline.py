@@ -1,0 +1,129 @@
+"""benchmarks/roofline.py: the arithmetic checked against numbers worked out by hand, not by the module's helpers."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "roofline.py"
+
+
+@pytest.fixture(scope="module")
+def rl():
+    # benchmarks/ is not a package, so load the script by path; dataclasses need it in sys.modules while executing.
+    spec = importlib.util.spec_from_file_location("roofline", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["roofline"] = mod
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.modules.pop("roofline", None)
+
+
+def total_bytes(kernels) -> float:
+    return sum(k.bytes for k in kernels)
+
+
+def test_fp8_gemm_flops_bytes_time(rl):
+    k = rl.gemm("g", 1024, 4096, 4096)
+    assert k.mma_flops == 34_359_738_368  # 2 * 1024 * 4096 * 4096
+    # A 1024x4096 FP8 + W 4096x4096 FP8 + C 1024x4096 bf16 = 4 MiB + 16 MiB + 8 MiB
+    assert k.bytes == 4_194_304 + 16_777_216 + 8_388_608
+    # Compute-bound: 17.36 us on tensor cores + 0.125 us of scaling on CUDA cores > 8.76 us of HBM traffic.
+    expected = 34_359_738_368 / 1979e12 + 2 * 1024 * 4096 / 67e12 + 3e-6
+    assert k.time_s(3e-6) == pytest.approx(expected, rel=1e-12)
+    assert k.time_s(3e-6) * 1e6 == pytest.approx(20.49, abs=0.01)
+
+
+def test_bf16_gemm_uses_bf16_peak_and_two_byte_operands(rl):
+    k = rl.gemm("g", 16, 4096, 4096, in_bytes=2, epi_flops=0)
+    assert k.bytes == (16 * 4096 + 4096 * 4096) * 2 + 16 * 4096 * 2
+    # Memory-bound at M=16: the 32 MiB weight dominates.
+    assert k.time_s(0.0) == pytest.approx(k.bytes / 3.35e12)
+    assert k.compute_s() == pytest.approx(2 * 16 * 4096 * 4096 / 989e12)
+
+
+def test_time_is_max_of_compute_and_memory_plus_overhead(rl):
+    memory_bound = rl.Kernel("m", mma_flops=1979e12 * 1e-3, vec_flops=0.0, bytes=3.35e12 * 2e-3)
+    assert memory_bound.time_s(3e-6) == pytest.approx(2e-3 + 3e-6)
+    compute_bound = rl.Kernel("c", mma_flops=1979e12 * 4e-3, vec_flops=67e12 * 1e-3, bytes=3.35e12 * 2e-3)
+    assert compute_bound.time_s(5e-6) == pytest.approx(4e-3 + 1e-3 + 5e-6)
+    assert rl.seq_time_s([memory_bound, compute_bound], 1e-6) == pytest.approx(2e-3 + 5e-3 + 2e-6)
+
+
+def test_quantize_one_read_vs_two(rl):
+    seqs = rl.quantize(128, 4096)
+    assert total_bytes(seqs["fused FP8"]) == 128 * 4096 * (2 + 1)  # read bf16, write FP8
+    assert total_bytes(seqs["unfused FP8"]) == 128 * 4096 * (2 + 2 + 1)  # amax reads, quantize reads + writes
+    assert [len(s) for s in seqs.values()] == [2, 1]
+
+
+def test_norm_quant_bytes(rl):
+    seqs = rl.norm_quant(1024, 4096)
+    gamma = 4096 * 2
+    assert total_bytes(seqs["fused FP8"]) == 1024 * 4096 * 3 + gamma
+    # norm: read bf16 + write bf16; quantize: read bf16 back + write FP8
+    assert total_bytes(seqs["unfused FP8"]) == 1024 * 4096 * (4 + 3) + gamma
+
+
+def test_gemm_epilogue_launches_and_bytes(rl):
+    m, n, k = 1024, 4096, 4096
+    seqs = rl.gemm_epilogue(m, n, k, bias=True, act=True, residual=True, fp8_out=True)
+    assert len(seqs["unfused FP8"]) == 5 and len(seqs["fused FP8"]) == 1
+    operands = m * k + n * k  # FP8 A and W
+    assert total_bytes(seqs["fused FP8"]) == operands + n * 2 + m * n * 2 + m * n  # + bias + residual + FP8 out
+    elementwise = n * 2 + m * n * (4 + 4 + 6 + 3)  # bias, act, residual (2 reads), quantize
+    assert total_bytes(seqs["unfused FP8"]) == operands + m * n * 2 + elementwise
+    assert seqs["fused FP8"][0].mma_flops == 2 * m * n * k
+
+
+def test_mlp_launch_counts_and_hand_computed_bytes(rl):
+    h, f = 4096, 14336
+    seqs = rl.mlp(1, h, f)
+    assert [len(seqs[n]) for n in ("bf16", "unfused FP8", "fused FP8")] == [6, 8, 3]
+    # M=1, fused: norm+quant, gate|up GEMM (2f x h FP8 weight, f FP8 outputs), down GEMM (+ bf16 residual in/out)
+    fused = (h * 2 + h + h * 2) + (h + 2 * f * h + f) + (f + h * f + h * 2 + h * 2)
+    assert fused == 176_230_400
+    assert total_bytes(seqs["fused FP8"]) == fused
+    unfused = (h * 4 + h * 2) + h * 3 + 2 * (h + f * h + f * 2) + f * 6 + f * 3 + (f + h * f + h * 2) + h * 6
+    assert total_bytes(seqs["unfused FP8"]) == unfused
+    assert sum(k.mma_flops for k in seqs["fused FP8"]) == 6 * 1 * h * f  # 2*M*(2f)*h + 2*M*h*f
+
+
+def test_attention_causal_flops_and_bytes(rl):
+    s, heads, d = 1024, 32, 128
+    seqs = rl.attention(s, 4096)
+    assert seqs["fused FP8"][0].mma_flops == 8_598_323_200  # 4 * d * heads * s*(s+1)/2
+    assert sum(k.mma_flops for k in seqs["unfused FP8"]) == 17_179_869_184  # 4 * d * heads * s*s, no skipping
+    q, kv = s * heads * d, s * 8 * d
+    assert total_bytes(seqs["fused FP8"]) == q + 2 * kv + q == 10_485_760
+    scores = heads * s * s
+    assert total_bytes(seqs["unfused FP8"]) == (q + kv + 2 * scores) + 3 * scores + (scores + kv + 2 * q) + 3 * q
+
+
+def test_block_launches_and_fused_always_moves_fewer_bytes(rl):
+    seqs = rl.block(1, 4096, 14336)
+    assert len(seqs["unfused FP8"]) == 22 and len(seqs["fused FP8"]) == 7
+    for h in (4096, 8192):
+        for m in rl.TOKENS:
+            f = rl.ffn(h)
+            for fam in (rl.quantize(m, h), rl.norm_quant(m, h), rl.mlp(m, h, f), rl.attention(m, h), rl.block(m, h, f)):
+                assert total_bytes(fam["fused FP8"]) < total_bytes(fam["unfused FP8"])
+                assert rl.seq_time_s(fam["fused FP8"], 3e-6) < rl.seq_time_s(fam["unfused FP8"], 3e-6)
+
+
+def test_ffn_matches_llama3(rl):
+    assert rl.ffn(4096) == 14336 and rl.ffn(8192) == 28672
+
+
+def test_main_prints_labelled_tables(rl, capsys):
+    rl.main(["--hidden", "4096", "--launch-overhead-us", "0"])
+    out = capsys.readouterr().out
+    assert out.count("estimated from a roofline model, not measured") == 8  # header + 1a, 1b, 1c x2, 1d, 1e, 2
+    assert "0 us/launch" in out
+    assert "MLP   unfused FP8  8:" in out and "MLP   fused FP8    3:" in out
+    assert "block unfused FP8 22:" in out and "block fused FP8    7:" in out
