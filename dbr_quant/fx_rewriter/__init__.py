@@ -37,14 +37,17 @@ def _check_inputs(traced: tuple[tuple, dict], args: tuple, kwargs: dict) -> None
     problems = []
     if len(args) != len(t_args):
         problems.append(f"{len(args)} positional argument(s), the trace had {len(t_args)}")
-    if set(kwargs) != set(t_kwargs):
-        problems.append(f"keyword arguments {sorted(kwargs)}, the trace had {sorted(t_kwargs)}")
+    has_tensor = lambda v: any(isinstance(t, torch.Tensor) for t in tree_flatten(v)[0])  # noqa: E731
+    # keyword arguments without tensors (flags such as use_cache=False) may be added or left out
+    odd = sorted(k for k in set(kwargs) ^ set(t_kwargs) if has_tensor(kwargs.get(k, t_kwargs.get(k))))
+    if odd:
+        problems.append(f"keyword arguments {sorted(kwargs)}, the trace had {sorted(t_kwargs)} (tensors in {odd})")
     if not problems:
         for i, (a, b) in enumerate(zip(args, t_args)):
             if _spec(a) != _spec(b):
                 problems.append(f"positional argument {i} is {_spec(a)}, the trace had {_spec(b)}")
-        for k in kwargs:
-            if _spec(kwargs[k]) != _spec(t_kwargs[k]):
+        for k in set(kwargs) & set(t_kwargs):
+            if has_tensor(kwargs[k]) and _spec(kwargs[k]) != _spec(t_kwargs[k]):
                 problems.append(f"keyword argument {k!r} is {_spec(kwargs[k])}, the trace had {_spec(t_kwargs[k])}")
     if problems:
         raise RewriteError("rewrite(): the example inputs do not match the ones prepare() traced: "

@@ -1,0 +1,55 @@
+"""rewrite() on Hugging Face BERT / GPT-2 / Llama (small random configs) and the real all-MiniLM-L6-v2."""
+
+import pytest
+import torch
+from test_hf_models import OTHER_SHAPES, SPECS, make_batch, run_pipeline  # tests/ is on sys.path (conftest)
+
+import dbr_quant as dq
+from dbr_quant.examples.minilm import CALIBRATION_SENTENCES, EVAL_SENTENCES, encode, load_minilm
+from dbr_quant.fx_rewriter import rewrite
+
+
+def _leaves(out, fields):
+    return [getattr(out, f) for f in fields]
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("attention", [False, True])
+def test_hf_models_rewrite_bit_for_bit(name, attention):
+    p = run_pipeline(name, qconfig=dq.QConfig(quantize_attention=attention))
+    # decoders return a KV cache object by default, which export cannot flatten: graphs are cache-free
+    flags = {"use_cache": False} if name != "bert" else {}
+    gm = rewrite(p.converted, example_kwargs={**p.example, **flags})
+    gen = torch.Generator().manual_seed(7)
+    for shape in [tuple(p.eval_batch["input_ids"].shape), *OTHER_SHAPES]:
+        batch = make_batch(gen, shape, p.spec.left_pad)
+        with torch.no_grad():
+            want, got = p.converted(**batch, **flags), gm(**batch, **flags)
+        assert type(got) is type(want)
+        for a, b in zip(_leaves(want, p.spec.outputs), _leaves(got, p.spec.outputs)):
+            assert torch.equal(a, b), f"{name}: rewritten output differs at shape {shape}"
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    model, tok = load_minilm()
+    calib = [encode(tok, CALIBRATION_SENTENCES[i:i + 8]) for i in range(0, len(CALIBRATION_SENTENCES), 8)]
+    p = dq.prepare(model, example_kwargs=calib[0])
+    dq.calibrate(p, calib, progress=False)
+    return tok, dq.convert(p)
+
+
+def test_minilm_rewrite_equal_compile_and_export(minilm, tmp_path):
+    tok, c = minilm
+    gm = rewrite(c)
+    batches = [encode(tok, EVAL_SENTENCES[:32]), encode(tok, EVAL_SENTENCES[:1])]
+    with torch.no_grad():
+        for b in batches:
+            assert torch.equal(gm(**b).last_hidden_state, c(**b).last_hidden_state)
+    ep = torch.export.export(gm, (), dict(batches[0]),
+                             dynamic_shapes={k: {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
+                                             for k in batches[0]})
+    torch.export.save(ep, tmp_path / "minilm.pt2")
+    loaded = torch.export.load(tmp_path / "minilm.pt2").module()
+    with torch.no_grad():
+        assert torch.equal(loaded(**batches[1]).last_hidden_state, c(**batches[1]).last_hidden_state)
