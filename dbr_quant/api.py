@@ -18,7 +18,7 @@ from .auto_trace import disabled, intercepting, is_disabled
 from .mappings import LINEAR, QUANTIZEABLE, is_container, linear_weight
 from .qconfig import QConfig
 from .quantization_state import AutoQuantizationState, UncalibratedError
-from .runs import CalibrateRun, ConvertRun, HighPrecisionRun, ModelRecord, state_of
+from .runs import CalibrateRun, ConvertRun, HighPrecisionRun, InspectRun, ModelRecord, state_of
 from .tracer import TraceRun
 
 __all__ = ["prepare", "calibrate", "convert", "disabled", "report", "PrepareError"]
@@ -44,6 +44,8 @@ def _root_forward(m: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if record.phase == "prepared":
             return forward(*args, **kwargs)
         run = HighPrecisionRun(m, record)
+    elif record.inspector is not None:
+        run = InspectRun(m, record, record.inspector)
     elif record.phase == "prepared":
         run = CalibrateRun(m, record)
     else:

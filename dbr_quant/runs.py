@@ -19,7 +19,7 @@ from .auto_trace import has_hooks, original_call, suspended
 from .basic_ops import Call, linear_hp_weight, run_basic
 from .fusions import Fusion
 from .mappings import FUNC_KINDS, INDEXED, LINEAR, MATMUL, PASSTHROUGH, SDPA, is_linear_module, is_passthrough
-from .quantization_state import AutoQuantizationState
+from .quantization_state import AutoQuantizationState, observer_key
 
 
 @dataclass
@@ -43,6 +43,7 @@ class ModelRecord:
     hidden_states: list[tuple[nn.Module, AutoQuantizationState]] = field(default_factory=list)
     subgraphs: dict[int, Subgraph] = field(default_factory=dict)
     example: tuple[tuple, dict] | None = None  # prepare()'s example inputs: the default for the rewriter
+    inspector: Any = None  # set by dbr_quant.inspect while a session runs: then forwards are InspectRuns
 
 
 def state_of(module: nn.Module) -> AutoQuantizationState | None:
@@ -308,6 +309,58 @@ class ConvertRun(Run):
         if self.resolved:
             out = tree_map(lambda t: self.resolved.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
         return out
+
+
+class InspectRun(Run):
+    """A prepared (calibrated) or converted model inside a ``dbr_quant.inspect`` session.
+
+    Every recorded quantized op runs on its own (no subgraphs, so each layer is observable) through
+    ``inspector.execute(call, env)``, which decides per layer between FP8, fake quantization and high
+    precision and logs statistics. On a prepared model the activation scales are the observers' current
+    ones and weights are quantized on the fly — what convert would store.
+    """
+
+    def __init__(self, root: nn.Module, record: ModelRecord, inspector: Any) -> None:
+        super().__init__(root, record)
+        self.inspector = inspector
+
+    def input_scale(self, call: Call, slot: str, x: torch.Tensor) -> torch.Tensor:
+        op = call.op
+        if op.qconfig.dynamic:
+            cfg = op.qconfig.activation
+            per_token = cfg.granularity == "token" and slot in ("input", "a", "q", "k")
+            return kernels.dynamic_scale(x, cfg.format, per_token=per_token)
+        st = call.state
+        s = st.scale(op, slot) if st.converted else st.observers[observer_key(op.index, slot)].scale()
+        return s if s.device == x.device else s.to(x.device)
+
+    def _op(self, kind: str, module: nn.Module | None = None):
+        st = state_of(self.owner())
+        op = st.next_op(kind, self.op_fqn(kind, module), self.record.qconfig.strict, self.warns(kind)) if st else None
+        return st, op
+
+    def function_call(self, func, args, kwargs):
+        kind = FUNC_KINDS.get(func)
+        if kind in INDEXED:
+            st, op = self._op(kind)
+            if op is not None and op.quantize:
+                return self.inspector.execute(Call(kind, func, args, kwargs, op, st), self)
+        return func(*args, **kwargs)
+
+    def module_call(self, module, args, kwargs):
+        if not is_linear_module(module):
+            return self.call_module(module, args, kwargs)
+        with suspended(self):
+            st, op = self._op(LINEAR, module)
+            if op is not None and op.quantize:
+                body = lambda *a, **k: self.inspector.execute(Call(LINEAR, module, a, k, op, st), self)  # noqa: E731
+            elif "weight_fp8" in module._buffers:
+                body = lambda *a, **k: Call(LINEAR, module, a, k).run_original()  # noqa: E731
+            else:
+                return original_call(module, *args, **kwargs)
+            if has_hooks(module):
+                return _call_with_forward(self, module, body, args, kwargs)
+            return body(*args, **kwargs)
 
 
 class HighPrecisionRun(Run):
