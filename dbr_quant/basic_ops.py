@@ -43,7 +43,8 @@ class Call:
 
 
 class Env(Protocol):
-    def input_scale(self, call: Call, slot: str, x: torch.Tensor) -> torch.Tensor: ...
+    def input_scale(self, call: Call, slot: str, x: torch.Tensor | None) -> torch.Tensor:
+        """The scale for an activation; ``x`` may be None for static scales (needed when dynamic)."""
 
 
 def linear_hp_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -85,13 +86,17 @@ def quantized_input(call: Call, slot: str, x: torch.Tensor, env: Env) -> tuple[t
 
 
 def run_linear(call: Call, env: Env, *, x: torch.Tensor | None = None, activation: str | None = None,
-               residual: torch.Tensor | None = None) -> torch.Tensor:
+               residual: torch.Tensor | None = None, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+               out_scale: torch.Tensor | None = None, out_fmt=None) -> torch.Tensor:
+    """One FP8 linear: quantize the input (unless ``x_fp8`` = (fp8 data, scale) is given: a previous
+    kernel already did), GEMM with epilogue; FP8 output with ``out_scale`` for the next op."""
     x0, _, bias = linear_operands(call)
     x = x0 if x is None else x
-    x_q, x_scale = quantized_input(call, "input", x, env)
+    x_q, x_scale = quantized_input(call, "input", x, env) if x_fp8 is None else x_fp8
     w_q, w_scale = fp8_weight(call)
+    kw = {} if out_scale is None else {"out_scale": out_scale, "out_fmt": out_fmt}
     return kernels.fp8_linear(
-        x_q, x_scale, w_q, w_scale, bias=bias, activation=activation, residual=residual, out_dtype=x.dtype
+        x_q, x_scale, w_q, w_scale, bias=bias, activation=activation, residual=residual, out_dtype=x.dtype, **kw
     )
 
 

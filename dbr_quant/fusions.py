@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
+from . import kernels
 from .basic_ops import Call, Env, run_basic, run_linear
 from .mappings import ACT, ADD, DIV, LINEAR, MATMUL, MUL, NORM, PASSTHROUGH, SOFTMAX, activation_name
 from .quantization_state import SeenOp
@@ -202,9 +204,22 @@ class LinearResidual(Fusion):
         return out
 
 
+def _mlp(fc1: Call, fc2: Call, env: Env, x: torch.Tensor, act: str | None, residual: torch.Tensor | None,
+         x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """fc1 → act → fc2: fc1's epilogue applies the activation and quantizes with fc2's input scale, so
+    FP8 goes from one GEMM to the next (quantize + 2 GEMMs; with a fused norm, norm + 2 GEMMs)."""
+    if fc2.op.qconfig.dynamic:  # fc2's scale would depend on fc1's output: no FP8 hand-off
+        h = run_linear(fc1, env, x=x, activation=act, x_fp8=x_fp8)
+        return run_linear(fc2, env, x=h, residual=residual)
+    h_scale = env.input_scale(fc2, "input", None)
+    h_fp8 = run_linear(fc1, env, x=x, activation=act, x_fp8=x_fp8, out_scale=h_scale,
+                       out_fmt=fc2.op.qconfig.activation.format)
+    return run_linear(fc2, env, x=x, residual=residual, x_fp8=(h_fp8, h_scale))
+
+
 @register_fusion
 class MLP(Fusion):
-    """fc1 → activation → fc2 (→ + residual): fc1's epilogue hands fc2 its input."""
+    """fc1 → activation → fc2 (→ + residual): fc1's epilogue hands fc2 its input in FP8."""
 
     name = "mlp"
     steps = (Step(LINEAR), Step(ACT, accepts=_first_arg), Step(LINEAR, accepts=_first_arg),
@@ -212,30 +227,53 @@ class MLP(Fusion):
 
     def run(self, calls, env):
         fc1, fc2 = _calls(calls, LINEAR)
-        h = run_linear(fc1, env, activation=_activation(calls))
         adds = _calls(calls, ADD)
-        return run_linear(fc2, env, x=h, residual=_other_operand(adds[0]) if adds else None)
+        residual = _other_operand(adds[0]) if adds else None
+        return _mlp(fc1, fc2, env, fc1.args[0], _activation(calls), residual)
+
+
+def _norm_arguments(norm: Call) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, float | None,
+                                          bool] | None:
+    """(x, weight, bias, eps, rms) of an F.layer_norm / F.rms_norm call over the last dimension only."""
+    rms = norm.func is F.rms_norm
+    names = ("input", "normalized_shape", "weight", "eps") if rms else (
+        "input", "normalized_shape", "weight", "bias", "eps")
+    a = dict(zip(names, norm.args))
+    a.update(norm.kwargs)
+    x, shape = a["input"], a["normalized_shape"]
+    if len(tuple(shape)) != 1:
+        return None
+    return x, a.get("weight"), a.get("bias"), a.get("eps", None if rms else 1e-5), rms
 
 
 @register_fusion
 class NormLinear(Fusion):
-    """LayerNorm / RMSNorm → linear (optionally → activation → linear: the whole MLP block)."""
+    """LayerNorm / RMSNorm → linear (optionally → activation → linear: the whole MLP block).
+
+    One kernel normalizes and quantizes with the linear's input scale: the MLP block is 3 launches."""
 
     name = "norm_linear"
     steps = (Step(NORM), Step(LINEAR, accepts=_first_arg), Step(ACT, optional=True, accepts=_first_arg),
              Step(LINEAR, optional=True, accepts=_first_arg), Step(ADD, optional=True, accepts=_residual))
 
     def run(self, calls, env):
-        norm = calls[0]
-        y = norm.func(*norm.args, **norm.kwargs)
-        linears = _calls(calls, LINEAR)
+        norm, linears = calls[0], _calls(calls, LINEAR)
         act = _activation(calls)
         adds = _calls(calls, ADD)
         residual = _other_operand(adds[0]) if adds else None
+        fc1 = linears[0]
+        parts = _norm_arguments(norm)
+        if parts is None or fc1.op.qconfig.dynamic:
+            y, x_fp8 = norm.func(*norm.args, **norm.kwargs), None
+        else:
+            x, weight, bias, eps, rms = parts
+            scale = env.input_scale(fc1, "input", None)
+            y, q = kernels.layer_norm_quantize(x, weight, bias, eps, scale, fc1.op.qconfig.activation.format,
+                                               rms=rms)
+            x_fp8 = (q, scale)
         if len(linears) == 1:
-            return run_linear(linears[0], env, x=y, activation=act, residual=residual)
-        h = run_linear(linears[0], env, x=y, activation=act)
-        return run_linear(linears[1], env, x=h, residual=residual)
+            return run_linear(fc1, env, x=y, activation=act, residual=residual, x_fp8=x_fp8)
+        return _mlp(fc1, linears[1], env, y, act, residual, x_fp8)
 
 
 @register_fusion

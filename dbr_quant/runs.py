@@ -172,7 +172,7 @@ class ConvertRun(Run):
             per_token = cfg.granularity == "token" and slot in ("input", "a", "q", "k")
             return kernels.dynamic_scale(x, cfg.format, per_token=per_token)
         s = call.state.scale(op, slot)
-        return s if s.device == x.device else s.to(x.device)
+        return s if x is None or s.device == x.device else s.to(x.device)
 
     # ------------------------------------------------------------------ placeholders
     def _scan(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, _Pending | None]:
@@ -332,7 +332,7 @@ class InspectRun(Run):
             return kernels.dynamic_scale(x, cfg.format, per_token=per_token)
         st = call.state
         s = st.scale(op, slot) if st.converted else st.observers[observer_key(op.index, slot)].scale()
-        return s if s.device == x.device else s.to(x.device)
+        return s if x is None or s.device == x.device else s.to(x.device)
 
     def _op(self, kind: str, module: nn.Module | None = None):
         st = state_of(self.owner())

@@ -216,3 +216,27 @@ def test_train_mode_dropout_inside_a_subgraph_is_not_skipped():
     out = c(x)
     c.eval()
     assert not torch.allclose(out, c(x)), "dropout must apply in train mode"
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_norm_mlp_runs_in_three_launches_with_fp8_between_the_gemms(rms):
+    m = NormMLP(8, "gelu", rms=rms).eval()
+    x = torch.randn(3, 8)
+    c = convert_with(m, (x,), [(x,)], True)
+    single = convert_with(m, (x,), [(x,)], False)
+    with dq.kernels.count_launches() as fused, torch.no_grad():
+        out = c(x)
+    with dq.kernels.count_launches() as unfused, torch.no_grad():
+        want = single(x)
+    assert dict(fused) == {"norm_quantize": 1, "fp8_linear": 2}  # was 4 launches + the norm op
+    assert dict(unfused) == {"quantize": 2, "fp8_linear": 2}
+    assert torch.equal(out, want)
+
+
+def test_mlp_hands_fp8_from_fc1_to_fc2():
+    m = MLPBlock(8, "silu").eval()
+    x = torch.randn(3, 8)
+    c = convert_with(m, (x,), [(x,)], True)
+    with dq.kernels.count_launches() as counts, torch.no_grad():
+        c(x)
+    assert dict(counts) == {"quantize": 1, "fp8_linear": 2}

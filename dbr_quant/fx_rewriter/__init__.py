@@ -56,8 +56,9 @@ def _check_inputs(traced: tuple[tuple, dict], args: tuple, kwargs: dict) -> None
 
 
 def _dynamic_shapes(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Every dimension of every tensor input may vary (batch, sequence, …): export keeps what it can."""
-    auto = lambda t: {i: Dim.AUTO for i in range(t.dim())} if isinstance(t, torch.Tensor) else None  # noqa: E731
+    """The first two dimensions of every tensor input (batch and sequence, by convention) may vary; export
+    keeps them symbolic where the model allows. Feature dimensions stay fixed: the weights fix them."""
+    auto = lambda t: {i: Dim.AUTO for i in range(min(t.dim(), 2))} if isinstance(t, torch.Tensor) else None  # noqa: E731
     return tree_map(auto, args), {k: tree_map(auto, v) for k, v in kwargs.items()}
 
 

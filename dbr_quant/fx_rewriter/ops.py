@@ -52,15 +52,29 @@ def _(x, fmt, per_token):
 
 @torch.library.custom_op("dbr_quant::fp8_linear", mutates_args=())
 def fp8_linear(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, bias: Tensor | None,
-               activation: str, residual: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+               activation: str, residual: Tensor | None, out_dtype: torch.dtype, out_scale: Tensor | None,
+               out_fmt: str) -> Tensor:
     return kernels.fp8_linear(x_q, x_scale, w_q, w_scale, bias=bias, activation=activation or None,
-                              residual=residual, out_dtype=out_dtype)
+                              residual=residual, out_dtype=out_dtype, out_scale=out_scale, out_fmt=_fmt(out_fmt))
 
 
 @fp8_linear.register_fake
-def _(x_q, x_scale, w_q, w_scale, bias, activation, residual, out_dtype):
+def _(x_q, x_scale, w_q, w_scale, bias, activation, residual, out_dtype, out_scale, out_fmt):
     n = w_q.shape[0] // 2 if activation in ("swiglu", "geglu") else w_q.shape[0]
-    return x_q.new_empty((*x_q.shape[:-1], n), dtype=out_dtype)
+    dtype = out_dtype if out_scale is None else _fmt(out_fmt).dtype
+    return x_q.new_empty((*x_q.shape[:-1], n), dtype=dtype)
+
+
+@torch.library.custom_op("dbr_quant::layer_norm_quantize", mutates_args=())
+def layer_norm_quantize(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, scale: Tensor,
+                        fmt: str, rms: bool) -> tuple[Tensor, Tensor]:
+    y, q = kernels.layer_norm_quantize(x, weight, bias, eps, scale, _fmt(fmt), rms=rms)
+    return y, q
+
+
+@layer_norm_quantize.register_fake
+def _(x, weight, bias, eps, scale, fmt, rms):
+    return torch.empty_like(x), torch.empty_like(x, dtype=_fmt(fmt).dtype)
 
 
 @torch.library.custom_op("dbr_quant::fp8_matmul", mutates_args=())
@@ -104,9 +118,13 @@ class GraphOps:
         return torch.ops.dbr_quant.dynamic_scale(x, fmt.value, per_token)
 
     @staticmethod
-    def fp8_linear(x_q, x_scale, w_q, w_scale, *, bias, activation, residual, out_dtype):
+    def fp8_linear(x_q, x_scale, w_q, w_scale, *, bias, activation, residual, out_dtype, out_scale, out_fmt):
         return torch.ops.dbr_quant.fp8_linear(x_q, x_scale, w_q, w_scale, bias, activation or "", residual,
-                                              out_dtype)
+                                              out_dtype, out_scale, out_fmt.value)
+
+    @staticmethod
+    def layer_norm_quantize(x, weight, bias, eps, scale, fmt, *, rms):
+        return torch.ops.dbr_quant.layer_norm_quantize(x, weight, bias, eps, scale, fmt.value, rms)
 
     @staticmethod
     def fp8_matmul(a_q, a_scale, b_q, b_scale):

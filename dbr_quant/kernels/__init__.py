@@ -16,7 +16,7 @@ from .dispatch import BACKENDS, count_launches, current_backend, graph_ops, reco
 
 __all__ = [
     "BACKENDS", "count_launches", "current_backend", "use_backend",
-    "quantize", "dequantize", "dynamic_scale", "fp8_linear", "fp8_matmul", "fp8_attention",
+    "quantize", "dequantize", "dynamic_scale", "fp8_linear", "fp8_matmul", "fp8_attention", "layer_norm_quantize",
 ]
 
 
@@ -52,14 +52,23 @@ def dynamic_scale(x: torch.Tensor, fmt: FP8Format, per_token: bool = False) -> t
 
 
 def fp8_linear(x_q, x_scale, w_q, w_scale, *, bias=None, activation=None, residual=None,
-               out_dtype=torch.float32) -> torch.Tensor:
-    """``act(x·Wᵀ·sx·sw + bias) + residual`` on FP8 operands (see reference.fp8_linear)."""
+               out_dtype=torch.float32, out_scale=None, out_fmt=FP8Format.E4M3) -> torch.Tensor:
+    """``act(x·Wᵀ·sx·sw + bias) + residual`` on FP8 operands, FP8 out when ``out_scale`` is given
+    (see reference.fp8_linear)."""
     if (ops := graph_ops()) is not None:
         return ops.fp8_linear(x_q, x_scale, w_q, w_scale, bias=bias, activation=activation, residual=residual,
-                              out_dtype=out_dtype)
+                              out_dtype=out_dtype, out_scale=out_scale, out_fmt=out_fmt)
     record_launch("fp8_linear")
     return _impl().fp8_linear(x_q, x_scale, w_q, w_scale, bias=bias, activation=activation,
-                              residual=residual, out_dtype=out_dtype)
+                              residual=residual, out_dtype=out_dtype, out_scale=out_scale, out_fmt=out_fmt)
+
+
+def layer_norm_quantize(x, weight, bias, eps, scale, fmt, *, rms=False) -> tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm / RMSNorm over the last dim and FP8 quantization in one kernel: (normalized, fp8)."""
+    if (ops := graph_ops()) is not None:
+        return ops.layer_norm_quantize(x, weight, bias, eps, scale, fmt, rms=rms)
+    record_launch("norm_quantize")
+    return _impl().layer_norm_quantize(x, weight, bias, eps, scale, fmt, rms=rms)
 
 
 def fp8_matmul(a_q, a_scale, b_q, b_scale) -> torch.Tensor:

@@ -142,12 +142,16 @@ def fp8_linear(
     activation: str | None = None,
     residual: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
+    out_scale: torch.Tensor | None = None,
+    out_fmt: FP8Format = FP8Format.E4M3,
     exact: bool = False,
 ) -> torch.Tensor:
     """FP8 GEMM with epilogue: ``act(x·Wᵀ·sx·sw + bias) + residual``.
 
     ``x_scale`` is a scalar or one value per row (…×1); ``w_scale`` a scalar or one per output
     channel (N,). Gated activations take W stacked as [gate; up] (2N×K) and return N columns.
+    With ``out_scale`` (the next op's input scale) the result is returned quantized to ``out_fmt``,
+    so an MLP hands FP8 from fc1 to fc2 without a high-precision round trip.
     """
     scale = x_scale * w_scale  # (…×1)·(N,) broadcasts to the output's scale grid
     if exact:
@@ -165,7 +169,8 @@ def fp8_linear(
         y = apply_activation(y, activation)
     if residual is not None:
         y = y.add_(residual.float()) if activation is None else y + residual.float()
-    return y.to(out_dtype)
+    y = y.to(out_dtype)
+    return y if out_scale is None else quantize(y, out_scale, out_fmt)
 
 
 def fp8_matmul(
@@ -235,13 +240,12 @@ def layer_norm_quantize(
     *,
     rms: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """LayerNorm (or RMSNorm) in fp32 followed by FP8 quantization; returns (normalized, fp8)."""
+    """LayerNorm (or RMSNorm) over the last dim in fp32, then FP8 quantization; returns (normalized in
+    x's dtype, fp8). For fp32 inputs ``normalized`` equals F.layer_norm / F.rms_norm bit for bit."""
     xf = x.float()
     if rms:
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        if weight is not None:
-            y = y * weight.float()
+        y = F.rms_norm(xf, xf.shape[-1:], None if weight is None else weight.float(), eps)
     else:
         y = F.layer_norm(xf, xf.shape[-1:], None if weight is None else weight.float(),
                          None if bias is None else bias.float(), eps)
-    return y, quantize(y, scale, fmt)
+    return y.to(x.dtype), quantize(y, scale, fmt)
