@@ -79,10 +79,19 @@ def fp8_weight(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
     return kernels.quantize(w, scale, wcfg.format), scale.reshape(-1) if per_channel else scale
 
 
+# Per-token scales only for operands whose rows are not the GEMM's reduction dimension (a scale along
+# K could not be taken out of the dot product): linear inputs, matmul's left operand, q and k.
+PER_TOKEN_SLOTS = ("input", "a", "q", "k")
+
+
 def quantized_input(call: Call, slot: str, x: torch.Tensor, env: Env) -> tuple[torch.Tensor, torch.Tensor]:
-    fmt = call.op.qconfig.activation.format
+    """(fp8, scale) of an activation: a static scale from the env, or a dynamic one in the same kernel."""
+    cfg = call.op.qconfig
+    if cfg.dynamic:
+        per_token = cfg.activation.granularity == "token" and slot in PER_TOKEN_SLOTS
+        return kernels.dynamic_quantize(x, cfg.activation.format, per_token)
     scale = env.input_scale(call, slot, x)
-    return kernels.quantize(x, scale, fmt), scale
+    return kernels.quantize(x, scale, cfg.activation.format), scale
 
 
 def run_linear(call: Call, env: Env, *, x: torch.Tensor | None = None, activation: str | None = None,

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from . import kernels
 from .auto_trace import has_hooks, original_call, suspended
-from .basic_ops import Call, linear_hp_weight, run_basic
+from .basic_ops import PER_TOKEN_SLOTS, Call, linear_hp_weight, run_basic
 from .fusions import Fusion
 from .mappings import FUNC_KINDS, INDEXED, LINEAR, MATMUL, PASSTHROUGH, SDPA, is_linear_module, is_passthrough
 from .quantization_state import AutoQuantizationState, observer_key
@@ -169,7 +169,7 @@ class ConvertRun(Run):
         op = call.op
         if op.qconfig.dynamic:
             cfg = op.qconfig.activation
-            per_token = cfg.granularity == "token" and slot in ("input", "a", "q", "k")
+            per_token = cfg.granularity == "token" and slot in PER_TOKEN_SLOTS
             return kernels.dynamic_scale(x, cfg.format, per_token=per_token)
         s = call.state.scale(op, slot)
         return s if x is None or s.device == x.device else s.to(x.device)
@@ -328,7 +328,7 @@ class InspectRun(Run):
         op = call.op
         if op.qconfig.dynamic:
             cfg = op.qconfig.activation
-            per_token = cfg.granularity == "token" and slot in ("input", "a", "q", "k")
+            per_token = cfg.granularity == "token" and slot in PER_TOKEN_SLOTS
             return kernels.dynamic_scale(x, cfg.format, per_token=per_token)
         st = call.state
         s = st.scale(op, slot) if st.converted else st.observers[observer_key(op.index, slot)].scale()

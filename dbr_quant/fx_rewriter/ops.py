@@ -50,6 +50,18 @@ def _(x, fmt, per_token):
     return x.new_empty(shape, dtype=torch.float32)
 
 
+@torch.library.custom_op("dbr_quant::dynamic_quantize", mutates_args=())
+def dynamic_quantize(x: Tensor, fmt: str, per_token: bool) -> tuple[Tensor, Tensor]:
+    q, scale = kernels.dynamic_quantize(x, _fmt(fmt), per_token)
+    return q, scale
+
+
+@dynamic_quantize.register_fake
+def _(x, fmt, per_token):
+    shape = (*x.shape[:-1], 1) if per_token else ()
+    return torch.empty_like(x, dtype=_fmt(fmt).dtype), x.new_empty(shape, dtype=torch.float32)
+
+
 @torch.library.custom_op("dbr_quant::fp8_linear", mutates_args=())
 def fp8_linear(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, bias: Tensor | None,
                activation: str, residual: Tensor | None, out_dtype: torch.dtype, out_scale: Tensor | None,
@@ -108,6 +120,10 @@ class GraphOps:
     @staticmethod
     def quantize(x, scale, fmt):
         return torch.ops.dbr_quant.quantize(x, scale, fmt.value)
+
+    @staticmethod
+    def dynamic_quantize(x, fmt, per_token):
+        return torch.ops.dbr_quant.dynamic_quantize(x, fmt.value, per_token)
 
     @staticmethod
     def dequantize(q, scale, dtype):

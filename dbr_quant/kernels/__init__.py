@@ -12,43 +12,60 @@ import torch
 
 from ..formats import FP8Format
 from . import reference
-from .dispatch import BACKENDS, count_launches, current_backend, graph_ops, record_launch, use_backend
+from .dispatch import (
+    BACKENDS,
+    count_launches,
+    current_backend,
+    graph_ops,
+    record_launch,
+    resolve_backend,
+    use_backend,
+)
 
 __all__ = [
-    "BACKENDS", "count_launches", "current_backend", "use_backend",
-    "quantize", "dequantize", "dynamic_scale", "fp8_linear", "fp8_matmul", "fp8_attention", "layer_norm_quantize",
+    "BACKENDS", "count_launches", "current_backend", "resolve_backend", "use_backend",
+    "quantize", "dynamic_quantize", "dequantize", "dynamic_scale", "fp8_linear", "fp8_matmul", "fp8_attention",
+    "layer_norm_quantize",
 ]
 
 
-def _impl():
-    backend = current_backend()
-    if backend != "reference":
-        raise NotImplementedError(
-            f"kernel backend {backend!r} is not available in this release; unset $DBR_QUANT_BACKEND "
-            "or use dbr_quant.kernels.use_backend('reference')"
-        )
-    return reference
+def _impl(t: torch.Tensor):
+    """The implementation module for the backend that runs on ``t``'s device."""
+    if resolve_backend(t.device) == "reference":
+        return reference
+    from . import triton_backend
+
+    return triton_backend
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
     if (ops := graph_ops()) is not None:
         return ops.quantize(x, scale, fmt)
     record_launch("quantize")
-    return _impl().quantize(x, scale, fmt)
+    return _impl(x).quantize(x, scale, fmt)
+
+
+def dynamic_quantize(x: torch.Tensor, fmt: FP8Format, per_token: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize with a scale computed from ``x`` itself (per tensor, or per row of the last dim), in one
+    launch where the backend can: returns (fp8, scale)."""
+    if (ops := graph_ops()) is not None:
+        return ops.dynamic_quantize(x, fmt, per_token)
+    record_launch("dynamic_quantize")
+    return _impl(x).dynamic_quantize(x, fmt, per_token)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     if (ops := graph_ops()) is not None:
         return ops.dequantize(q, scale, dtype)
     record_launch("dequantize")
-    return _impl().dequantize(q, scale, dtype)
+    return _impl(q).dequantize(q, scale, dtype)
 
 
 def dynamic_scale(x: torch.Tensor, fmt: FP8Format, per_token: bool = False) -> torch.Tensor:
     if (ops := graph_ops()) is not None:
         return ops.dynamic_scale(x, fmt, per_token)
     record_launch("amax")
-    return _impl().dynamic_scale(x, fmt, per_token)
+    return _impl(x).dynamic_scale(x, fmt, per_token)
 
 
 def fp8_linear(x_q, x_scale, w_q, w_scale, *, bias=None, activation=None, residual=None,
@@ -59,7 +76,7 @@ def fp8_linear(x_q, x_scale, w_q, w_scale, *, bias=None, activation=None, residu
         return ops.fp8_linear(x_q, x_scale, w_q, w_scale, bias=bias, activation=activation, residual=residual,
                               out_dtype=out_dtype, out_scale=out_scale, out_fmt=out_fmt)
     record_launch("fp8_linear")
-    return _impl().fp8_linear(x_q, x_scale, w_q, w_scale, bias=bias, activation=activation,
+    return _impl(x_q).fp8_linear(x_q, x_scale, w_q, w_scale, bias=bias, activation=activation,
                               residual=residual, out_dtype=out_dtype, out_scale=out_scale, out_fmt=out_fmt)
 
 
@@ -68,14 +85,14 @@ def layer_norm_quantize(x, weight, bias, eps, scale, fmt, *, rms=False) -> tuple
     if (ops := graph_ops()) is not None:
         return ops.layer_norm_quantize(x, weight, bias, eps, scale, fmt, rms=rms)
     record_launch("norm_quantize")
-    return _impl().layer_norm_quantize(x, weight, bias, eps, scale, fmt, rms=rms)
+    return _impl(x).layer_norm_quantize(x, weight, bias, eps, scale, fmt, rms=rms)
 
 
 def fp8_matmul(a_q, a_scale, b_q, b_scale) -> torch.Tensor:
     if (ops := graph_ops()) is not None:
         return ops.fp8_matmul(a_q, a_scale, b_q, b_scale)
     record_launch("fp8_matmul")
-    return _impl().fp8_matmul(a_q, a_scale, b_q, b_scale)
+    return _impl(a_q).fp8_matmul(a_q, a_scale, b_q, b_scale)
 
 
 def fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, *, attn_mask=None, is_causal=False,
@@ -84,5 +101,5 @@ def fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, *, attn_mask=None, i
         return ops.fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, attn_mask=attn_mask, is_causal=is_causal,
                                  softmax_scale=softmax_scale, p_scale=p_scale, fmt=fmt)
     record_launch("fp8_attention")
-    return _impl().fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, attn_mask=attn_mask,
+    return _impl(q_q).fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, attn_mask=attn_mask,
                                  is_causal=is_causal, softmax_scale=softmax_scale, p_scale=p_scale, fmt=fmt)

@@ -12,7 +12,9 @@ import os
 import threading
 from collections.abc import Iterator
 
-BACKENDS = ("reference", "triton", "triton-interpret")
+import torch
+
+BACKENDS = ("reference", "triton", "triton-interpret")  # plus "auto" (the default): chosen per device
 ENV_VAR = "DBR_QUANT_BACKEND"
 
 _tls = threading.local()
@@ -28,11 +30,25 @@ def _env_backend() -> str | None:
 
 
 def current_backend() -> str:
-    """The backend in force: the innermost ``use_backend`` block, else $DBR_QUANT_BACKEND, else reference."""
+    """The backend asked for: the innermost ``use_backend`` block, else $DBR_QUANT_BACKEND, else "auto"."""
     forced = getattr(_tls, "backend", None)
     if forced is not None:
         return forced
-    return _env_backend() or "reference"
+    return _env_backend() or "auto"
+
+
+def fp8_tensor_cores(device: torch.device) -> bool:
+    """CUDA devices of compute capability 8.9 (Ada) or newer have FP8 tensor cores."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def resolve_backend(device: torch.device) -> str:
+    """The backend that runs for tensors on ``device``: an explicit choice, else ``triton`` on CUDA with
+    FP8 tensor cores, else ``reference`` (CPU, and CUDA below 8.9: FP8 storage, bf16 compute)."""
+    backend = current_backend()
+    if backend != "auto":
+        return backend
+    return "triton" if fp8_tensor_cores(device) else "reference"
 
 
 @contextlib.contextmanager

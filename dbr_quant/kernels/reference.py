@@ -111,6 +111,11 @@ def dynamic_scale(x: torch.Tensor, fmt: FP8Format, per_token: bool) -> torch.Ten
     return safe_scale(amax(x, dim=-1 if per_token else None), fmt)
 
 
+def dynamic_quantize(x: torch.Tensor, fmt: FP8Format, per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = dynamic_scale(x, fmt, per_token)
+    return quantize(x, scale, fmt), scale
+
+
 def apply_activation(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     if activation is None:
         return y

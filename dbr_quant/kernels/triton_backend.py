@@ -1,0 +1,55 @@
+"""The ``triton`` / ``triton-interpret`` backend: every kernel entry point mapped to its Triton kernel.
+
+Same signatures as ``reference``. ``dequantize`` (only used by the high-precision path) stays plain torch.
+The kernel modules are imported on first use, so CPU-only users never pay Triton's import cost.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from ..formats import FP8Format
+from . import reference
+
+
+def _mod(name: str):
+    return importlib.import_module(f"dbr_quant.kernels.{name}")
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    return _mod("triton_quantize").quantize(x, scale, fmt)
+
+
+def dynamic_quantize(x: torch.Tensor, fmt: FP8Format, per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _mod("triton_quantize").dynamic_quantize(x, fmt, per_token)
+
+
+def dynamic_scale(x: torch.Tensor, fmt: FP8Format, per_token: bool) -> torch.Tensor:
+    return dynamic_quantize(x, fmt, per_token)[1]
+
+
+dequantize = reference.dequantize
+
+
+def fp8_linear(x_q, x_scale, w_q, w_scale, *, bias=None, activation=None, residual=None,
+               out_dtype=torch.float32, out_scale=None, out_fmt=FP8Format.E4M3):
+    kw = {} if out_scale is None else {"out_scale": out_scale, "out_fmt": out_fmt}
+    return _mod("triton_gemm").fp8_linear(x_q, x_scale, w_q, w_scale, bias=bias, activation=activation,
+                                          residual=residual, out_dtype=out_dtype, **kw)
+
+
+def fp8_matmul(a_q, a_scale, b_q, b_scale):
+    return _mod("triton_gemm").fp8_matmul(a_q, a_scale, b_q, b_scale)
+
+
+def fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, *, attn_mask=None, is_causal=False,
+                  softmax_scale=None, p_scale=None, fmt=FP8Format.E4M3):
+    return _mod("triton_attention").fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, attn_mask=attn_mask,
+                                                  is_causal=is_causal, softmax_scale=softmax_scale,
+                                                  p_scale=p_scale, fmt=fmt)
+
+
+def layer_norm_quantize(x, weight, bias, eps, scale, fmt, *, rms=False):
+    return _mod("triton_norm").layer_norm_quantize(x, weight, bias, eps, scale, fmt, rms=rms)
