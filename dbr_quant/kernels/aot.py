@@ -106,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'kernel':<22} {'config':<{width}} {'regs':>5} {'spill B':>8} {'smem B':>8} {'fp8 mma':>8}  status")
     for r in results:
         status = "ok" if r.ok else (r.error or ("SPILLS" if r.spill_bytes else "NO FP8 MMA"))
-        print(f"{r.kernel:<22} {r.config:<{width}} {r.registers or '-':>5} {r.spill_bytes if r.spill_bytes is not None else '-':>8} "
-              f"{r.shared_bytes if r.shared_bytes is not None else '-':>8} {r.fp8_mma:>8}  {status}")
+        spill, smem = ("-" if v is None else v for v in (r.spill_bytes, r.shared_bytes))
+        print(f"{r.kernel:<22} {r.config:<{width}} {r.registers or '-':>5} {spill:>8} {smem:>8} {r.fp8_mma:>8}  "
+              f"{status}")
     failed = [r for r in results if not r.ok]
     print(f"{len(results) - len(failed)} ok, {len(failed)} failed")
     return 1 if failed else 0
