@@ -94,8 +94,14 @@ def test_hf_model_end_to_end_on_the_triton_interpreter(name):
     batch = {k: v[:2, :8] for k, v in p.eval_batch.items()}
     field = "logits" if name == "llama" else "last_hidden_state"
     with torch.no_grad():
+        fp32 = getattr(p.model(**batch), field)
         want = getattr(p.converted(**batch), field)
         with dq.kernels.count_launches() as counts, dq.kernels.use_backend("triton-interpret"):
             got = getattr(p.converted(**batch), field)
     assert counts["fp8_linear"] > 0 and counts["fp8_attention"] > 0
-    assert F.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999
+    cos = lambda a, b: F.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()  # noqa: E731
+    # Both backends round to FP8 independently (flash attention quantizes the unnormalised P), so they
+    # agree to FP8 noise, and the Triton path is as close to fp32 as the reference (measured: llama
+    # 0.9961 vs 0.9963, bert 0.99907 vs 0.99906; triton vs reference 0.9967 / 0.9993).
+    assert cos(got, want) > 0.995
+    assert cos(got, fp32) > cos(want, fp32) - 0.001
