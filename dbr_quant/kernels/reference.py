@@ -216,6 +216,8 @@ def fp8_attention(
         rep = q_q.shape[-3] // k_q.shape[-3]
         k_q = k_q.repeat_interleave(rep, dim=-3)
         v_q = v_q.repeat_interleave(rep, dim=-3)
+        if k_scale.dim() == 4 and k_scale.shape[-3] > 1:  # per-token k scales follow their kv head
+            k_scale = k_scale.repeat_interleave(rep, dim=-3)
     k_scale = k_scale.transpose(-1, -2) if k_scale.dim() else k_scale  # per-token k scales index columns of S
     s = fp8_matmul(q_q, q_scale, k_q.transpose(-1, -2), k_scale, exact=exact).mul_(softmax_scale)
     if is_causal:
