@@ -17,6 +17,10 @@ Numerics versus the reference (which quantizes the *normalised* P = softmax(S)):
 * a float mask is clamped below at -2^127 (``-inf`` stays ``-inf``): ``finfo.min · log2(e)`` would
   overflow to -inf and turn a row masked with finfo.min (uniform weights in torch) into zeros.
 * a row whose keys are all masked (l = 0) outputs 0, as in the reference and SDPA.
+
+Limits: forward only; v_scale and p_scale per tensor (v's would scale the reduction dim of P·V);
+element offsets inside one (batch, head) slice are int32; every tile is masked (no mask-free fast
+path for interior tiles, which costs a few ALU ops per score).
 """
 
 from __future__ import annotations
@@ -62,6 +66,9 @@ def _attn_fwd(
     Scales come in as per-row vectors (per-tensor scales arrive with stride 0), so one code path serves
     both: q's scale multiplies rows of S, k's columns. ``Scalars`` = [1/p_scale, p_scale·v_scale] is read
     from memory, so no host sync is needed. BLOCK_D pads HEAD_DIM 16 to 32, the smallest K of an FP8 MMA.
+    tl.max / tl.sum / tl.zeros are @jit helpers that the interpreter (run without $TRITON_INTERPRET, see
+    triton_common.Kernel) refuses to call, so the kernel uses tl.reduce with Triton's own combine
+    functions (the interpreter maps those to numpy) and tl.full; compiled, the code is the same.
     """
     start_m = tl.program_id(0)
     bh = tl.program_id(1)

@@ -47,9 +47,10 @@ def round_to_fp8(x, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORM
     lsb = (bits >> drop) & 1
     normal = ((bits + half + lsb) & keep).to(tl.float32, bitcast=True)
     step_inv: tl.constexpr = (2**MANTISSA_BITS) / MIN_NORMAL
+    step: tl.constexpr = MIN_NORMAL / (2**MANTISSA_BITS)  # powers of two: both multiplies are exact
     magic: tl.constexpr = 12582912.0  # 1.5 * 2**23: fp32 spacing 1 around it
     a = tl.abs(x)
-    sub = ((a * step_inv + magic) - magic) / step_inv
+    sub = ((a * step_inv + magic) - magic) * step  # (a GPU fp32 "/" would be the approximate div.full)
     # put the sign bit back with integer ops: Triton's unary minus is 0 - x, which turns -0.0 into +0.0
     sub = (sub.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
     return tl.where(a < MIN_NORMAL, sub, normal)

@@ -11,8 +11,9 @@ reference, and an FP8 byte differs only where that difference flips a rounding b
 * RMSNorm: ``x * rstd(mean(x²)) * weight``; bias is ignored, as in the reference.
 * The high-precision output has x's dtype; the FP8 output is quantized from the fp32 value before that
   rounding (as the reference quantizes its fp32 result). The static scale is one value (numel 1); its
-  reciprocal is computed by torch, as in reference.quantize. NaN/inf in a row make the row NaN (both
-  outputs; FP8 NaN byte 0x7F or 0xFF).
+  reciprocal is computed by torch, as in reference.quantize. A NaN in a row makes the row NaN (both
+  outputs; FP8 NaN byte 0x7F | sign), and so does ±inf for LayerNorm; for RMSNorm ±inf gives rstd 0,
+  so NaN at the inf and ±0 elsewhere. Same as the reference in every case.
 * weight and bias are loaded in x's dtype or fp32 (others, or a mixed pair, are widened to fp32 first).
 """
 
@@ -32,6 +33,7 @@ def _layer_norm_quantize_kernel(x_ptr, w_ptr, b_ptr, inv_ptr, y_ptr, q_ptr, N, e
                                 HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, RMS: tl.constexpr,
                                 FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
                                 EXP_BIAS: tl.constexpr):
+    """One row per program: mean (LayerNorm only), variance or mean square, then y and its FP8 bytes."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * N
     cols = tl.arange(0, BLOCK)
@@ -89,7 +91,8 @@ def layer_norm_quantize(
     rms: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """LayerNorm (or RMSNorm) over the last dim, then FP8 with a static per-tensor scale; returns
-    ``(normalized in x's dtype, fp8)`` from one launch."""
+    ``(normalized, fp8)`` from one launch. ``normalized`` has x's dtype (fp32 for inputs other than
+    fp32/bf16/fp16), where reference.layer_norm_quantize always returns fp32."""
     check_device(x, weight, bias, scale)
     if x.dim() == 0 or x.shape[-1] == 0:
         raise ValueError("layer_norm_quantize needs a non-empty last dimension")
@@ -116,7 +119,7 @@ def _aot_configs() -> list[tuple[str, str, Kernel, dict, dict]]:
     """Every launchable combination: x dtype × affine params (none / weight / bias / both; dtype x's or
     fp32; an absent pointer is x's) × LayerNorm/RMSNorm (RMS never has bias) × format × BLOCK."""
     configs = []
-    for x_dtype, x_ty in TRITON_DTYPES.items():
+    for x_ty in TRITON_DTYPES.values():
         param_types = sorted({x_ty, "fp32"})
         for rms in (False, True):
             for has_w in (False, True):

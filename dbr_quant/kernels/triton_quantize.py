@@ -224,7 +224,7 @@ def aot_signature(kernel: Kernel, types: dict[str, str]) -> dict[str, str]:
 
 def _aot_configs() -> list[tuple[str, str, Kernel, dict, dict]]:
     configs = []
-    for dtype, ty in TRITON_DTYPES.items():
+    for ty in TRITON_DTYPES.values():
         sig = aot_signature(AMAX, {"x_ptr": f"*{ty}", "amax_ptr": "*fp32", "numel": "i32"})
         configs.append(("amax", f"x={ty} BLOCK={AMAX_BLOCK}", AMAX, sig, {"BLOCK": AMAX_BLOCK}))
         for fmt in FORMATS:
