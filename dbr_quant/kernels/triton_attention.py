@@ -37,11 +37,24 @@ from .triton_common import Kernel, check_device, fp8_constants, on_interpreter, 
 LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr global, so kernels may read it
 HEAD_DIMS = (16, 32, 64, 128)
 MASK_KINDS = {"none": 0, "bool": 1, "float": 2}
-# (BLOCK_M, num_warps): 64-row tiles for short query sequences (decode, short prompts), 128 otherwise
-# (one or two warpgroups of wgmma on sm_90). BLOCK_N = 64 keys: the K dimension of the P·V dot.
-GPU_BLOCKS = ((64, 4), (128, 8))
-BLOCK_N_GPU = 64
+# (BLOCK_M, num_warps): 64-row tiles for short query sequences (decode, short prompts), 128 otherwise.
+# BLOCK_N = 32 keys and 8 warps: with 64 keys or 4 warps, ptxas spilled registers (up to 3.7 KB for
+# D=128 with a mask on sm_90, see `python -m dbr_quant.kernels.aot --all --only attn`); D=128 keeps
+# 64-row tiles for the same reason.
+GPU_BLOCKS = ((64, 8), (128, 8))
+BLOCK_N_GPU = 32
 NUM_STAGES = 3
+# Ada (sm_89, mma.sync) has more register pressure: ptxas spilled for every D=64 tile of 128 rows and for
+# D=16 with 8 warps, so it always uses 64-row tiles, with 4 warps for D=16 and 8 otherwise.
+ARCHS = (90, 89)
+
+
+def gpu_config(lq: int, head_dim: int, arch: int) -> tuple[int, int]:
+    """(BLOCK_M, num_warps) the kernel launches with on a GPU of compute capability ``arch``."""
+    if arch < 90:
+        return 64, 4 if head_dim == 16 else 8
+    block_m, warps = GPU_BLOCKS[0] if lq <= GPU_BLOCKS[0][0] or head_dim > 64 else GPU_BLOCKS[1]
+    return block_m, warps
 # The interpreter runs with small tiles so that short test sequences still cross several K/V tiles
 # and exercise the online-softmax rescaling; the kernel code is identical (block sizes are constexprs).
 INTERPRETER_BLOCKS = (16, 16)
@@ -143,11 +156,12 @@ def _block_d(head_dim: int) -> int:
     return max(head_dim, 32)
 
 
-def _launch_config(lq: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for a launch: small tiles in the interpreter, GPU_BLOCKS otherwise."""
+def _launch_config(lq: int, head_dim: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for a launch: small tiles in the interpreter, :func:`gpu_config` else."""
     if on_interpreter():
         return (*INTERPRETER_BLOCKS, 4)
-    block_m, warps = GPU_BLOCKS[0] if lq <= GPU_BLOCKS[0][0] else GPU_BLOCKS[1]
+    major, minor = torch.cuda.get_device_capability(device)
+    block_m, warps = gpu_config(lq, head_dim, 10 * major + minor)
     return block_m, BLOCK_N_GPU, warps
 
 
@@ -217,7 +231,7 @@ def fp8_attention(
         mask = torch.broadcast_to(m, (B, Hq, Lq, Lk))
         mask_strides = mask.stride()
 
-    block_m, block_n, warps = _launch_config(Lq)
+    block_m, block_n, warps = _launch_config(Lq, D, q_q.device)
     grid = (triton.cdiv(Lq, block_m), B * Hq)
     extra = {} if on_interpreter() else {"num_warps": warps, "num_stages": NUM_STAGES}
     ATTN_FWD[grid](
@@ -243,7 +257,8 @@ def _aot_configs() -> list[tuple[str, str, Kernel, dict, dict]]:
         for head_dim in HEAD_DIMS:
             for causal in (False, True):
                 for mask_name, kind in MASK_KINDS.items():
-                    for block_m, warps in GPU_BLOCKS:
+                    tiles = {(arch, *gpu_config(lq, head_dim, arch)) for arch in ARCHS for lq in (1, 10**6)}
+                    for arch, block_m, warps in sorted(tiles):
                         types = [f"*{fp8}"] * 3 + ["*fp32"] * 4 + ["*u8" if kind == 1 else "*fp32"]
                         sig = dict(zip(names, types + ["i32"] * 4 + ["fp32"]))
                         sig.update(dict.fromkeys(ints, "i32"))
@@ -252,7 +267,7 @@ def _aot_configs() -> list[tuple[str, str, Kernel, dict, dict]]:
                                   **fp8_constants(fmt)}
                         sig.update(dict.fromkeys(consts, "constexpr"))
                         desc = (f"{fmt.value} D={head_dim} causal={causal} mask={mask_name} "
-                                f"BLOCK_M={block_m} BLOCK_N={BLOCK_N_GPU} warps={warps}")
+                                f"BLOCK_M={block_m} BLOCK_N={BLOCK_N_GPU} warps={warps} sm_{arch}")
                         configs.append(("_attn_fwd", desc, ATTN_FWD, sig, consts))
     return configs
 

@@ -30,7 +30,9 @@ from ..formats import FP8Format
 from .reference import ACTIVATIONS, GATED
 from .triton_common import Kernel, check_device, device_function, fp8_bits, fp8_constants, round_to_fp8
 
-__all__ = ["AOT_CONFIGS", "CONFIGS", "GemmConfig", "aot_options", "fp8_linear", "fp8_matmul", "pick_config"]
+__all__ = [
+    "AOT_CONFIGS", "CONFIGS", "GemmConfig", "aot_attrs", "aot_options", "fp8_linear", "fp8_matmul", "pick_config",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,12 +215,33 @@ def _fp8_matmul_kernel(
     tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, c, mask=mask_m[:, None] & mask_n[None, :])
 
 
-LINEAR_KERNEL = Kernel(_fp8_linear_kernel)
-MATMUL_KERNEL = Kernel(_fp8_matmul_kernel)
+class _GemmKernel(Kernel):
+    """A :class:`Kernel` whose JIT does not specialize the given int arguments.
+
+    Triton compiles a separate variant for every int argument equal to 1 (it becomes a constexpr). For
+    the unit strides along K (A, W) and N (out, residual) that is wanted (contiguous → vector loads and
+    cp.async pipelining), and the wrappers guarantee it. For M (= 1 when decoding) and the scale strides
+    (0 or 1: per-tensor or per-row) it would only multiply the variants, so those are not specialized
+    and :data:`AOT_CONFIGS` lists exactly the variants the wrappers launch.
+    """
+
+    def __init__(self, fn, do_not_specialize: tuple[str, ...]) -> None:
+        super().__init__(fn)
+        self.jit = triton.jit(fn, do_not_specialize=do_not_specialize)
+
+
+LINEAR_KERNEL = _GemmKernel(_fp8_linear_kernel, ("M", "stride_xs", "stride_ws"))
+MATMUL_KERNEL = _GemmKernel(_fp8_matmul_kernel, ("M", "B1", "stride_sa0", "stride_sa1", "stride_sam", "stride_sb0",
+                                                 "stride_sb1", "stride_sbn"))
 
 _FP8_DTYPES = {torch.float8_e4m3fn: FP8Format.E4M3, torch.float8_e5m2: FP8Format.E5M2}
 _OUT_KINDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _MAX_GRID_Z = 65535
+
+
+def _activation_kind(activation: str | None) -> str:
+    """The ACTIVATION constexpr: gated kinds name the activation applied to the gate half."""
+    return {"swiglu": "silu", "geglu": "gelu", None: "none"}.get(activation, activation)
 
 
 def _fp8_format(t: torch.Tensor, what: str) -> FP8Format:
@@ -227,10 +250,15 @@ def _fp8_format(t: torch.Tensor, what: str) -> FP8Format:
     return _FP8_DTYPES[t.dtype]
 
 
+def _unit_stride(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` with stride 1 along ``dim``, copied only if needed: the variants in AOT_CONFIGS (and the fast
+    ones: vector loads, cp.async) have unit strides along K and N (see :class:`_GemmKernel`)."""
+    return t if t.stride(dim) == 1 else torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
+
+
 def _check_size(*tensors: torch.Tensor) -> None:
-    for t in tensors:  # element offsets are 32-bit inside the tile loops
-        if t is not None and t.numel() >= 2**31:
-            raise ValueError(f"tensor of {t.numel()} elements is too large for 32-bit offsets")
+    if any(t is not None and t.numel() >= 2**31 for t in tensors):  # offsets in the tile loops are 32-bit
+        raise ValueError("tensor too large for 32-bit offsets")
 
 
 def fp8_linear(
@@ -267,7 +295,8 @@ def fp8_linear(
     if gated and n_w % 2:
         raise ValueError(f"gated activation {activation!r} needs W stacked as [gate; up], got {n_w} rows")
     n = n_w // 2 if gated else n_w
-    a = x_q.reshape(-1, k)
+    a = _unit_stride(x_q.reshape(-1, k), 1)
+    w_q = _unit_stride(w_q, 1)
     m = a.shape[0]
     _check_size(a, w_q, residual)
     dev = a.device
@@ -279,7 +308,7 @@ def fp8_linear(
     b = None if bias is None else bias.detach().float().reshape(n_w)
     res = None
     if residual is not None:
-        res = torch.broadcast_to(residual, (*lead, n)).reshape(m, n)
+        res = _unit_stride(torch.broadcast_to(residual, (*lead, n)).reshape(m, n), 1)
         if res.dtype not in _OUT_KINDS:
             res = res.float()
     if out_scale is not None:
@@ -306,16 +335,11 @@ def fp8_linear(
             a.stride(0), a.stride(1), w_q.stride(0), w_q.stride(1), out.stride(0), out.stride(1),
             0 if res is None else res.stride(0), 0 if res is None else res.stride(1),
             0 if xs.numel() == 1 else xs.stride(0), 0 if ws.numel() == 1 else ws.stride(0),
-            **cfg.constexprs(), ACTIVATION=activation_kind(activation),
+            **cfg.constexprs(), ACTIVATION=_activation_kind(activation),
             GATED=gated, HAS_BIAS=b is not None, HAS_RESIDUAL=res is not None, OUT_KIND=kind,
             **fp8_constants(fmt_o), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return out.reshape(*lead, n)
-
-
-def activation_kind(activation: str | None) -> str:
-    """The ACTIVATION constexpr: gated kinds name the activation applied to the gate half."""
-    return {"swiglu": "silu", "geglu": "gelu", None: "none"}.get(activation, activation)
 
 
 def fp8_matmul(
@@ -343,6 +367,9 @@ def fp8_matmul(
             return t.reshape((1,) * (2 - len(batch)) + tuple(t.shape))
         return t.reshape(-1, batch[-1], rows, cols)
 
+    # unit stride along K for a, along K or N for b (Q·Kᵀ passes a transposed view: no copy needed)
+    a_q = _unit_stride(a_q, -1)
+    b_q = b_q if b_q.stride(-2) == 1 else _unit_stride(b_q, -1)
     a, b, c = as_4d(a_q, m, k), as_4d(b_q, k, n), as_4d(out, m, n)
     sa, sb = as_4d(a_scale.detach().float(), m, 1), as_4d(b_scale.detach().float(), 1, n)
     _check_size(a[0, 0], b[0, 0], c[0, 0])
@@ -364,19 +391,21 @@ def fp8_matmul(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Ahead-of-time compilation table
+# Ahead-of-time compilation table: every variant the wrappers can launch (what the JIT would compile)
 
 _PTR = {FP8Format.E4M3: "*fp8e4nv", FP8Format.E5M2: "*fp8e5"}
 _OUT_PTR = {"fp32": "*fp32", "bf16": "*u16", "fp16": "*fp16", "fp8": "*u8"}
-_LINEAR_PTRS = ("a_ptr", "w_ptr", "out_ptr", "x_scale_ptr", "w_scale_ptr", "bias_ptr", "res_ptr", "inv_out_scale_ptr")
-_LINEAR_INTS = ("M", "N", "K", "stride_am", "stride_ak", "stride_wn", "stride_wk", "stride_om", "stride_on",
-                "stride_rm", "stride_rn", "stride_xs", "stride_ws")
-_MATMUL_INTS = ("M", "N", "K", "B1") + tuple(
-    f"stride_{t}{d}" for t, dims in (("a", "01mk"), ("b", "01kn"), ("c", "01mn")) for d in dims
-) + ("stride_sa0", "stride_sa1", "stride_sam", "stride_sb0", "stride_sb1", "stride_sbn")
-_BLOCK_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
-_EPILOGUE_KEYS = ("ACTIVATION", "GATED", "HAS_BIAS", "HAS_RESIDUAL", "OUT_KIND", "FP8_MAX", "MANTISSA_BITS",
-                  "MIN_NORMAL", "EXP_BIAS")
+
+
+def _signature(kernel: _GemmKernel, ptrs: dict[str, str], units: tuple[str, ...]) -> tuple[dict, dict]:
+    """Pointer types as given, unit strides as constexpr 1 (as the JIT specializes them), other ints i32."""
+    sig = {p.name: ptrs.get(p.name, "constexpr" if p.is_constexpr or p.name in units else "i32")
+           for p in kernel.jit.params}
+    return sig, dict.fromkeys(units, 1)
+
+
+def _describe(c: GemmConfig) -> str:
+    return f"{c.name} {c.BLOCK_M}x{c.BLOCK_N}x{c.BLOCK_K} warps={c.num_warps} stages={c.num_stages}"
 
 
 def _linear_entry(cfg, fmt_a, fmt_w, activation, has_bias, res_dtype, out):
@@ -384,41 +413,36 @@ def _linear_entry(cfg, fmt_a, fmt_w, activation, has_bias, res_dtype, out):
     kind = "fp8" if isinstance(out, FP8Format) else out
     gated = activation in GATED
     cfg = cfg.gated() if gated else cfg
-    ptr_types = (_PTR[fmt_a], _PTR[fmt_w], _OUT_PTR[kind], "*fp32", "*fp32", "*fp32",
-                 "*" + (res_dtype or "fp32"), "*fp32")
-    sig = dict(zip(_LINEAR_PTRS, ptr_types))
-    sig.update(dict.fromkeys(_LINEAR_INTS, "i32"))
-    sig.update(dict.fromkeys(_BLOCK_KEYS + _EPILOGUE_KEYS, "constexpr"))
-    consts = {**cfg.constexprs(), "ACTIVATION": activation_kind(activation), "GATED": gated, "HAS_BIAS": has_bias,
-              "HAS_RESIDUAL": res_dtype is not None, "OUT_KIND": kind,
-              **fp8_constants(out if kind == "fp8" else FP8Format.E4M3)}
+    ptrs = {"a_ptr": _PTR[fmt_a], "w_ptr": _PTR[fmt_w], "out_ptr": _OUT_PTR[kind], "x_scale_ptr": "*fp32",
+            "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "res_ptr": "*" + (res_dtype or "fp32"),
+            "inv_out_scale_ptr": "*fp32"}
+    units = ("stride_ak", "stride_wk", "stride_on") + (("stride_rn",) if res_dtype else ())
+    sig, consts = _signature(LINEAR_KERNEL, ptrs, units)
+    consts.update(cfg.constexprs(), ACTIVATION=_activation_kind(activation), GATED=gated, HAS_BIAS=has_bias,
+                  HAS_RESIDUAL=res_dtype is not None, OUT_KIND=kind,
+                  **fp8_constants(out if kind == "fp8" else FP8Format.E4M3))
     out_name = f"fp8{out.value}" if kind == "fp8" else kind
-    desc = (f"{cfg.name} {cfg.BLOCK_M}x{cfg.BLOCK_N}x{cfg.BLOCK_K} warps={cfg.num_warps} stages={cfg.num_stages}"
-            f" | {fmt_a.value}x{fmt_w.value} act={activation} bias={int(has_bias)} residual={res_dtype}"
-            f" out={out_name}")
+    desc = (f"{_describe(cfg)} | {fmt_a.value}x{fmt_w.value} act={activation} bias={int(has_bias)}"
+            f" residual={res_dtype} out={out_name}")
     return ("_fp8_linear_kernel", desc, LINEAR_KERNEL, sig, consts)
 
 
-def _matmul_entry(cfg, fmt_a, fmt_b):
-    sig = dict(zip(("a_ptr", "b_ptr", "c_ptr", "sa_ptr", "sb_ptr"), (_PTR[fmt_a], _PTR[fmt_b], "*fp32", "*fp32",
-                                                                       "*fp32")))
-    sig.update(dict.fromkeys(_MATMUL_INTS, "i32"))
-    sig.update(dict.fromkeys(_BLOCK_KEYS, "constexpr"))
-    desc = (f"{cfg.name} {cfg.BLOCK_M}x{cfg.BLOCK_N}x{cfg.BLOCK_K} warps={cfg.num_warps} stages={cfg.num_stages}"
-            f" | {fmt_a.value}x{fmt_b.value}")
-    return ("_fp8_matmul_kernel", desc, MATMUL_KERNEL, sig, cfg.constexprs())
+def _matmul_entry(cfg, fmt_a, fmt_b, b_layout):
+    """``b_layout`` "kn": b row-major (P·V); "nk": b is a transposed row-major tensor (Q·Kᵀ)."""
+    ptrs = {"a_ptr": _PTR[fmt_a], "b_ptr": _PTR[fmt_b], "c_ptr": "*fp32", "sa_ptr": "*fp32", "sb_ptr": "*fp32"}
+    units = ("stride_ak", "stride_bn" if b_layout == "kn" else "stride_bk", "stride_cn")
+    sig, consts = _signature(MATMUL_KERNEL, ptrs, units)
+    consts.update(cfg.constexprs())
+    desc = f"{_describe(cfg)} | {fmt_a.value}x{fmt_b.value} b={b_layout}"
+    return ("_fp8_matmul_kernel", desc, MATMUL_KERNEL, sig, consts)
 
 
 def _aot_configs() -> list[tuple[str, str, Kernel, dict, dict]]:
     fmts = list(FP8Format)
-    entries = [
-        _linear_entry(cfg, fa, fw, act, bias, res, out)
-        for cfg, fa, fw, act, bias, res, out in itertools.product(
-            CONFIGS.values(), fmts, fmts, (None,) + ACTIVATIONS + GATED, (False, True), (None, "bf16"),
-            ("fp32", "bf16", FP8Format.E4M3, FP8Format.E5M2))
-    ]
-    entries += [_matmul_entry(cfg, fa, fb) for cfg, fa, fb in itertools.product(CONFIGS.values(), fmts, fmts)]
-    return entries
+    linear = itertools.product(CONFIGS.values(), fmts, fmts, (None,) + ACTIVATIONS + GATED, (False, True),
+                               (None, "fp32", "bf16", "fp16"), ("fp32", "bf16", "fp16", *FP8Format))
+    matmul = itertools.product(CONFIGS.values(), fmts, fmts, ("kn", "nk"))
+    return [_linear_entry(*args) for args in linear] + [_matmul_entry(*args) for args in matmul]
 
 
 AOT_CONFIGS: list[tuple[str, str, Kernel, dict, dict]] = _aot_configs()
@@ -426,5 +450,15 @@ AOT_CONFIGS: list[tuple[str, str, Kernel, dict, dict]] = _aot_configs()
 
 def aot_options(entry: tuple[str, str, Kernel, dict, dict]) -> dict[str, int]:
     """``num_warps``/``num_stages`` of an AOT_CONFIGS entry (launch options: pass as triton.compile options)."""
-    name = entry[1].split()[0].removesuffix("-gated")  # descriptions start with the config's name
-    return {"num_warps": CONFIGS[name].num_warps, "num_stages": CONFIGS[name].num_stages}
+    cfg = CONFIGS[entry[1].split()[0].removesuffix("-gated")]  # descriptions start with the config's name
+    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
+def aot_attrs(entry: tuple[str, str, Kernel, dict, dict]) -> dict:
+    """ASTSource ``attrs`` for the common aligned case (the JIT adds them when pointers, K, N and the
+    leading strides are multiples of 16): without them loads are not vectorized nor cp.async-pipelined."""
+    sig = entry[3]
+    aligned = {"N", "K", "stride_am", "stride_wn", "stride_om", "stride_rm", "stride_bk", "stride_bn",
+               "stride_cm", "stride_a0", "stride_a1", "stride_b0", "stride_b1", "stride_c0", "stride_c1"}
+    return {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
+            if ty.startswith("*") or (ty == "i32" and name in aligned)}

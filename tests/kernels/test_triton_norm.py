@@ -212,11 +212,3 @@ def test_representative_aot_configs_compile_for_hopper_and_ada(arch):
         ptx = triton.compile(src, target=GPUTarget("cuda", arch, 32)).asm["ptx"]
         assert f".target sm_{arch}" in ptx and "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx
         assert "e4m3" not in ptx and "e5m2" not in ptx and "rsqrt" not in ptx
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", [90, 89])
-def test_all_aot_configs_compile_for_hopper_and_ada(arch):
-    for _, _, kernel, sig, const in TN.AOT_CONFIGS:
-        src = triton.compiler.ASTSource(fn=kernel.jit, signature=sig, constexprs=const)
-        assert f".target sm_{arch}" in triton.compile(src, target=GPUTarget("cuda", arch, 32)).asm["ptx"]

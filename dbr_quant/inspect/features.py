@@ -1,0 +1,247 @@
+"""Debug features: the base class, the registry, and the five built-in features.
+
+Modelled on Transformer Engine's debug features (``process_tensor``, ``process_quantized_tensor``,
+``fp8_gemm``, ``save_stats_for_logging[_quantized]``). A feature is a frozen dataclass whose fields are
+its YAML parameters; it overrides any subset of the hooks below. For each tensor of a layer
+(linear: ``input``, ``weight``, ``output``; matmul: ``a``, ``b``, ``output``; sdpa: ``q``, ``k``, ``v``,
+``output``) the inspector calls, in this order::
+
+    log_tensor(ctx, x)            # the high-precision tensor as it arrives
+    x = process_tensor(ctx, x)    # before quantization (for "output": after the GEMM)
+    q = process_quantized(ctx, q) # after quantization (only when the layer runs in FP8)
+    log_quantized(ctx, x, q)      # the quantized tensor next to its high-precision value
+
+and once per layer call ``use_fp8(layer)`` (any ``False`` → the GEMM runs in high precision) and
+``tensor_config(layer, tensor, cfg)`` (format / granularity of ``input`` and ``weight``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar, TypeVar
+
+import torch
+
+from ..formats import FP8Format
+from ..qconfig import OpQConfig, TensorQConfig
+from .stats import FP8_STATS, TENSOR_STATS, fp8_stats, tensor_stats
+
+ACTIVATION_TENSORS = ("input", "a", "b", "q", "k", "v")
+TENSOR_NAMES = ACTIVATION_TENSORS + ("weight", "output")
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """A recorded quantized op as features see it. ``name`` is the op's fqn (for nn.Linear: its module)."""
+
+    name: str
+    kind: str  # linear / matmul / sdpa
+    module_type: str  # class name of the nn.Linear, or of the module whose forward calls the op
+    qconfig: OpQConfig
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """An FP8 tensor and its dequantization scale (x ≈ data·scale, scale broadcasts against data)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    format: FP8Format
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.data.float() * self.scale.float()).to(dtype)
+
+
+@dataclass(frozen=True)
+class TensorContext:
+    """What a hook knows about the tensor at hand; ``log`` appends a record, ``quantize`` uses the
+    layer's scale and format for this tensor (what FP8 execution would do)."""
+
+    layer: LayerInfo
+    tensor: str
+    step: int
+    fp8: bool  # does the layer's GEMM run in FP8
+    log: Callable[[str, float], None]
+    quantize: Callable[[torch.Tensor], Quantized]
+
+
+class Feature:
+    """Base class of debug features. Subclasses are frozen dataclasses registered with
+    :func:`register_feature`; every hook is optional."""
+
+    name: ClassVar[str] = ""
+
+    def use_fp8(self, layer: LayerInfo) -> bool | None:
+        """False: this layer's GEMM runs in high precision. None: no opinion."""
+        return None
+
+    def tensor_config(self, layer: LayerInfo, tensor: str, cfg: TensorQConfig) -> TensorQConfig:
+        return cfg
+
+    def process_tensor(self, ctx: TensorContext, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def process_quantized(self, ctx: TensorContext, q: Quantized) -> Quantized:
+        return q
+
+    def log_tensor(self, ctx: TensorContext, x: torch.Tensor) -> None:
+        return None
+
+    def log_quantized(self, ctx: TensorContext, x: torch.Tensor, q: Quantized) -> None:
+        return None
+
+    def overrides(self, hook: str) -> bool:
+        return getattr(type(self), hook) is not getattr(Feature, hook)
+
+
+FEATURES: dict[str, type[Feature]] = {}
+F = TypeVar("F", bound=type[Feature])
+
+
+def register_feature(cls: F | None = None, *, name: str | None = None, replace: bool = False):
+    """Class decorator: make a ``Feature`` subclass usable by name in inspect YAML configs.
+
+    The class is turned into a frozen dataclass if it is not one already; its fields are the YAML
+    parameters (type-checked when the config loads; ``__post_init__`` may validate further).
+    """
+
+    def wrap(c: F) -> F:
+        if not (isinstance(c, type) and issubclass(c, Feature)):
+            raise TypeError(f"@register_feature needs a subclass of dbr_quant.inspect.Feature, got {c!r}")
+        if not dataclasses.is_dataclass(c) or "__dataclass_params__" not in c.__dict__:
+            c = dataclass(frozen=True)(c)
+        key = name or c.__name__
+        if key in FEATURES and not replace and FEATURES[key] is not c:
+            raise ValueError(f"a feature named {key!r} is already registered ({FEATURES[key].__qualname__}); "
+                             "pass replace=True to replace it")
+        c.name = key
+        FEATURES[key] = c
+        return c
+
+    return wrap(cls) if cls is not None else wrap
+
+
+def unregister_feature(name: str) -> None:
+    FEATURES.pop(name, None)
+
+
+def _check_names(what: str, given: tuple[str, ...], allowed: tuple[str, ...]) -> tuple[str, ...]:
+    given = tuple(given)
+    bad = [g for g in given if g not in allowed]
+    if bad:
+        raise ValueError(f"unknown {what} {bad}; allowed: {list(allowed)}")
+    return given
+
+
+@dataclass(frozen=True)
+class StepRange:
+    """Which steps (forwards inside the session, from 0) a logging feature acts on; end_step inclusive."""
+
+    freq: int = 1
+    start_step: int = 0
+    end_step: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.freq < 1 or self.start_step < 0 or (self.end_step is not None and self.end_step < self.start_step):
+            raise ValueError("need freq >= 1, start_step >= 0 and end_step >= start_step (or null)")
+
+    def active(self, step: int) -> bool:
+        if step < self.start_step or (self.end_step is not None and step > self.end_step):
+            return False
+        return (step - self.start_step) % self.freq == 0
+
+
+@register_feature
+@dataclass(frozen=True)
+class LogTensorStats(Feature, StepRange):
+    """Log amax / min / max / mean / std of the high-precision tensors."""
+
+    tensors: tuple[str, ...] = ("input", "weight", "output")
+    stats: tuple[str, ...] = TENSOR_STATS
+
+    def __post_init__(self) -> None:
+        StepRange.__post_init__(self)
+        _check_names("tensors", self.tensors, TENSOR_NAMES)
+        _check_names("stats", self.stats, TENSOR_STATS)
+
+    def log_tensor(self, ctx: TensorContext, x: torch.Tensor) -> None:
+        if ctx.tensor in self.tensors and self.active(ctx.step):
+            for stat, value in tensor_stats(x, self.stats).items():
+                ctx.log(stat, value)
+
+
+@register_feature
+@dataclass(frozen=True)
+class LogFP8Stats(Feature, StepRange):
+    """Log underflow %, saturation %, quantization MSE, SQNR (dB) and the scale of quantized tensors.
+
+    Layers that run in high precision (DisableFP8 / FakeQuant) are measured on what FP8 would do."""
+
+    tensors: tuple[str, ...] = ("input", "weight")
+    stats: tuple[str, ...] = FP8_STATS
+
+    def __post_init__(self) -> None:
+        StepRange.__post_init__(self)
+        _check_names("tensors", self.tensors, ACTIVATION_TENSORS + ("weight",))
+        _check_names("stats", self.stats, FP8_STATS)
+
+    def log_quantized(self, ctx: TensorContext, x: torch.Tensor, q: Quantized) -> None:
+        if ctx.tensor in self.tensors and self.active(ctx.step):
+            for stat, value in fp8_stats(x, q.data, q.scale, q.format, self.stats).items():
+                ctx.log(stat, value)
+
+
+@register_feature
+@dataclass(frozen=True)
+class DisableFP8(Feature):
+    """The selected layers run in high precision (converted models: with their dequantized FP8 weights)."""
+
+    def use_fp8(self, layer: LayerInfo) -> bool | None:
+        return False
+
+
+@register_feature
+@dataclass(frozen=True)
+class FakeQuant(Feature):
+    """Quantize-dequantize the chosen tensors with the layer's scales, then compute in high precision."""
+
+    tensors: tuple[str, ...] = ("input", "weight")
+
+    def __post_init__(self) -> None:
+        _check_names("tensors", self.tensors, ACTIVATION_TENSORS + ("weight",))
+
+    def use_fp8(self, layer: LayerInfo) -> bool | None:
+        return False
+
+    def process_tensor(self, ctx: TensorContext, x: torch.Tensor) -> torch.Tensor:
+        if ctx.tensor not in self.tensors:
+            return x
+        return ctx.quantize(x).dequantize(x.dtype)
+
+
+@register_feature
+@dataclass(frozen=True)
+class Scaling(Feature):
+    """Per-layer FP8 format (E4M3 / E5M2) and granularity: weights "tensor" or "channel"; activations
+    "tensor" (calibrated scale, or dynamic when the model is) or "token" (dynamic, one scale per row)."""
+
+    input_format: str | None = None
+    input_granularity: str | None = None
+    weight_format: str | None = None
+    weight_granularity: str | None = None
+
+    def __post_init__(self) -> None:
+        for f in (self.input_format, self.weight_format):
+            if f is not None:
+                FP8Format.parse(f)
+        _check_names("input_granularity", (self.input_granularity or "tensor",), ("tensor", "token"))
+        _check_names("weight_granularity", (self.weight_granularity or "tensor",), ("tensor", "channel"))
+
+    def tensor_config(self, layer: LayerInfo, tensor: str, cfg: TensorQConfig) -> TensorQConfig:
+        fmt, gran = (self.weight_format, self.weight_granularity) if tensor == "weight" else (
+            self.input_format, self.input_granularity)
+        if fmt is None and gran is None:
+            return cfg
+        return TensorQConfig(format=fmt or cfg.format, observer=cfg.observer, granularity=gran or cfg.granularity)

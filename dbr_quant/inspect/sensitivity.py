@@ -1,0 +1,185 @@
+"""Per-layer sensitivity: the model output's SQNR and cosine vs fp32 when only one layer runs in FP8.
+
+Best on a prepared + calibrated model: its high-precision weights are intact, so the reference
+(``dbr_quant.disabled()``) is the exact fp32 model and "every other layer in high precision" is exact.
+On a converted model both use the dequantized FP8 weights; pass ``reference=`` (the original model)
+to measure against real fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..auto_trace import disabled
+from ..mappings import LINEAR, MATMUL, SDPA
+from ..quantization_state import SeenOp
+from .features import DisableFP8, Feature
+from .inspector import Inspector, attached, named_ops, recorded_layers
+from .stats import sqnr_db
+
+OutputFn = Callable[[nn.Module, Any], torch.Tensor]
+METRICS = ("cosine", "sqnr_db")
+
+
+@dataclass(frozen=True)
+class Metrics:
+    cosine: float  # mean cosine similarity of output rows (vectors along the last dimension)
+    sqnr_db: float
+
+    def get(self, metric: str) -> float:
+        if metric not in METRICS:
+            raise ValueError(f"metric must be one of {METRICS}, not {metric!r}")
+        return getattr(self, metric)
+
+
+@dataclass(frozen=True)
+class LayerSensitivity:
+    layer: str
+    kind: str
+    cosine: float
+    sqnr_db: float
+    flops: int  # of the op at the shapes recorded by prepare()
+
+
+def run_batch(model: nn.Module, batch: Any) -> Any:
+    """Call the model like ``dbr_quant.calibrate`` does: tensor, tuple (positional) or mapping (keywords)."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def first_tensor(model: nn.Module, batch: Any) -> torch.Tensor:
+    """Default output_fn: the first tensor of the model's output (e.g. ``last_hidden_state``)."""
+    out = run_batch(model, batch)
+    leaves = [x for x in torch.utils._pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+    if not leaves:
+        raise TypeError("the model returned no tensor; pass output_fn=")
+    return leaves[0]
+
+
+def outputs(model: nn.Module, batches: Sequence[Any], output_fn: OutputFn | None = None) -> list[torch.Tensor]:
+    fn = output_fn or first_tensor
+    with torch.no_grad():
+        return [fn(model, b).detach().float() for b in batches]
+
+
+def reference_outputs(model: nn.Module, batches: Sequence[Any], output_fn: OutputFn | None = None,
+                      reference: nn.Module | None = None) -> list[torch.Tensor]:
+    if reference is not None:
+        return outputs(reference, batches, output_fn)
+    with disabled():
+        return outputs(model, batches, output_fn)
+
+
+def compare(ref: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> Metrics:
+    """Mean row cosine and SQNR (dB) of ``out`` against ``ref`` over all batches."""
+    rows_r = torch.cat([_rows(t) for t in ref]).double()
+    rows_o = torch.cat([_rows(t) for t in out]).double()
+    cos = torch.nn.functional.cosine_similarity(rows_o, rows_r, dim=-1, eps=1e-30).mean().item()
+    return Metrics(cos, sqnr_db(rows_r, rows_o))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1]) if t.dim() >= 2 else t.reshape(1, -1)
+
+
+def op_flops(op: SeenOp) -> int:
+    """Multiply-adds × 2 of a recorded GEMM at its traced shapes (0 for other kinds)."""
+    shape = lambda i: op.inputs[i].shape if len(op.inputs) > i and op.inputs[i] is not None else None  # noqa: E731
+    if op.kind == LINEAR:  # x (…, K) → y (…, N): 2·numel(x)·N
+        return 2 * math.prod(shape(0)) * op.outputs[0].shape[-1]
+    if op.kind == MATMUL:  # a (…, m, k) @ b → out (…, m, n): 2·numel(out)·k
+        return 2 * math.prod(op.outputs[0].shape) * shape(0)[-1]
+    if op.kind == SDPA:  # q (…, L, D), k (…, S, D), v (…, S, Dv): q·kᵀ and p·v
+        q, k, v = shape(0), shape(1), shape(2)
+        return 2 * math.prod(q[:-1]) * k[-2] * (q[-1] + v[-1])
+    return 0
+
+
+def fp8_flop_fraction(model: nn.Module, high_precision: Iterable[str] = (), kinds: tuple[str, ...] = (LINEAR,)
+                      ) -> float:
+    """FLOPs of recorded ``kinds`` ops that run in FP8 (quantized and not in ``high_precision``, layer names)
+    over the FLOPs of all recorded ops of those kinds (including ones prepare() already left in high precision)."""
+    hp = set(high_precision)
+    ops = [(n, op) for n, op in named_ops(model) if op.kind in kinds]
+    total = sum(op_flops(op) for _, op in ops)
+    fp8 = sum(op_flops(op) for n, op in ops if op.quantize and n not in hp)
+    return fp8 / total if total else 0.0
+
+
+class _Evaluator:
+    """Runs the model with a chosen set of layers in high precision (shares one weight cache)."""
+
+    def __init__(self, model: nn.Module, batches: Sequence[Any], output_fn: OutputFn | None,
+                 reference: nn.Module | None) -> None:
+        self.model, self.batches, self.output_fn = model, list(batches), output_fn
+        if not self.batches:
+            raise ValueError("need at least one batch")
+        layers = recorded_layers(model)
+        self.layers = list(layers)
+        self.kinds = {n: r.info.kind for n, r in layers.items()}
+        self.ref = reference_outputs(model, self.batches, output_fn, reference)
+        self.inspector = Inspector({}, layers)
+        self.evaluations = 0
+
+    def metrics(self, high_precision: Iterable[str]) -> Metrics:
+        # FP8 layers take the generic path too (a no-op feature), so their FP8 weights are cached
+        off: tuple[Feature, ...] = (DisableFP8(),)
+        hp, on = set(high_precision), (Feature(),)
+        self.inspector.plan = {n: off if n in hp else on for n in self.layers}
+        self.evaluations += 1
+        with attached(self.model, self.inspector):
+            return compare(self.ref, outputs(self.model, self.batches, self.output_fn))
+
+
+def sensitivity(model: nn.Module, batches: Sequence[Any], *, output_fn: OutputFn | None = None,
+                reference: nn.Module | None = None, layers: Iterable[str] | None = None,
+                by: str = "sqnr_db") -> list[LayerSensitivity]:
+    """For each recorded quantized layer (or ``layers``): the output's cosine / SQNR vs the reference with
+    only that layer in FP8. Sorted worst first by ``by`` ("sqnr_db" or "cosine")."""
+    ev = _Evaluator(model, batches, output_fn, reference)
+    return _sensitivity(ev, layers, by)
+
+
+def _sensitivity(ev: _Evaluator, layers: Iterable[str] | None, by: str) -> list[LayerSensitivity]:
+    Metrics(0.0, 0.0).get(by)  # validate
+    flops = {n: op_flops(op) for n, op in named_ops(ev.model)}
+    names = list(layers) if layers is not None else ev.layers
+    unknown = [n for n in names if n not in ev.kinds]
+    if unknown:
+        raise ValueError(f"not recorded quantized layers: {unknown}")
+    out = []
+    for name in names:
+        m = ev.metrics([n for n in ev.layers if n != name])
+        out.append(LayerSensitivity(name, ev.kinds[name], m.cosine, m.sqnr_db, flops.get(name, 0)))
+    return sorted(out, key=lambda s: getattr(s, by))
+
+
+def plot_sensitivity(sens: Sequence[LayerSensitivity], metric: str = "sqnr_db", top: int | None = None, ax=None):
+    """Horizontal bar chart, worst layer on top. Returns the matplotlib Axes."""
+    import matplotlib.pyplot as plt
+
+    rows = list(sens)[:top] if top else list(sens)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 0.22 * len(rows) + 1.2))
+    values = [Metrics(s.cosine, s.sqnr_db).get(metric) for s in rows]
+    ax.barh(range(len(rows)), values, color="tab:red")
+    ax.set_yticks(range(len(rows)), [s.layer for s in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel({"sqnr_db": "output SQNR (dB), only this layer in FP8", "cosine": "output cosine vs fp32"}[metric])
+    if metric == "sqnr_db":
+        finite = [v for v in values if math.isfinite(v)]
+        if finite:
+            ax.set_xlim(min(finite) - 3, max(finite) + 3)
+    else:
+        ax.set_xlim(min(values) - (1 - min(values)) * 0.1, 1.0)
+    ax.set_title("Per-layer FP8 sensitivity (worst first)")
+    return ax
