@@ -218,8 +218,37 @@ def convert(prepared: nn.Module, *, inplace: bool = False) -> nn.Module:
     for st in record.states:
         st.freeze_scales()
     _quantize_linear_weights(m, record)
+    _stack_gate_up_weights(m, record)
     record.phase = "converted"
     return m
+
+
+def _stack_gate_up_weights(m: nn.Module, record: ModelRecord) -> None:
+    """Store each gated MLP's gate and up FP8 weights as one [gate; up] buffer on the gate module, so its
+    fused GEMM (both halves, activation·up in the epilogue) reads them without a per-call copy."""
+    groups: dict[int, list] = {}
+    for st in record.states:
+        for op in st.seen_ops:
+            if op.group is not None and op.kind == LINEAR and op.fusion in ("gated_mlp", "norm_gated_mlp"):
+                groups.setdefault(op.group[0], []).append(op)
+    owners = [op.weight_owner for ops in groups.values() for op in ops]
+    for ops in groups.values():
+        gate_op, up_op = sorted(ops, key=lambda op: op.group[1])[:2]
+        if None in (gate_op.weight_owner, up_op.weight_owner) or any(
+                owners.count(o) > 1 for o in (gate_op.weight_owner, up_op.weight_owner)):
+            continue  # a projection used elsewhere too keeps its own buffer
+        gate, up = m.get_submodule(gate_op.weight_owner), m.get_submodule(up_op.weight_owner)
+        if "weight_fp8" not in gate._buffers or "weight_fp8" not in up._buffers or \
+                gate.weight_fp8.dtype != up.weight_fp8.dtype or gate.weight_fp8.shape[1] != up.weight_fp8.shape[1]:
+            continue
+        n_gate, n_up = gate.weight_fp8.shape[0], up.weight_fp8.shape[0]
+        scales = [s.expand(n) if s.dim() == 0 else s for s, n in ((gate.weight_scale, n_gate), (up.weight_scale, n_up))]
+        gate.register_buffer("weight_fp8", torch.cat([gate.weight_fp8, up.weight_fp8]))
+        gate.register_buffer("weight_scale", torch.cat(scales))
+        del up._buffers["weight_fp8"], up._buffers["weight_scale"]
+        gate.__dict__["_dbr_rows"] = (0, n_gate)
+        up.__dict__["_dbr_rows"] = (n_gate, n_gate + n_up)
+        up.__dict__["_dbr_weight_home"] = gate
 
 
 def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:

@@ -47,12 +47,35 @@ class Env(Protocol):
         """The scale for an activation; ``x`` may be None for static scales (needed when dynamic)."""
 
 
+def stored_fp8_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(fp8 weight (N×K), scale (N,) or 0-d) that convert stored for a linear module, else None.
+
+    The gate and up projections of a gated MLP are stored stacked on the gate module (one [gate; up]
+    buffer, so the fused GEMM reads both without a copy); each module sees its own rows of it.
+    """
+    home = module.__dict__.get("_dbr_weight_home", module)
+    if "weight_fp8" not in home._buffers:
+        return None
+    w, s = home.weight_fp8, home.weight_scale
+    rows = module.__dict__.get("_dbr_rows")
+    return (w, s) if rows is None else (w[rows[0]:rows[1]], s[rows[0]:rows[1]])
+
+
+def stacked_gate_up(gate: Call, up: Call) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The [gate; up] FP8 weight and scales when convert stacked this pair, else None."""
+    g, u = gate.module, up.module
+    if g is None or u is None or u.__dict__.get("_dbr_weight_home") is not g:
+        return None
+    return g.weight_fp8, g.weight_scale
+
+
 def linear_hp_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The weight and bias of an nn.Linear in high precision (dequantized when stored in FP8)."""
     if "weight" in module._parameters:
         return linear_weight(module), module.bias
-    w = kernels.dequantize(module.weight_fp8, module.weight_scale.unsqueeze(-1), module._dbr_weight_dtype)
-    return w, module.bias
+    w_q, scale = stored_fp8_weight(module)
+    scale = scale.unsqueeze(-1) if scale.dim() else scale
+    return kernels.dequantize(w_q, scale, module.__dict__["_dbr_weight_dtype"]), module.bias
 
 
 def linear_operands(call: Call) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -69,9 +92,9 @@ def linear_operands(call: Call) -> tuple[torch.Tensor, torch.Tensor | None, torc
 
 def fp8_weight(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP8 weight and its scale: stored on the module by convert, else quantized now (dynamic)."""
-    m = call.module
-    if m is not None and "weight_fp8" in m._buffers:
-        return m.weight_fp8, m.weight_scale
+    stored = stored_fp8_weight(call.module) if call.module is not None else None
+    if stored is not None:
+        return stored
     _, w, _ = linear_operands(call)
     wcfg = call.op.qconfig.weight
     per_channel = wcfg.granularity == "channel"

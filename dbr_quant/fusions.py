@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
-from .basic_ops import Call, Env, run_basic, run_linear
+from .basic_ops import Call, Env, linear_operands, quantized_input, run_basic, run_linear, stacked_gate_up
 from .mappings import ACT, ADD, DIV, LINEAR, MATMUL, MUL, NORM, PASSTHROUGH, SOFTMAX, activation_name
 from .quantization_state import SeenOp
 
@@ -243,7 +243,10 @@ def _norm_arguments(norm: Call) -> tuple[torch.Tensor, torch.Tensor | None, torc
     x, shape = a["input"], a["normalized_shape"]
     if len(tuple(shape)) != 1:
         return None
-    return x, a.get("weight"), a.get("bias"), a.get("eps", None if rms else 1e-5), rms
+    eps = a.get("eps", None if rms else 1e-5)
+    if eps is None:  # F.rms_norm's default: the machine epsilon of the input's dtype
+        eps = torch.finfo(x.dtype).eps
+    return x, a.get("weight"), a.get("bias"), eps, rms
 
 
 @register_fusion
@@ -276,12 +279,48 @@ class NormLinear(Fusion):
         return _mlp(fc1, linears[1], env, y, act, residual, x_fp8)
 
 
+_GATED_KERNELS = {"silu": "swiglu", "gelu": "geglu"}
+
+
+def _gated_mlp(gate: Call, up: Call, down: Call | None, env: Env, x: torch.Tensor, act: str | None,
+               residual: torch.Tensor | None, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> torch.Tensor:
+    """down(act(gate(x)) · up(x)): with stacked [gate; up] weights one GEMM computes both halves and
+    act(gate)·up in its epilogue, writing FP8 for down (quantize + 2 GEMMs; with a fused norm, 3 launches)."""
+    stacked = stacked_gate_up(gate, up)
+    kernel_act = _GATED_KERNELS.get(act)
+    g_cfg, u_cfg = gate.op.qconfig, up.op.qconfig
+    same_input = g_cfg.activation == u_cfg.activation and g_cfg.dynamic == u_cfg.dynamic and (
+        g_cfg.dynamic or torch.equal(env.input_scale(gate, "input", None), env.input_scale(up, "input", None)))
+    if stacked is None or kernel_act is None or not same_input:
+        h = run_linear(gate, env, x=x, activation=act, x_fp8=x_fp8) * run_linear(up, env, x=x, x_fp8=x_fp8)
+        return h if down is None else run_linear(down, env, x=h, residual=residual)
+    w_q, w_scale = stacked
+    x_q, x_scale = quantized_input(gate, "input", x, env) if x_fp8 is None else x_fp8
+    biases = [linear_operands(c)[2] for c in (gate, up)]
+    bias = None if biases == [None, None] else torch.cat(
+        [b if b is not None else torch.zeros(n, device=x.device) for b, n in zip(biases, (w_q.shape[0] // 2,) * 2)])
+    if down is None or down.op.qconfig.dynamic:
+        h = kernels.fp8_linear(x_q, x_scale, w_q, w_scale, bias=bias, activation=kernel_act, out_dtype=x.dtype)
+        return h if down is None else run_linear(down, env, x=h, residual=residual)
+    h_scale = env.input_scale(down, "input", None)
+    h_fp8 = kernels.fp8_linear(x_q, x_scale, w_q, w_scale, bias=bias, activation=kernel_act, out_dtype=x.dtype,
+                               out_scale=h_scale, out_fmt=down.op.qconfig.activation.format)
+    return run_linear(down, env, x=x, residual=residual, x_fp8=(h_fp8, h_scale))
+
+
+def _residual_after(graph: TraceGraph, last: Event) -> Event | None:
+    add = graph.sole_consumer(last.output)
+    return add if add is not None and add.kind == ADD and last.output in add.arg_ids and _residual(add, last) else None
+
+
 @register_fusion
 class GatedMLP(Fusion):
-    """SwiGLU / GEGLU / ReGLU: down(act(gate(x)) * up(x)); gate and up read the same input."""
+    """SwiGLU / GEGLU / ReGLU: down(act(gate(x)) * up(x)) (+ residual); gate and up read the same input."""
 
     name = "gated_mlp"
-    steps = (Step(LINEAR), Step(ACT), Step(LINEAR), Step(MUL), Step(LINEAR, optional=True))
+    steps = (Step(LINEAR), Step(ACT), Step(LINEAR), Step(MUL), Step(LINEAR, optional=True),
+             Step(ADD, optional=True))
 
     def match(self, graph, head):
         if not head.quantized(LINEAR):
@@ -301,13 +340,50 @@ class GatedMLP(Fusion):
         down = graph.sole_consumer(mul.output)
         if down is not None and down.quantized(LINEAR) and down.arg_ids[:1] == (mul.output,):
             matched.append(down)
+            add = _residual_after(graph, down)
+            if add is not None:
+                matched.append(add)
         return matched
 
     def run(self, calls, env):
         linears = _calls(calls, LINEAR)
-        gated = run_linear(linears[0], env, activation=_activation(calls))
-        h = gated * run_linear(linears[1], env)
-        return run_linear(linears[2], env, x=h) if len(linears) == 3 else h
+        adds = _calls(calls, ADD)
+        return _gated_mlp(linears[0], linears[1], linears[2] if len(linears) == 3 else None, env,
+                          linears[0].args[0], _activation(calls), _other_operand(adds[0]) if adds else None)
+
+
+@register_fusion
+class NormGatedMLP(Fusion):
+    """RMSNorm / LayerNorm → gate and up → act·up → down (+ residual): Llama's MLP block in 3 launches
+    (norm + quantize, the stacked gate|up GEMM writing FP8, down with the residual)."""
+
+    name = "norm_gated_mlp"
+    steps = (Step(NORM), Step(LINEAR), Step(ACT), Step(LINEAR), Step(MUL), Step(LINEAR, optional=True),
+             Step(ADD, optional=True))
+
+    def match(self, graph, head):
+        users = graph.consumers.get(head.output, [])
+        if head.kind != NORM or head.output in graph.escaped or len(users) != 2:
+            return None
+        inner = GatedMLP.match(self, graph, graph.events[users[0]])
+        if inner is None or inner[2].index != users[1]:
+            return None
+        return [head, *inner]
+
+    def run(self, calls, env):
+        norm, linears = calls[0], _calls(calls, LINEAR)
+        gate, up = linears[:2]
+        down = linears[2] if len(linears) == 3 else None
+        adds = _calls(calls, ADD)
+        residual = _other_operand(adds[0]) if adds else None
+        act = _activation(calls)
+        parts = _norm_arguments(norm)
+        if parts is None or gate.op.qconfig.dynamic or stacked_gate_up(gate, up) is None:
+            return _gated_mlp(gate, up, down, env, norm.func(*norm.args, **norm.kwargs), act, residual)
+        x, weight, bias, eps, rms = parts
+        scale = env.input_scale(gate, "input", None)
+        y, q = kernels.layer_norm_quantize(x, weight, bias, eps, scale, gate.op.qconfig.activation.format, rms=rms)
+        return _gated_mlp(gate, up, down, env, y, act, residual, x_fp8=(q, scale))
 
 
 @register_fusion

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from . import kernels
 from .auto_trace import has_hooks, original_call, suspended
-from .basic_ops import PER_TOKEN_SLOTS, Call, linear_hp_weight, run_basic
+from .basic_ops import PER_TOKEN_SLOTS, Call, linear_hp_weight, run_basic, stored_fp8_weight
 from .fusions import Fusion
 from .mappings import FUNC_KINDS, INDEXED, LINEAR, MATMUL, PASSTHROUGH, SDPA, is_linear_module, is_passthrough
 from .quantization_state import AutoQuantizationState, observer_key
@@ -233,7 +233,12 @@ class ConvertRun(Run):
             for c in p.calls[:-1]:
                 self.placeholders.pop(id(c.placeholder), None)
             self.done.append(p)
-            return p.subgraph.fusion.run(p.calls, self)
+            try:
+                return p.subgraph.fusion.run(p.calls, self)
+            except TypeError as e:  # inside `a + b` Python would turn a TypeError into a bare NotImplemented
+                ops = ", ".join(c.op.fqn for c in p.calls if c.op is not None)
+                raise RuntimeError(f"dbr_quant: the fused {p.subgraph.fusion.name} subgraph ({ops}) failed: "
+                                   f"{type(e).__name__}: {e}") from e
         return self._placeholder(p, call)
 
     # ------------------------------------------------------------------ interception
@@ -354,7 +359,7 @@ class InspectRun(Run):
             st, op = self._op(LINEAR, module)
             if op is not None and op.quantize:
                 body = lambda *a, **k: self.inspector.execute(Call(LINEAR, module, a, k, op, st), self)  # noqa: E731
-            elif "weight_fp8" in module._buffers:
+            elif stored_fp8_weight(module) is not None:
                 body = lambda *a, **k: Call(LINEAR, module, a, k).run_original()  # noqa: E731
             else:
                 return original_call(module, *args, **kwargs)
@@ -370,7 +375,7 @@ class HighPrecisionRun(Run):
         return func(*args, **kwargs)
 
     def module_call(self, module, args, kwargs):
-        if is_linear_module(module) and "weight_fp8" in module._buffers:
+        if is_linear_module(module) and stored_fp8_weight(module) is not None:
             with suspended(self):
                 return _call_with_forward(self, module, lambda x: torch.nn.functional.linear(
                     x, *linear_hp_weight(module)), args, kwargs)

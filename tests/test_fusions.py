@@ -80,12 +80,27 @@ class Attention(nn.Module):
         return (probs @ v).transpose(1, 2).reshape(b, t, d)
 
 
+class NormGated(nn.Module):
+    """Llama's MLP block: RMSNorm → gate, up → silu(gate)·up → down, + residual."""
+
+    def __init__(self, d, act="silu", bias=False):
+        super().__init__()
+        self.norm = nn.RMSNorm(d)
+        self.gate, self.up = nn.Linear(d, 2 * d, bias=bias), nn.Linear(d, 2 * d, bias=bias)
+        self.down, self.act = nn.Linear(2 * d, d, bias=bias), ACTS[act]
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.down(self.act(self.gate(h)) * self.up(h))
+
+
 CASES = {
     "linear_act": LinearAct,
     "linear_residual": LinearResidual,
     "mlp": MLPBlock,
     "norm_linear": NormMLP,
     "gated_mlp": Gated,
+    "norm_gated_mlp": NormGated,
     "attention": Attention,
 }
 
@@ -240,3 +255,28 @@ def test_mlp_hands_fp8_from_fc1_to_fc2():
     with dq.kernels.count_launches() as counts, torch.no_grad():
         c(x)
     assert dict(counts) == {"quantize": 1, "fp8_linear": 2}
+
+
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_norm_gated_mlp_runs_in_three_launches_and_equals_one_by_one(act, bias):
+    m = NormGated(8, act, bias).eval()
+    x = torch.randn(2, 3, 8)
+    calib = [(torch.randn(2, 3, 8),) for _ in range(2)]
+    c, single = convert_with(m, (x,), calib, True), convert_with(m, (x,), calib, False)
+    assert {r["fusion"] for r in dq.report(c)} == {"norm_gated_mlp"}
+    assert c.gate.weight_fp8.shape == (32, 8) and "weight_fp8" not in c.up._buffers  # stacked [gate; up]
+    with dq.kernels.count_launches() as counts, torch.no_grad():
+        out = c(x)
+    assert dict(counts) == {"norm_quantize": 1, "fp8_linear": 2}  # unfused FP8: 8 (see roofline)
+    with torch.no_grad():
+        assert torch.equal(out, single(x))
+        with dq.disabled():  # the stacked weights still serve each projection on its own
+            hp = c(x)
+    assert F.cosine_similarity(hp.flatten(), m(x).flatten(), dim=0) > 0.999
+    state = c.state_dict()
+    c2 = convert_with(m, (x,), calib, True)
+    c2.load_state_dict(state)
+    assert torch.equal(c2(x), out)

@@ -162,6 +162,13 @@ def fp8_linear(
     if exact:
         acc = F.linear(x_q.float(), w_q.float())
         y = acc.mul_(scale) if bias is None else acc.mul_(scale).add_(bias.float())
+    elif activation in GATED:  # two GEMMs, so each half rounds exactly as its own linear would
+        n = w_q.shape[0] // 2
+        x_b = fp8_to_bf16(x_q)
+        acc = torch.cat([F.linear(x_b, fp8_to_bf16(w_q[:n], reuse_buffer=True)),
+                         F.linear(x_b, fp8_to_bf16(w_q[n:], reuse_buffer=True))], dim=-1)
+        base = bias.float() if bias is not None else torch.zeros((), device=acc.device)
+        y = torch.addcmul(base, acc, scale.float() if scale.dim() else scale.float().expand(1))
     else:
         # one fp32 pass for the whole dequantize + bias epilogue: bias + acc·scale
         acc = F.linear(fp8_to_bf16(x_q), fp8_to_bf16(w_q, reuse_buffer=True))
