@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from ..basic_ops import Call, linear_hp_weight, linear_operands, run_basic, sdpa_arguments
+from ..basic_ops import Call, linear_hp_weight, linear_operands, run_basic, sdpa_arguments, stored_fp8_weight
 from ..formats import safe_scale
 from ..mappings import LINEAR, MATMUL, QUANTIZEABLE
 from ..qconfig import TensorQConfig
@@ -188,9 +188,10 @@ class Inspector:
         key = (id(call.op), cfg) if m is not None else None
         if key is not None and key in self._weights:
             return self._weights[key]
-        if m is not None and "weight_fp8" in m._buffers and cfg == call.op.qconfig.weight:
-            s = m.weight_scale
-            q = Quantized(m.weight_fp8, s.unsqueeze(-1) if s.dim() else s, cfg.format)
+        stored = stored_fp8_weight(m) if m is not None else None
+        if stored is not None and cfg == call.op.qconfig.weight:
+            w_q, s = stored  # a module's own rows also when convert stacked a gated pair
+            q = Quantized(w_q, s.unsqueeze(-1) if s.dim() else s, cfg.format)
         else:
             w = linear_hp_weight(m)[0] if m is not None else linear_operands(call)[1]
             q = _quantize_weight(w.detach(), cfg)
