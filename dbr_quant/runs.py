@@ -84,6 +84,18 @@ class Run:
         """Whether an unseen op of this kind deserves a warning: only kinds the config quantizes."""
         return kind == LINEAR or (kind in (MATMUL, SDPA) and self.record.qconfig.quantize_attention)
 
+    def input_scale(self, call: Call, slot: str, x: torch.Tensor | None) -> torch.Tensor:
+        """An activation's scale (the executors' env): the frozen one after convert, the observer's current
+        one on a prepared model (inspection), or computed from ``x`` when dynamic."""
+        op = call.op
+        if op.qconfig.dynamic:
+            cfg = op.qconfig.activation
+            per_token = cfg.granularity == "token" and slot in PER_TOKEN_SLOTS
+            return kernels.dynamic_scale(x, cfg.format, per_token=per_token)
+        st = call.state
+        s = st.scale(op, slot) if st.converted else st.observers[observer_key(op.index, slot)].scale()
+        return s if x is None or s.device == x.device else s.to(x.device)
+
     def call_module(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         self.stack.append(module)
         try:
@@ -163,16 +175,6 @@ class ConvertRun(Run):
         self.placeholders: dict[int, _Pending] = {}
         self.resolved: dict[int, torch.Tensor] = {}
         self.done: list[_Pending] = []  # keeps placeholder objects alive so their ids stay unique
-
-    # ------------------------------------------------------------------ env for executors
-    def input_scale(self, call: Call, slot: str, x: torch.Tensor) -> torch.Tensor:
-        op = call.op
-        if op.qconfig.dynamic:
-            cfg = op.qconfig.activation
-            per_token = cfg.granularity == "token" and slot in PER_TOKEN_SLOTS
-            return kernels.dynamic_scale(x, cfg.format, per_token=per_token)
-        s = call.state.scale(op, slot)
-        return s if x is None or s.device == x.device else s.to(x.device)
 
     # ------------------------------------------------------------------ placeholders
     def _scan(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, _Pending | None]:
@@ -328,16 +330,6 @@ class InspectRun(Run):
     def __init__(self, root: nn.Module, record: ModelRecord, inspector: Any) -> None:
         super().__init__(root, record)
         self.inspector = inspector
-
-    def input_scale(self, call: Call, slot: str, x: torch.Tensor) -> torch.Tensor:
-        op = call.op
-        if op.qconfig.dynamic:
-            cfg = op.qconfig.activation
-            per_token = cfg.granularity == "token" and slot in PER_TOKEN_SLOTS
-            return kernels.dynamic_scale(x, cfg.format, per_token=per_token)
-        st = call.state
-        s = st.scale(op, slot) if st.converted else st.observers[observer_key(op.index, slot)].scale()
-        return s if x is None or s.device == x.device else s.to(x.device)
 
     def _op(self, kind: str, module: nn.Module | None = None):
         st = state_of(self.owner())
