@@ -21,3 +21,12 @@ __all__ = [
     "PrepareError", "UncalibratedError", "UnseenOpError",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``dbr_quant.inspect`` and ``dbr_quant.fx_rewriter`` load on first use (they pull in more)."""
+    if name in ("inspect", "fx_rewriter"):
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
