@@ -223,6 +223,16 @@ def convert(prepared: nn.Module, *, inplace: bool = False) -> nn.Module:
     return m
 
 
+def _same_input_quantization(record: ModelRecord, a, b) -> bool:
+    """Both ops quantize their (shared) input identically: same config, and equal frozen scales."""
+    if a.qconfig.activation != b.qconfig.activation or a.qconfig.dynamic != b.qconfig.dynamic:
+        return False
+    if a.qconfig.dynamic:
+        return True
+    owner = {id(op): st for st in record.states for op in st.seen_ops}
+    return bool(torch.equal(owner[id(a)].scale(a, "input"), owner[id(b)].scale(b, "input")))
+
+
 def _stack_gate_up_weights(m: nn.Module, record: ModelRecord) -> None:
     """Store each gated MLP's gate and up FP8 weights as one [gate; up] buffer on the gate module, so its
     fused GEMM (both halves, activation·up in the epilogue) reads them without a per-call copy."""
@@ -237,6 +247,8 @@ def _stack_gate_up_weights(m: nn.Module, record: ModelRecord) -> None:
         if None in (gate_op.weight_owner, up_op.weight_owner) or any(
                 owners.count(o) > 1 for o in (gate_op.weight_owner, up_op.weight_owner)):
             continue  # a projection used elsewhere too keeps its own buffer
+        if not _same_input_quantization(record, gate_op, up_op):
+            continue  # the fused GEMM quantizes x once: both projections must use the same scale
         gate, up = m.get_submodule(gate_op.weight_owner), m.get_submodule(up_op.weight_owner)
         if "weight_fp8" not in gate._buffers or "weight_fp8" not in up._buffers or \
                 gate.weight_fp8.dtype != up.weight_fp8.dtype or gate.weight_fp8.shape[1] != up.weight_fp8.shape[1]:

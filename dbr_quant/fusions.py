@@ -287,12 +287,9 @@ def _gated_mlp(gate: Call, up: Call, down: Call | None, env: Env, x: torch.Tenso
                ) -> torch.Tensor:
     """down(act(gate(x)) · up(x)): with stacked [gate; up] weights one GEMM computes both halves and
     act(gate)·up in its epilogue, writing FP8 for down (quantize + 2 GEMMs; with a fused norm, 3 launches)."""
-    stacked = stacked_gate_up(gate, up)
+    stacked = stacked_gate_up(gate, up)  # convert stacks a pair only when both quantize x identically
     kernel_act = _GATED_KERNELS.get(act)
-    g_cfg, u_cfg = gate.op.qconfig, up.op.qconfig
-    same_input = g_cfg.activation == u_cfg.activation and g_cfg.dynamic == u_cfg.dynamic and (
-        g_cfg.dynamic or torch.equal(env.input_scale(gate, "input", None), env.input_scale(up, "input", None)))
-    if stacked is None or kernel_act is None or not same_input:
+    if stacked is None or kernel_act is None:
         h = run_linear(gate, env, x=x, activation=act, x_fp8=x_fp8) * run_linear(up, env, x=x, x_fp8=x_fp8)
         return h if down is None else run_linear(down, env, x=h, residual=residual)
     w_q, w_scale = stacked

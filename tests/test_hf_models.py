@@ -37,6 +37,7 @@ from transformers.utils import ModelOutput
 from transformers.utils import logging as hf_logging
 
 import dbr_quant as dq
+from dbr_quant.basic_ops import stored_fp8_weight
 
 hf_logging.set_verbosity_error()
 
@@ -215,7 +216,7 @@ def linear_fqns(model: nn.Module) -> set[str]:
 
 
 def out_in(m: nn.Module) -> tuple[int, int]:
-    return (m.nf, m.weight_fp8.shape[1]) if isinstance(m, Conv1D) else (m.out_features, m.in_features)
+    return (m.nf, m.nx) if isinstance(m, Conv1D) else (m.out_features, m.in_features)
 
 
 def assert_layers_matter(model: nn.Module, batch: dict[str, torch.Tensor]) -> None:
@@ -263,17 +264,22 @@ def test_every_linear_reported_fp8_and_run_in_fp8(pipelines, name):
     assert not not_fp8, f"linears left in high precision: {not_fp8}"
     missing = linears - {r["fqn"] for r in linear_rows}
     assert not missing, f"linears missing from the report: {missing}"
+    stacked = 0
     for fqn in linears:
         m = p.converted.get_submodule(fqn)
         assert "weight" not in m._parameters, fqn
-        assert m.weight_fp8.dtype == torch.float8_e4m3fn, fqn
+        w_q, w_scale = stored_fp8_weight(m)  # its own rows when a gated MLP's gate/up were stacked
+        stacked += "_dbr_weight_home" in m.__dict__
+        assert w_q.dtype == torch.float8_e4m3fn, fqn
         out_features, in_features = out_in(m)
-        assert m.weight_scale.dtype == torch.float32 and m.weight_scale.shape == (out_features,), fqn
-        assert m.weight_fp8.shape == (out_features, in_features), fqn
-    # each nn.Linear is called once per forward: as many FP8 GEMMs must actually run
+        assert w_scale.dtype == torch.float32 and w_scale.shape == (out_features,), fqn
+        assert w_q.shape == (out_features, in_features), fqn
+    # each nn.Linear is called once per forward: as many FP8 GEMMs must actually run, except that a
+    # gated MLP's gate and up projections share one GEMM (stacked weights)
     with dq.kernels.count_launches() as counts:
         forward(p.converted, p.eval_batch)
-    assert counts["fp8_linear"] == len(linears), dict(counts)
+    assert counts["fp8_linear"] == len(linears) - stacked, dict(counts)
+    assert stacked == (LAYERS if name == "llama" else 0)
 
 
 def test_gpt2_conv1d_projections_run_in_fp8(pipelines):
@@ -288,7 +294,8 @@ def test_gpt2_conv1d_projections_run_in_fp8(pipelines):
     for fqn in conv1d:
         m = p.converted.get_submodule(fqn)
         w = original[f"{fqn}.weight"].detach().t()  # (out, in)
-        deq = m.weight_fp8.float() * m.weight_scale[:, None]
+        w_q, w_scale = stored_fp8_weight(m)
+        deq = w_q.float() * w_scale[:, None]
         assert deq.shape == w.shape and (deq - w).abs().max() <= w.abs().amax() / 16, fqn
 
 
