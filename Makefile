@@ -21,7 +21,7 @@ test: $(VENV_STAMP)
 	$(PY) -m pytest -q -ra
 
 bench: $(VENV_STAMP)
-	$(PY) benchmarks/run.py
+	$(PY) benchmarks/run.py --rounds 25
 
 clean:
 	rm -rf .venv .pytest_cache build *.egg-info

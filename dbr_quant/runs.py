@@ -24,13 +24,12 @@ from .quantization_state import AutoQuantizationState, observer_key
 
 @dataclass
 class Subgraph:
-    """A matched fusion instance: its kinds in call order and the modules whose hooks would see inside."""
+    """A matched fusion instance and the kinds of its ops in call order. (Hooks added after convert need
+    no record here: a hooked module that receives a placeholder materializes the subgraph.)"""
 
     id: int
     fusion: Fusion
     kinds: tuple[str, ...]
-    modules: tuple[nn.Module, ...]
-    enabled: bool = True
 
 
 @dataclass
@@ -247,7 +246,7 @@ class ConvertRun(Run):
     def _execute(self, call: Call, hit: _Pending | None) -> Any:
         op = call.op
         sg = self.record.subgraphs.get(op.group[0]) if op.group is not None else None
-        if sg is not None and sg.enabled:
+        if sg is not None:
             step = op.group[1]
             p = self.pending.get(sg.id)
             if step == 0:

@@ -50,7 +50,6 @@ class TraceRun(Run):
         self.tids: dict[int, int] = {}
         self.keep: list[torch.Tensor] = []  # holds every traced tensor so ids are never reused
         self.escaped: set[int] = set()
-        self.spans: list[tuple[nn.Module, int, int]] = []
         self.states: dict[nn.Module, AutoQuantizationState] = {}
         self.current: Any = None  # the torch function running now, named in errors
         self.failed_stack: list[nn.Module] | None = None
@@ -167,9 +166,7 @@ class TraceRun(Run):
         if hooked:
             with suspended(self):
                 self._escape((args, kwargs))
-        enter = len(self.events)
         out = self.call_module(module, args, kwargs)
-        self.spans.append((module, enter, len(self.events)))
         if hooked:
             with suspended(self):
                 self._escape(out)
@@ -202,11 +199,7 @@ class TraceRun(Run):
         graph = TraceGraph(self.events, dict(consumers), self.escaped)
         if self.record.qconfig.fuse:
             for gid, (fusion, events) in enumerate(find_subgraphs(graph)):
-                lo, hi = events[0].index, events[-1].index
-                crossed = [m for m, a, b in self.spans if lo < a <= hi or lo < b <= hi]
-                crossed += [ev.func for ev in events if isinstance(ev.func, nn.Module)]
-                self.record.subgraphs[gid] = Subgraph(gid, fusion, tuple(ev.kind for ev in events),
-                                                      tuple(crossed))
+                self.record.subgraphs[gid] = Subgraph(gid, fusion, tuple(ev.kind for ev in events))
                 for step, ev in enumerate(events):
                     if ev.op is not None:
                         ev.op.group = (gid, step)
