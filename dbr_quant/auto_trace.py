@@ -26,10 +26,6 @@ _patch_depth = 0
 _outer_call = nn.Module.__call__
 
 
-def current_run() -> Any:
-    return getattr(_tls, "run", None)
-
-
 def original_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """Call a module the stock way (its hooks included), bypassing interception of this call."""
     return _outer_call(module, *args, **kwargs)

@@ -6,7 +6,6 @@ unset (None) fields fall back to the global config. No string-keyed dicts, no pr
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -120,5 +119,3 @@ class OpQConfig:
     weight: TensorQConfig
     dynamic: bool
 
-    def replace(self, **changes: object) -> OpQConfig:
-        return dataclasses.replace(self, **changes)

@@ -9,7 +9,7 @@ how they are computed (fusions / kernels).
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -55,12 +55,6 @@ class SeenOp:
     group: tuple[int, int] | None = None  # (subgraph id, step) when part of a fused subgraph
     fusion: str | None = None
     weight_owner: str | None = None  # fqn of the nn.Linear holding a static weight
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def key(self) -> tuple[str, str]:
-        """What a later forward must match to reuse this record (kind and fqn / target)."""
-        return (self.kind, self.fqn)
 
     def describe(self) -> str:
         ins = ", ".join(repr(t) if t is not None else "-" for t in self.inputs)
