@@ -19,7 +19,19 @@ import torch.nn.functional as F
 
 from . import kernels
 from .basic_ops import Call, Env, linear_operands, quantized_input, run_basic, run_linear, stacked_gate_up
-from .mappings import ACT, ADD, DIV, LINEAR, MATMUL, MUL, NORM, PASSTHROUGH, SOFTMAX, activation_name
+from .mappings import (
+    ACT,
+    ADD,
+    DIV,
+    LINEAR,
+    MATMUL,
+    MUL,
+    NORM,
+    PASSTHROUGH,
+    SOFTMAX,
+    activation_name,
+    rms_norm_module_eps,
+)
 from .quantization_state import SeenOp
 
 
@@ -234,7 +246,10 @@ class MLP(Fusion):
 
 def _norm_arguments(norm: Call) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, float | None,
                                           bool] | None:
-    """(x, weight, bias, eps, rms) of an F.layer_norm / F.rms_norm call over the last dimension only."""
+    """(x, weight, bias, eps, rms) of an F.layer_norm / F.rms_norm call over the last dimension only, or of
+    a recognised RMSNorm module."""
+    if norm.module is not None:
+        return norm.args[0], norm.module.weight, None, rms_norm_module_eps(norm.module), True
     rms = norm.func is F.rms_norm
     names = ("input", "normalized_shape", "weight", "eps") if rms else (
         "input", "normalized_shape", "weight", "bias", "eps")
@@ -267,7 +282,7 @@ class NormLinear(Fusion):
         fc1 = linears[0]
         parts = _norm_arguments(norm)
         if parts is None or fc1.op.qconfig.dynamic:
-            y, x_fp8 = norm.func(*norm.args, **norm.kwargs), None
+            y, x_fp8 = norm.run_original(), None
         else:
             x, weight, bias, eps, rms = parts
             scale = env.input_scale(fc1, "input", None)
@@ -376,7 +391,7 @@ class NormGatedMLP(Fusion):
         act = _activation(calls)
         parts = _norm_arguments(norm)
         if parts is None or gate.op.qconfig.dynamic or stacked_gate_up(gate, up) is None:
-            return _gated_mlp(gate, up, down, env, norm.func(*norm.args, **norm.kwargs), act, residual)
+            return _gated_mlp(gate, up, down, env, norm.run_original(), act, residual)
         x, weight, bias, eps, rms = parts
         scale = env.input_scale(gate, "input", None)
         y, q = kernels.layer_norm_quantize(x, weight, bias, eps, scale, gate.op.qconfig.activation.format, rms=rms)

@@ -101,6 +101,18 @@ def _is_hf_conv1d(module: nn.Module) -> bool:
     return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.") and hasattr(module, "nf")
 
 
+def rms_norm_module_eps(module: nn.Module) -> float | None:
+    """eps of a Hugging Face-style RMSNorm module (LlamaRMSNorm and kin: weight · x/√(mean x² + eps) written
+    as elementwise ops), else None. The tracer also checks it numerically against F.rms_norm."""
+    if isinstance(module, nn.RMSNorm) or not type(module).__name__.endswith("RMSNorm") or module._modules:
+        return None
+    weight = module._parameters.get("weight")
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if weight is None or weight.dim() != 1 or len(module._parameters) != 1 or not isinstance(eps, float):
+        return None
+    return eps
+
+
 def linear_weight(module: nn.Module) -> torch.Tensor:
     """The high-precision weight of a linear module as (out_features, in_features)."""
     w = module._parameters["weight"]

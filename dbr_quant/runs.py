@@ -18,7 +18,7 @@ from . import kernels
 from .auto_trace import has_hooks, original_call, suspended
 from .basic_ops import PER_TOKEN_SLOTS, Call, linear_hp_weight, run_basic, stored_fp8_weight
 from .fusions import Fusion
-from .mappings import FUNC_KINDS, INDEXED, LINEAR, MATMUL, PASSTHROUGH, SDPA, is_linear_module, is_passthrough
+from .mappings import FUNC_KINDS, INDEXED, LINEAR, MATMUL, NORM, PASSTHROUGH, SDPA, is_linear_module, is_passthrough
 from .quantization_state import AutoQuantizationState, observer_key
 
 
@@ -287,11 +287,26 @@ class ConvertRun(Run):
         if is_linear_module(module):
             with suspended(self):  # our own torch calls below are not the model's
                 return self._linear_call(module, args, kwargs)
+        if module.__dict__.get("_dbr_norm") and not has_hooks(module) and len(args) == 1 and not kwargs:
+            with suspended(self):
+                return self._norm_module_call(module, args)
         if (self.placeholders or self.resolved) and has_hooks(module):
             with suspended(self):
                 args, kwargs, hit = self._scan(args, kwargs)
                 args, kwargs = self._resolve_all(args, kwargs, hit)
         return self.call_module(module, args, kwargs)
+
+    def _norm_module_call(self, module: nn.Module, args: tuple) -> Any:
+        """A recognised RMSNorm module: a NORM op, possibly the head of a fused subgraph."""
+        hit = None
+        if self.placeholders or self.resolved:
+            args, _, hit = self._scan(args, {})
+        st = state_of(self.owner())
+        op = st.next_op(NORM, self.op_fqn(NORM, module), self.record.qconfig.strict, False) if st else None
+        if op is None:
+            args, _ = self._resolve_all(args, {}, hit)
+            return Call(NORM, module, args, {}).run_original()
+        return self._execute(Call(NORM, module, args, {}, op, st), hit)
 
     def _linear_call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         hit = None

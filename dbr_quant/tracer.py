@@ -34,6 +34,7 @@ from .mappings import (
     is_linear_module,
     is_passthrough,
     linear_weight,
+    rms_norm_module_eps,
 )
 from .quantization_state import AutoQuantizationState, SeenOp, TensorInfo
 from .runs import ModelRecord, Run, Subgraph, observed_inputs, tensor_leaves
@@ -162,6 +163,8 @@ class TraceRun(Run):
                 if has_hooks(module):
                     self._escape((x, out))
             return out
+        if rms_norm_module_eps(module) is not None and not has_hooks(module) and len(args) == 1 and not kwargs:
+            return self._norm_module_call(module, args[0])
         hooked = has_hooks(module)
         if hooked:
             with suspended(self):
@@ -170,6 +173,23 @@ class TraceRun(Run):
         if hooked:
             with suspended(self):
                 self._escape(out)
+        return out
+
+    def _norm_module_call(self, module: nn.Module, x: Any) -> Any:
+        """An RMSNorm module written as elementwise ops: one NORM op if it computes F.rms_norm (so it can
+        head a fused norm → linear subgraph), else an opaque call. The verdict is kept on the module."""
+        with suspended(self):
+            self.stack.append(module)
+            try:
+                out = original_call(module, x)
+            finally:
+                self.stack.pop()
+            ok = isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor) and out.shape == x.shape
+            if ok:
+                ref = F.rms_norm(x.float(), x.shape[-1:], module.weight.float(), rms_norm_module_eps(module))
+                ok = torch.allclose(out.float(), ref, rtol=1e-4, atol=1e-5)
+            module.__dict__["_dbr_norm"] = ok
+            self._record(NORM if ok else None, module, (x,), {}, out, module if ok else None)
         return out
 
     def call_module(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:

@@ -280,3 +280,38 @@ def test_norm_gated_mlp_runs_in_three_launches_and_equals_one_by_one(act, bias):
     c2 = convert_with(m, (x,), calib, True)
     c2.load_state_dict(state)
     assert torch.equal(c2(x), out)
+
+
+class HFStyleRMSNorm(nn.Module):
+    """Llama's RMSNorm: elementwise ops in a module of its own, not F.rms_norm."""
+
+    def __init__(self, d, one_plus=False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(d) + 0.5)
+        self.variance_epsilon, self.one_plus = 1e-6, one_plus
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return ((1 + self.weight) if self.one_plus else self.weight) * h.to(x.dtype)  # Gemma: 1 + w
+
+
+class HFGatedBlock(NormGated):
+    def __init__(self, d, one_plus=False):
+        super().__init__(d)
+        self.norm = HFStyleRMSNorm(d, one_plus)
+
+
+@pytest.mark.parametrize("one_plus", [False, True])
+def test_hf_style_rms_norm_modules_head_the_mlp_fusion_only_when_they_compute_rms_norm(one_plus):
+    m = HFGatedBlock(8, one_plus).eval()
+    x = torch.randn(2, 3, 8)
+    c = convert_with(m, (x,), [(x,)], True)
+    fusions = {r["fusion"] for r in dq.report(c)}
+    with dq.kernels.count_launches() as counts, torch.no_grad():
+        out = c(x)
+    if one_plus:  # not F.rms_norm: the module runs as written, the MLP fuses without it
+        assert fusions == {"gated_mlp"} and counts["norm_quantize"] == 0
+    else:
+        assert fusions == {"norm_gated_mlp"} and dict(counts) == {"norm_quantize": 1, "fp8_linear": 2}
+    assert F.cosine_similarity(out.flatten(), m(x).flatten(), dim=0) > 0.999
