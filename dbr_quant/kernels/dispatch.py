@@ -56,12 +56,19 @@ def use_backend(name: str) -> Iterator[None]:
     """Run the block with ``name`` as backend (thread-local; nests)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; use one of {BACKENDS}")
-    previous = getattr(_tls, "backend", None)
-    _tls.backend = name
+    with _thread_setting("backend", name):
+        yield
+
+
+@contextlib.contextmanager
+def _thread_setting(name: str, value) -> Iterator[None]:
+    """Set a thread-local setting for the block and restore the previous value (so blocks nest)."""
+    previous = getattr(_tls, name, None)
+    setattr(_tls, name, value)
     try:
         yield
     finally:
-        _tls.backend = previous
+        setattr(_tls, name, previous)
 
 
 def record_launch(kernel: str) -> None:
@@ -91,9 +98,5 @@ def graph_ops():
 @contextlib.contextmanager
 def capture_with(ops) -> Iterator[None]:
     """Within the block, kernel entry points call ``ops.<name>(...)`` (graph leaves) instead of running."""
-    previous = getattr(_tls, "graph_ops", None)
-    _tls.graph_ops = ops
-    try:
+    with _thread_setting("graph_ops", ops):
         yield
-    finally:
-        _tls.graph_ops = previous
