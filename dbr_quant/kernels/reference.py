@@ -130,13 +130,6 @@ def apply_activation(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     raise ValueError(f"unknown activation {activation!r}; use one of {ACTIVATIONS}")
 
 
-def fp8_gemm(a_q: torch.Tensor, b_q: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
-    """``a_q @ b_qᵀ`` for FP8 a (…×K) and b (N×K); unscaled fp32 result of exact FP8 products."""
-    if exact:
-        return F.linear(a_q.float(), b_q.float())
-    return F.linear(fp8_to_bf16(a_q), fp8_to_bf16(b_q)).float()
-
-
 def fp8_linear(
     x_q: torch.Tensor,
     x_scale: torch.Tensor,
@@ -162,16 +155,15 @@ def fp8_linear(
     if exact:
         acc = F.linear(x_q.float(), w_q.float())
         y = acc.mul_(scale) if bias is None else acc.mul_(scale).add_(bias.float())
-    elif activation in GATED:  # two GEMMs, so each half rounds exactly as its own linear would
-        n = w_q.shape[0] // 2
-        x_b = fp8_to_bf16(x_q)
-        acc = torch.cat([F.linear(x_b, fp8_to_bf16(w_q[:n], reuse_buffer=True)),
-                         F.linear(x_b, fp8_to_bf16(w_q[n:], reuse_buffer=True))], dim=-1)
-        base = bias.float() if bias is not None else torch.zeros((), device=acc.device)
-        y = torch.addcmul(base, acc, scale.float() if scale.dim() else scale.float().expand(1))
     else:
+        x_b = fp8_to_bf16(x_q)
+        if activation in GATED:  # two GEMMs, so each half rounds exactly as its own linear would
+            n = w_q.shape[0] // 2
+            acc = torch.cat([F.linear(x_b, fp8_to_bf16(w_q[:n], reuse_buffer=True)),
+                             F.linear(x_b, fp8_to_bf16(w_q[n:], reuse_buffer=True))], dim=-1)
+        else:
+            acc = F.linear(x_b, fp8_to_bf16(w_q, reuse_buffer=True))
         # one fp32 pass for the whole dequantize + bias epilogue: bias + acc·scale
-        acc = F.linear(fp8_to_bf16(x_q), fp8_to_bf16(w_q, reuse_buffer=True))
         base = bias.float() if bias is not None else torch.zeros((), device=acc.device)
         y = torch.addcmul(base, acc, scale.float() if scale.dim() else scale.float().expand(1))
     if activation in GATED:
