@@ -21,6 +21,14 @@ class FP8Format(enum.Enum):
     def max(self) -> float:
         return 448.0 if self is FP8Format.E4M3 else 57344.0
 
+    @property
+    def mantissa_bits(self) -> int:
+        return 3 if self is FP8Format.E4M3 else 2
+
+    @property
+    def exponent_bias(self) -> int:
+        return 7 if self is FP8Format.E4M3 else 15
+
     @classmethod
     def parse(cls, value: FP8Format | str) -> FP8Format:
         """Accept the enum or its name/value in any case ("E4M3", "e5m2")."""

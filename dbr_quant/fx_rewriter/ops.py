@@ -39,6 +39,20 @@ def _(q, scale, dtype):
     return torch.empty_like(q, dtype=dtype)
 
 
+@torch.library.custom_op("dbr_quant::fp8_to_bf16", mutates_args=())
+def fp8_to_bf16(q: Tensor) -> Tensor:
+    """Exact FP8 → bf16 upcast (the reference backend's bit moves). Not emitted by rewrite(): the inductor
+    lowering of fp8_linear calls it for weights, whose upcast inductor's own code does 10× slower."""
+    from ..kernels import reference
+
+    return reference.fp8_to_bf16(q)
+
+
+@fp8_to_bf16.register_fake
+def _(q):
+    return torch.empty_like(q, dtype=torch.bfloat16)
+
+
 @torch.library.custom_op("dbr_quant::dynamic_scale", mutates_args=())
 def dynamic_scale(x: Tensor, fmt: str, per_token: bool) -> Tensor:
     return kernels.dynamic_scale(x, _fmt(fmt), per_token)
@@ -151,3 +165,12 @@ class GraphOps:
                       fmt):
         return torch.ops.dbr_quant.fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, attn_mask, is_causal,
                                                  softmax_scale, p_scale, fmt.value)
+
+
+def _register_lowerings() -> None:
+    from .lowering import register_inductor_lowerings
+
+    register_inductor_lowerings()
+
+
+_register_lowerings()

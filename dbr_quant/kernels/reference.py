@@ -15,6 +15,7 @@ the result is rounded once to bf16, a relative error ≤ 2⁻⁹ — 16× below 
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 
@@ -166,13 +167,21 @@ def fp8_linear(
         # one fp32 pass for the whole dequantize + bias epilogue: bias + acc·scale
         base = bias.float() if bias is not None else torch.zeros((), device=acc.device)
         y = torch.addcmul(base, acc, scale.float() if scale.dim() else scale.float().expand(1))
+    return linear_epilogue(y, activation, residual, out_dtype, out_scale, out_fmt)
+
+
+def linear_epilogue(y: torch.Tensor, activation: str | None, residual: torch.Tensor | None, out_dtype: torch.dtype,
+                    out_scale: torch.Tensor | None, out_fmt: FP8Format, quantize=quantize) -> torch.Tensor:
+    """What follows the scaled fp32 GEMM result ``y``: activation (gated ones halve the columns), residual,
+    the output dtype, and FP8 output when ``out_scale`` is given. ``quantize`` is swappable so the inductor
+    lowering (fx_rewriter.lowering) shares this code with its own, compilable, quantize."""
     if activation in GATED:
         gate, up = y.chunk(2, dim=-1)
         y = apply_activation(gate, "silu" if activation == "swiglu" else "gelu") * up
     else:
         y = apply_activation(y, activation)
     if residual is not None:
-        y = y.add_(residual.float()) if activation is None else y + residual.float()
+        y = y + residual.float()  # out of place: inductor's decompositions run below functionalization
     y = y.to(out_dtype)
     return y if out_scale is None else quantize(y, out_scale, out_fmt)
 
@@ -202,12 +211,17 @@ def fp8_attention(
     p_scale: torch.Tensor | None = None,
     fmt: FP8Format = FP8Format.E4M3,
     exact: bool = False,
+    matmul=None,
+    quantize=quantize,
 ) -> torch.Tensor:
     """FP8 attention: S = Q·Kᵀ in FP8 (fp32 accumulate), fp32 softmax, P quantized to FP8 with the
     fixed scale 1/fmt.max (P ∈ [0, 1]), O = P·V in FP8. K/V with fewer heads are repeated (GQA).
 
     Masks follow F.scaled_dot_product_attention: a bool mask keeps True, a float mask is added.
+    ``matmul``/``quantize`` are swappable (the inductor lowering passes compilable ones).
     """
+    if matmul is None:
+        matmul = functools.partial(fp8_matmul, exact=exact)
     head_dim = q_q.shape[-1]
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
@@ -218,7 +232,7 @@ def fp8_attention(
         if k_scale.dim() == 4 and k_scale.shape[-3] > 1:  # per-token k scales follow their kv head
             k_scale = k_scale.repeat_interleave(rep, dim=-3)
     k_scale = k_scale.transpose(-1, -2) if k_scale.dim() else k_scale  # per-token k scales index columns of S
-    s = fp8_matmul(q_q, q_scale, k_q.transpose(-1, -2), k_scale, exact=exact).mul_(softmax_scale)
+    s = matmul(q_q, q_scale, k_q.transpose(-1, -2), k_scale) * softmax_scale
     if is_causal:
         lq, lk = s.shape[-2], s.shape[-1]
         keep = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril()  # top-left, as in SDPA
@@ -229,11 +243,11 @@ def fp8_attention(
         else:
             s = s + attn_mask.float()
     # a row whose keys are all masked gives 0/0; SDPA returns zeros there, and so do we
-    p = torch.softmax(s, dim=-1).nan_to_num_(0.0)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     if p_scale is None:
         p_scale = torch.tensor(1.0 / fmt.max, device=p.device)
     p_q = quantize(p, p_scale, fmt)
-    return fp8_matmul(p_q, p_scale, v_q, v_scale, exact=exact)
+    return matmul(p_q, p_scale, v_q, v_scale)
 
 
 def layer_norm_quantize(
@@ -245,6 +259,7 @@ def layer_norm_quantize(
     fmt: FP8Format,
     *,
     rms: bool = False,
+    quantize=quantize,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """LayerNorm (or RMSNorm) over the last dim in fp32, then FP8 quantization; returns (normalized in
     x's dtype, fp8). For fp32 inputs ``normalized`` equals F.layer_norm / F.rms_norm bit for bit."""

@@ -1,0 +1,215 @@
+"""How ``torch.compile`` (inductor) sees the ``dbr_quant`` custom ops on the reference (CPU) backend.
+
+Opaque, the custom ops cost what eager costs: every quantize, weight upcast and epilogue is its own
+pass over memory, and inductor cannot fuse across them. So for tensors that run on the reference
+backend we register a *decomposition* of each op with inductor: the same math in plain aten ops that
+inductor fuses into the neighbouring LayerNorm / GELU / residual kernels and vectorizes.
+
+The one trick: CPU code has no vector FP8 conversion (inductor emits a scalar loop for
+``.to(float8_e4m3fn)``, slower than eager). Here FP8 is rounded and encoded with fp32 and integer
+arithmetic only — round to the FP8 grid with ``torch.round`` (half to even) at the spacing of the
+value's binade, then build the byte from the fp32 bits — and decoded back the same way. Both are
+bit-identical to ``Tensor.to(float8)`` / the reference upcast (tests compare every byte value).
+
+Numerics under compile: the GEMMs are the reference's (exact FP8 operands in bf16, fp32 accumulate,
+bf16 result); inductor may contract ``acc·scale + bias`` into an FMA and reorders LayerNorm's sums, so
+the compiled model is close to eager, not bit-equal — the same contract as compiling any model.
+On CUDA (the Triton backend) nothing is decomposed: the ops stay calls to the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..formats import FP8Format
+from ..kernels import reference
+from ..kernels.dispatch import resolve_backend
+
+
+def _fmt_of(q: Tensor) -> FP8Format:
+    return FP8Format.E4M3 if q.dtype == torch.float8_e4m3fn else FP8Format.E5M2
+
+
+def round_to_grid(y: Tensor, fmt: FP8Format) -> Tensor:
+    """Round fp32 ``y`` (already within ±fmt.max) to the nearest FP8 value, ties to even, in fp32.
+
+    Normal range: Veltkamp's split — ``c = y·(2**s + 1); hi = c − (c − y)`` leaves ``y`` rounded to
+    24 − s significant bits, here 1 + mantissa_bits; pure float arithmetic, so inductor vectorizes it
+    (bit casts cost a store/reload per vector in its C++). Ties are settled by fp32's own
+    round-half-even: tests check every FP8 midpoint. Subnormal range (fixed spacing): adding and
+    subtracting 1.5·2**23·spacing rounds to a multiple of the spacing. Both need the compiler to keep
+    each fp32 operation as written: no FMA contraction, no unsafe-math reassociation — inductor's
+    defaults; with either switched on we fall back to :func:`round_to_grid_bits`.
+    """
+    if not _float_ops_kept_as_written():
+        return round_to_grid_bits(y, fmt)
+    c = y * float(2 ** (23 - fmt.mantissa_bits) + 1)
+    normal = c - (c - y)
+    step = 2.0 ** (1 - fmt.exponent_bias - fmt.mantissa_bits)  # spacing of the subnormals
+    magic = 1.5 * 2.0**23 * step
+    subnormal = (y + magic) - magic
+    return torch.where(y.abs() < 2.0 ** (1 - fmt.exponent_bias), subnormal, normal)
+
+
+def _float_ops_kept_as_written() -> bool:
+    from torch._inductor import config
+
+    return (config.cpp.enable_floating_point_contract_flag == "off"
+            and not config.cpp.enable_unsafe_math_opt_flag)
+
+
+def round_to_grid_bits(y: Tensor, fmt: FP8Format) -> Tensor:
+    """:func:`round_to_grid` from the exponent bits: the spacing of FP8 values in y's binade is
+    2**(exponent − mantissa_bits), constant below the smallest normal; dividing by a power of two is
+    exact, so ``round(y / ulp) · ulp`` is correctly rounded whatever the compiler contracts."""
+    exponent = (y.view(torch.int32) >> 23) & 0xFF
+    min_normal = 128 - fmt.exponent_bias  # fp32 biased exponent of fmt's smallest normal
+    ulp = ((exponent.clamp(min=min_normal) - fmt.mantissa_bits) << 23).view(torch.float32)
+    return torch.round(y / ulp) * ulp
+
+
+def encode(q: Tensor, fmt: FP8Format, sign_of: Tensor | None = None) -> Tensor:
+    """FP8 values held in fp32 (on the grid, NaN allowed) → the FP8 tensor, by integer ops on the bits.
+    ``sign_of``: the unrounded values, whose sign a value rounded to zero keeps (−tiny → −0, as torch)."""
+    bits = q.view(torch.int32)
+    magnitude = bits & 0x7FFFFFFF
+    m, rebias = fmt.mantissa_bits, 127 - fmt.exponent_bias
+    normal = (magnitude >> (23 - m)) - (rebias << m)  # exponent and top mantissa bits, re-biased
+    subnormal = (q.abs() * 2.0 ** (fmt.exponent_bias - 1 + m)).to(torch.int32)  # whole multiples of the step
+    code = torch.where(magnitude >= ((rebias + 1) << 23), normal, subnormal)
+    sign_bits = bits if sign_of is None else sign_of.view(torch.int32)
+    code = code | ((sign_bits >> 24) & 0x80)  # the sign (the shift is arithmetic: 0xFF… for negative q)
+    code = code.masked_fill(q != q, 0x7F)  # NaN as torch's cast writes it (the sign of a NaN is not kept)
+    return code.to(torch.uint8).view(fmt.dtype)
+
+
+def decode(q: Tensor) -> Tensor:
+    """FP8 → fp32 values by integer ops (E4M3's NaN code comes out as ±480, as in reference.e4m3_to_bf16)."""
+    fmt = _fmt_of(q)
+    code = q.view(torch.uint8).to(torch.int32)
+    magnitude = code & 0x7F
+    m, rebias = fmt.mantissa_bits, 127 - fmt.exponent_bias
+    normal = ((magnitude << (23 - m)) + (rebias << 23)).view(torch.float32)
+    subnormal = magnitude.float() * 2.0 ** (1 - fmt.exponent_bias - m)
+    value = torch.where(magnitude < (1 << m), subnormal, normal)
+    return torch.where(code >= 0x80, -value, value)
+
+
+# FP8 tensor made by a lowering below → its values in fp32. A GEMM lowering that consumes it reads these
+# instead of decoding the bytes again (decode(encode(v)) == v), so inside inductor's fused kernels an
+# activation is rounded onto the FP8 grid and never packed into bytes at all unless something else
+# needs the bytes. Keyed by the identity of the traced (fake) tensor; an entry dies with its tensor.
+# (Not a WeakKeyDictionary: that compares keys with ==, which on tensors is elementwise.)
+_GRID_VALUES: dict[int, tuple[weakref.ref, Tensor]] = {}
+
+
+def _remember_grid_values(q: Tensor, values: Tensor) -> None:
+    _GRID_VALUES[id(q)] = (weakref.ref(q), values)
+    weakref.finalize(q, _GRID_VALUES.pop, id(q), None)
+
+
+def _grid_values(q: Tensor) -> Tensor | None:
+    entry = _GRID_VALUES.get(id(q))
+    return entry[1] if entry is not None and entry[0]() is q else None
+
+
+def quantize(x: Tensor, scale: Tensor, fmt: FP8Format) -> Tensor:
+    """reference.quantize without the FP8 cast: saturate ``x / scale``, round on the grid, encode."""
+    y = (x.float() * torch.reciprocal(scale.float())).clamp(-fmt.max, fmt.max)
+    values = round_to_grid(y, fmt)
+    q = encode(values, fmt, sign_of=y)
+    _remember_grid_values(q, values)
+    return q
+
+
+def _bf16(q: Tensor) -> Tensor:
+    """The exact bf16 operand for a GEMM: the grid values if a lowering made ``q``, else the fast upcast
+    (weights: graph inputs, which inductor would decode an order of magnitude slower than eager)."""
+    values = _grid_values(q)
+    if values is not None:
+        return values.to(torch.bfloat16)  # exact: every FP8 value is a bf16 value
+    return torch.ops.dbr_quant.fp8_to_bf16(q)
+
+
+def fp8_linear(x_q, x_scale, w_q, w_scale, bias, activation, residual, out_dtype, out_scale, out_fmt) -> Tensor:
+    acc = F.linear(_bf16(x_q), _bf16(w_q))  # bf16 GEMM with fp32 accumulation, as reference.fp8_linear
+    y = acc.float() * (x_scale * w_scale).float()
+    if bias is not None:
+        y = y + bias.float()
+    return reference.linear_epilogue(y, activation or None, residual, out_dtype, out_scale,
+                                     FP8Format.parse(out_fmt), quantize=quantize)
+
+
+def fp8_matmul(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor) -> Tensor:
+    return torch.matmul(_bf16(a_q), _bf16(b_q)).float() * (a_scale * b_scale)
+
+
+def layer_norm_quantize(x, weight, bias, eps, scale, fmt, rms) -> tuple[Tensor, Tensor]:
+    return reference.layer_norm_quantize(x, weight, bias, eps, scale, FP8Format.parse(fmt), rms=rms,
+                                         quantize=quantize)
+
+
+def fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, attn_mask, is_causal, softmax_scale, p_scale,
+                  fmt) -> Tensor:
+    return reference.fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, attn_mask=attn_mask,
+                                   is_causal=is_causal, softmax_scale=softmax_scale, p_scale=p_scale,
+                                   fmt=FP8Format.parse(fmt), matmul=fp8_matmul, quantize=quantize)
+
+
+def dynamic_quantize(x: Tensor, fmt: str, per_token: bool) -> tuple[Tensor, Tensor]:
+    scale = reference.dynamic_scale(x, FP8Format.parse(fmt), per_token)
+    return quantize(x, scale, FP8Format.parse(fmt)), scale
+
+
+def _quantize_op(x: Tensor, scale: Tensor, fmt: str) -> Tensor:
+    return quantize(x, scale, FP8Format.parse(fmt))
+
+
+def _dequantize_op(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    return (decode(q) * scale.float()).to(dtype)
+
+
+def _dynamic_scale_op(x: Tensor, fmt: str, per_token: bool) -> Tensor:
+    return reference.dynamic_scale(x, FP8Format.parse(fmt), per_token)
+
+
+def _on_reference_backend(fn):
+    """Decompose only where eager would run the reference backend; elsewhere (CUDA → Triton) the op stays."""
+    @functools.wraps(fn)
+    def maybe(*args, **kwargs):
+        if resolve_backend(args[0].device) != "reference":
+            return NotImplemented
+        return fn(*args, **kwargs)
+    return maybe
+
+
+LOWERINGS = {
+    "quantize": _quantize_op,
+    "dequantize": _dequantize_op,
+    "dynamic_scale": _dynamic_scale_op,
+    "dynamic_quantize": dynamic_quantize,
+    "fp8_linear": fp8_linear,
+    "layer_norm_quantize": layer_norm_quantize,
+    "fp8_matmul": fp8_matmul,
+    "fp8_attention": fp8_attention,
+}
+
+
+def register_inductor_lowerings() -> None:
+    """Add the decompositions to inductor's table (idempotent). Called when the custom ops are defined."""
+    from torch._inductor import decomposition
+
+    for name, fn in LOWERINGS.items():
+        op = getattr(torch.ops.dbr_quant, name).default
+        if op not in decomposition.decompositions:
+            decomposition.register_decomposition(op)(_on_reference_backend(fn))
+    # inductor caches a copy of its table on first use; a model compiled before this import would keep
+    # the stale copy, so drop it (a private cache: guarded, as its name may move between releases)
+    cached = getattr(decomposition, "fast_random_decomps", None)
+    if hasattr(cached, "cache_clear"):
+        cached.cache_clear()
