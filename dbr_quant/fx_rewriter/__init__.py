@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..kernels.dispatch import capture_with
 from .ops import GraphOps
 
-__all__ = ["rewrite", "RewriteError"]
+__all__ = ["rewrite", "RewriteError", "compile_frozen"]
 
 
 class RewriteError(RuntimeError):
@@ -98,3 +98,33 @@ def _named(model: nn.Module, dyn_args: tuple) -> dict[str, Any]:
 
     names = list(inspect.signature(type(model).forward).parameters)[1:]
     return dict(zip(names, dyn_args))
+
+
+class FrozenCompiled(nn.Module):
+    """``torch.compile(gm, fullgraph=True)`` with inductor's freezing on, for inference.
+
+    Freezing makes the weights compile-time constants, so inductor folds the FP8 → bf16 weight upcast
+    (on CPU, where no FP8 GEMM exists) and hands oneDNN pre-packed weights: the fastest CPU path, at the
+    cost of bf16 copies of the linear weights inside the compiled artifact (the FP8 buffers stay in
+    ``gm``). Dynamo reads the setting while it traces, which happens at the first call (and again for a
+    new input shape), not at ``torch.compile()`` — so ``torch.compile(options={"freezing": True})``
+    does not freeze; this wrapper sets it around every call. Calls run under ``torch.no_grad()``
+    (freezing is inference-only).
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__()
+        self.compiled = torch.compile(gm, fullgraph=True)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        from torch._inductor import config as inductor_config
+
+        with inductor_config.patch(freezing=True), torch.no_grad():
+            return self.compiled(*args, **kwargs)
+
+
+def compile_frozen(gm: torch.fx.GraphModule) -> FrozenCompiled:
+    """Compile a rewritten graph for inference with its weights frozen (see :class:`FrozenCompiled`)."""
+    if not isinstance(gm, torch.fx.GraphModule):
+        raise RewriteError(f"compile_frozen() takes the GraphModule that rewrite() returns, not {type(gm).__name__}")
+    return FrozenCompiled(gm)

@@ -138,9 +138,7 @@ def _bf16(q: Tensor) -> Tensor:
 
 def fp8_linear(x_q, x_scale, w_q, w_scale, bias, activation, residual, out_dtype, out_scale, out_fmt) -> Tensor:
     acc = F.linear(_bf16(x_q), _bf16(w_q))  # bf16 GEMM with fp32 accumulation, as reference.fp8_linear
-    y = acc.float() * (x_scale * w_scale).float()
-    if bias is not None:
-        y = y + bias.float()
+    y = reference.dequantize_accumulator(acc, x_scale * w_scale, bias)
     return reference.linear_epilogue(y, activation or None, residual, out_dtype, out_scale,
                                      FP8Format.parse(out_fmt), quantize=quantize)
 

@@ -164,10 +164,14 @@ def fp8_linear(
                              F.linear(x_b, fp8_to_bf16(w_q[n:], reuse_buffer=True))], dim=-1)
         else:
             acc = F.linear(x_b, fp8_to_bf16(w_q, reuse_buffer=True))
-        # one fp32 pass for the whole dequantize + bias epilogue: bias + acc·scale
-        base = bias.float() if bias is not None else torch.zeros((), device=acc.device)
-        y = torch.addcmul(base, acc, scale.float() if scale.dim() else scale.float().expand(1))
+        y = dequantize_accumulator(acc, scale, bias)
     return linear_epilogue(y, activation, residual, out_dtype, out_scale, out_fmt)
+
+
+def dequantize_accumulator(acc: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``bias + acc·scale`` in fp32, one pass (the bf16 GEMM result times the combined x·w scale)."""
+    base = bias.float() if bias is not None else torch.zeros((), device=acc.device)
+    return torch.addcmul(base, acc, scale.float() if scale.dim() else scale.float().expand(1))
 
 
 def linear_epilogue(y: torch.Tensor, activation: str | None, residual: torch.Tensor | None, out_dtype: torch.dtype,

@@ -1,0 +1,199 @@
+"""The inductor lowering of the dbr_quant custom ops (fx_rewriter.lowering).
+
+Two kinds of checks: the lowering's own FP8 arithmetic against torch's FP8 cast (every byte, every
+midpoint, eager and compiled), and each op's lowering run eagerly against the op itself (the reference
+kernels), so a compiled graph computes what the eager graph does.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._inductor import config as inductor_config
+from torch._inductor.utils import run_and_get_code
+
+import dbr_quant.fx_rewriter.ops  # noqa: F401  (defines the ops and registers their lowerings)
+from dbr_quant.formats import FP8Format
+from dbr_quant.fx_rewriter import lowering
+from dbr_quant.kernels import reference, use_backend
+
+FORMATS = list(FP8Format)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_inductor():
+    """No cached compiled graphs: inductor's cache key does not cover the lowering's Python source."""
+    torch._dynamo.reset()
+    with inductor_config.patch(force_disable_caches=True):
+        yield
+    torch._dynamo.reset()
+
+
+def every_value(fmt: FP8Format) -> torch.Tensor:
+    """Every finite FP8 value, the midpoints between neighbours (the ties), and values past the max."""
+    v = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float()
+    v = v[torch.isfinite(v)].unique().sort().values
+    mids = (v[1:] + v[:-1]) / 2
+    return torch.cat([v, mids, torch.nextafter(mids, v[1:]), torch.nextafter(mids, v[:-1]),
+                      torch.tensor([fmt.max * 1.01, -fmt.max * 1.5, 1e30, -0.0])])
+
+
+def bytes_of(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_and_encode_every_byte(fmt):
+    codes = torch.arange(256, dtype=torch.uint8).view(fmt.dtype)
+    want = codes.float()
+    finite = torch.isfinite(want)
+    got = lowering.decode(codes)
+    assert torch.equal(got[finite].view(torch.int32), want[finite].view(torch.int32))  # -0.0 included
+    assert torch.equal(bytes_of(lowering.encode(want[finite], fmt)), bytes_of(codes[finite]))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rounding", ["veltkamp", "bits"])
+def test_quantize_matches_torch_cast_at_every_tie_eager_and_compiled(fmt, rounding):
+    x = torch.cat([every_value(fmt), torch.randn(20000) * 3, torch.randn(2000) * 1e-3,
+                   torch.tensor([float("nan"), float("inf"), -float("inf")])])
+    scale = torch.tensor(1.0)
+    want = bytes_of(reference.quantize(x, scale, fmt))
+    patch = {} if rounding == "veltkamp" else {"cpp.enable_floating_point_contract_flag": "fast"}
+    with inductor_config.patch(patch):
+        assert lowering._float_ops_kept_as_written() == (rounding == "veltkamp")
+        assert torch.equal(bytes_of(lowering.quantize(x, scale, fmt)), want)
+        compiled = torch.compile(lambda x, s: lowering.quantize(x, s, fmt))
+        assert torch.equal(bytes_of(compiled(x, scale)), want)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=64),
+       st.floats(min_value=1e-6, max_value=1e3), st.sampled_from(FORMATS))
+def test_quantize_property_equals_reference(values, scale, fmt):
+    x, s = torch.tensor(values), torch.tensor(scale)
+    assert torch.equal(bytes_of(lowering.quantize(x, s, fmt)), bytes_of(reference.quantize(x, s, fmt)))
+
+
+def _fp8(shape, fmt=FP8Format.E4M3, scale=0.05):
+    x = torch.randn(shape)
+    s = torch.tensor(scale)
+    return reference.quantize(x, s, fmt), s
+
+
+LINEAR_CASES = [
+    dict(activation="", bias=False, residual=False, out_scale=False),
+    dict(activation="gelu", bias=True, residual=False, out_scale=True),
+    dict(activation="relu", bias=True, residual=True, out_scale=False),
+    dict(activation="silu", bias=False, residual=True, out_scale=True),
+]
+
+
+@pytest.mark.parametrize("case", LINEAR_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_fp8_linear_lowering_equals_the_op(case, per_channel):
+    x_q, x_s = _fp8((3, 7, 48))
+    w_q, _ = _fp8((40, 48))
+    w_s = torch.rand(40) * 0.01 + 0.001 if per_channel else torch.tensor(0.003)
+    args = (x_q, x_s, w_q, w_s, torch.randn(40) if case["bias"] else None, case["activation"],
+            torch.randn(3, 7, 40) if case["residual"] else None, torch.float32,
+            torch.tensor(0.02) if case["out_scale"] else None, "e4m3")
+    want = torch.ops.dbr_quant.fp8_linear(*args)
+    got = lowering.fp8_linear(*args)
+    assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8) if got.dtype.itemsize == 1 else got,
+                                                   want.view(torch.uint8) if want.dtype.itemsize == 1 else want)
+
+
+def test_gated_linear_lowering_matches_the_op():
+    x_q, x_s = _fp8((5, 32))
+    w_q, w_s = _fp8((2 * 24, 32), scale=0.01)
+    for act in ("swiglu", "geglu"):
+        args = (x_q, x_s, w_q, w_s, None, act, None, torch.float32, None, "e4m3")
+        # one stacked GEMM instead of the reference's two: the same dot products
+        torch.testing.assert_close(lowering.fp8_linear(*args), torch.ops.dbr_quant.fp8_linear(*args),
+                                   rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_norm_quantize_matmul_attention_and_dynamic_lowerings_equal_the_ops(rms):
+    x = torch.randn(4, 9, 32)
+    w, b, s = torch.rand(32) + 0.5, torch.randn(32), torch.tensor(0.02)
+    for got, want in zip(lowering.layer_norm_quantize(x, w, b, 1e-5, s, "e4m3", rms),
+                         torch.ops.dbr_quant.layer_norm_quantize(x, w, b, 1e-5, s, "e4m3", rms)):
+        assert torch.equal(got.view(torch.uint8) if got.dtype.itemsize == 1 else got,
+                           want.view(torch.uint8) if want.dtype.itemsize == 1 else want)
+    a_q, a_s = _fp8((2, 3, 9, 16))
+    b_q, b_s = _fp8((2, 3, 16, 9))
+    assert torch.equal(lowering.fp8_matmul(a_q, a_s, b_q, b_s), torch.ops.dbr_quant.fp8_matmul(a_q, a_s, b_q, b_s))
+    q_q, k_q, v_q = (_fp8((2, 4, 9, 16))[0] for _ in range(3))
+    mask = torch.rand(9, 9) > 0.3
+    for causal, m in [(False, mask), (True, None)]:
+        args = (q_q, s, k_q, s, v_q, s, m, causal, None, None, "e4m3")
+        assert torch.equal(lowering.fp8_attention(*args), torch.ops.dbr_quant.fp8_attention(*args))
+    for per_token in (False, True):
+        got, want = lowering.dynamic_quantize(x, "e5m2", per_token), torch.ops.dbr_quant.dynamic_quantize(
+            x, "e5m2", per_token)
+        assert torch.equal(got[1], want[1]) and torch.equal(bytes_of(got[0]), bytes_of(want[0]))
+    q, _ = _fp8((6, 5))
+    assert torch.equal(lowering.LOWERINGS["dequantize"](q, s, torch.bfloat16),
+                       torch.ops.dbr_quant.dequantize(q, s, torch.bfloat16))
+
+
+def test_fp8_to_bf16_op_is_exact():
+    for fmt in FORMATS:
+        codes = torch.arange(256, dtype=torch.uint8).view(fmt.dtype)
+        finite = torch.isfinite(codes.float())
+        assert torch.equal(torch.ops.dbr_quant.fp8_to_bf16(codes)[finite].float(), codes.float()[finite])
+
+
+def test_compiled_ops_are_inlined_and_close_to_eager():
+    """Under torch.compile the FP8 ops become inductor code fused with their neighbours (only the weight
+    upcast stays a call), and the result is close to the eager graph's."""
+    x_q, x_s = _fp8((6, 32))
+    w1, w1_s = _fp8((64, 32), scale=0.01)
+    w2, w2_s = _fp8((32, 64), scale=0.01)
+    b1, mid_s = torch.randn(64), torch.tensor(0.05)
+
+    def mlp(x, ln_w):
+        h, q = torch.ops.dbr_quant.layer_norm_quantize(x, ln_w, None, 1e-5, x_s, "e4m3", False)
+        y = torch.ops.dbr_quant.fp8_linear(q, x_s, w1, w1_s, b1, "gelu", None, torch.float32, mid_s, "e4m3")
+        return torch.ops.dbr_quant.fp8_linear(y, mid_s, w2, w2_s, None, "", h, torch.float32, None, "e4m3")
+
+    x, ln_w = torch.randn(6, 32), torch.rand(32) + 0.5
+    with torch.no_grad():
+        out, (code,) = run_and_get_code(torch.compile(mlp, fullgraph=True), x, ln_w)
+        want = mlp(x, ln_w)
+    calls = {line.split("torch.ops.dbr_quant.")[1].split(".")[0] for line in code.splitlines()
+             if "= torch.ops.dbr_quant." in line}
+    assert calls == {"fp8_to_bf16"}  # the weight upcasts; everything else became inductor's own code
+    assert "Original ATen: [dbr_quant.layer_norm_quantize, dbr_quant.fp8_linear]" in code  # fused together
+    assert F.cosine_similarity(out.flatten(), want.flatten(), dim=0) > 0.999
+
+
+def test_ops_stay_calls_on_the_triton_backend():
+    """Off the reference backend (Triton on CUDA) the decompositions decline, so the op stays one kernel."""
+    decomposition = lowering._on_reference_backend(lowering.fp8_matmul)
+    a_q, a_s = _fp8((3, 4))
+    b_q, b_s = _fp8((4, 3))
+    assert torch.is_tensor(decomposition(a_q, a_s, b_q, b_s))
+    with use_backend("triton-interpret"):
+        assert decomposition(a_q, a_s, b_q, b_s) is NotImplemented
+
+
+def test_compile_frozen_folds_the_weight_upcast():
+    """With freezing the weights are constants: the upcast runs once at compile time, not per call."""
+    from test_rewrite import converted_block
+
+    from dbr_quant.fx_rewriter import RewriteError, compile_frozen, rewrite
+
+    _, c, x = converted_block()
+    gm = rewrite(c)
+    frozen = compile_frozen(gm)
+    out, codes = run_and_get_code(frozen, x)
+    assert not any("= torch.ops.dbr_quant." in line for code in codes for line in code.splitlines())
+    with torch.no_grad():
+        want = c(x)["out"]
+    assert F.cosine_similarity(out["out"].flatten(), want.flatten(), dim=0) > 0.999
+    with pytest.raises(RewriteError, match="GraphModule that rewrite"):
+        compile_frozen(c)
