@@ -10,6 +10,7 @@ what eager does (the ops call the same kernel dispatch).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -112,8 +113,13 @@ class FrozenCompiled(nn.Module):
     (freezing is inference-only).
     """
 
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
+    def __init__(self, gm: nn.Module) -> None:
         super().__init__()
+        if isinstance(gm, torch.fx.GraphModule):
+            # a GraphModule of its own (same weight tensors, new generated code): dynamo caches compiled
+            # code per code object and does not guard on freezing, so compiling ``gm`` itself would reuse
+            # (or later hand out) a non-frozen compile of the same graph
+            gm = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
         self.compiled = torch.compile(gm, fullgraph=True)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
