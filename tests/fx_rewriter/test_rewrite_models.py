@@ -30,6 +30,25 @@ def test_hf_models_rewrite_bit_for_bit(name, attention):
             assert torch.equal(a, b), f"{name}: rewritten output differs at shape {shape}"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name,attention", [("llama", True), ("gpt2", False)])
+def test_hf_models_compiled_close_to_eager(name, attention):
+    """Compiled through the inductor lowering — Llama: RMSNorm + SwiGLU + FP8 attention (causal, GQA,
+    left padding); GPT-2: Conv1D + GELU-tanh — the outputs match eager up to FP8 rounding flips."""
+    p = run_pipeline(name, qconfig=dq.QConfig(quantize_attention=attention))
+    gm = rewrite(p.converted, example_kwargs={**p.example, "use_cache": False})
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(force_disable_caches=True), torch.no_grad():
+        compiled = torch.compile(gm, fullgraph=True)
+        for shape in [tuple(p.eval_batch["input_ids"].shape), OTHER_SHAPES[0]]:
+            batch = make_batch(torch.Generator().manual_seed(3), shape, p.spec.left_pad)
+            want = _leaves(p.converted(**batch, use_cache=False), p.spec.outputs)[0]
+            got = _leaves(compiled(**batch, use_cache=False), p.spec.outputs)[0]
+            assert torch.isfinite(got).all()
+            assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module")
 def minilm():
     model, tok = load_minilm()
