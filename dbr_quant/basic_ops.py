@@ -134,6 +134,18 @@ def run_linear(call: Call, env: Env, *, x: torch.Tensor | None = None, activatio
     )
 
 
+def run_mlp(fc1_weight: tuple[torch.Tensor, torch.Tensor], fc1_bias: torch.Tensor | None, x_q: torch.Tensor,
+            x_scale: torch.Tensor, activation: str | None, fc2: Call, env: Env, residual: torch.Tensor | None,
+            out_dtype: torch.dtype) -> torch.Tensor:
+    """fc1 (FP8 input given; its weight, possibly a stacked [gate; up]) → activation → fc2 (+ residual) as
+    one ``kernels.fp8_mlp``: FP8 from fc1's epilogue to fc2 with fc2's input scale."""
+    h_scale = env.input_scale(fc2, "input", None)
+    w2_q, w2_scale = fp8_weight(fc2)
+    return kernels.fp8_mlp(x_q, x_scale, *fc1_weight, fc1_bias, activation, h_scale,
+                           fc2.op.qconfig.activation.format, w2_q, w2_scale, linear_operands(fc2)[2], residual,
+                           out_dtype)
+
+
 def run_matmul(call: Call, env: Env, *, a: torch.Tensor | None = None, b: torch.Tensor | None = None
                ) -> torch.Tensor:
     a = call.args[0] if a is None else a

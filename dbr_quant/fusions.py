@@ -18,7 +18,17 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
-from .basic_ops import Call, Env, linear_operands, quantized_input, run_basic, run_linear, stacked_gate_up
+from .basic_ops import (
+    Call,
+    Env,
+    fp8_weight,
+    linear_operands,
+    quantized_input,
+    run_basic,
+    run_linear,
+    run_mlp,
+    stacked_gate_up,
+)
 from .mappings import (
     ACT,
     ADD,
@@ -223,10 +233,8 @@ def _mlp(fc1: Call, fc2: Call, env: Env, x: torch.Tensor, act: str | None, resid
     if fc2.op.qconfig.dynamic:  # fc2's scale would depend on fc1's output: no FP8 hand-off
         h = run_linear(fc1, env, x=x, activation=act, x_fp8=x_fp8)
         return run_linear(fc2, env, x=h, residual=residual)
-    h_scale = env.input_scale(fc2, "input", None)
-    h_fp8 = run_linear(fc1, env, x=x, activation=act, x_fp8=x_fp8, out_scale=h_scale,
-                       out_fmt=fc2.op.qconfig.activation.format)
-    return run_linear(fc2, env, x=x, residual=residual, x_fp8=(h_fp8, h_scale))
+    x_q, x_scale = quantized_input(fc1, "input", x, env) if x_fp8 is None else x_fp8
+    return run_mlp(fp8_weight(fc1), linear_operands(fc1)[2], x_q, x_scale, act, fc2, env, residual, x.dtype)
 
 
 @register_fusion
@@ -315,10 +323,7 @@ def _gated_mlp(gate: Call, up: Call, down: Call | None, env: Env, x: torch.Tenso
     if down is None or down.op.qconfig.dynamic:
         h = kernels.fp8_linear(x_q, x_scale, w_q, w_scale, bias=bias, activation=kernel_act, out_dtype=x.dtype)
         return h if down is None else run_linear(down, env, x=h, residual=residual)
-    h_scale = env.input_scale(down, "input", None)
-    h_fp8 = kernels.fp8_linear(x_q, x_scale, w_q, w_scale, bias=bias, activation=kernel_act, out_dtype=x.dtype,
-                               out_scale=h_scale, out_fmt=down.op.qconfig.activation.format)
-    return run_linear(down, env, x=x, residual=residual, x_fp8=(h_fp8, h_scale))
+    return run_mlp((w_q, w_scale), bias, x_q, x_scale, kernel_act, down, env, residual, x.dtype)
 
 
 def _residual_after(graph: TraceGraph, last: Event) -> Event | None:

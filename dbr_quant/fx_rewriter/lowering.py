@@ -143,6 +143,12 @@ def fp8_linear(x_q, x_scale, w_q, w_scale, bias, activation, residual, out_dtype
                                      FP8Format.parse(out_fmt), quantize=quantize)
 
 
+def fp8_mlp(x_q, x_scale, w1_q, w1_scale, b1, activation, h_scale, h_fmt, w2_q, w2_scale, b2, residual,
+            out_dtype) -> Tensor:
+    h = fp8_linear(x_q, x_scale, w1_q, w1_scale, b1, activation, None, out_dtype, h_scale, h_fmt)
+    return fp8_linear(h, h_scale, w2_q, w2_scale, b2, "", residual, out_dtype, None, h_fmt)
+
+
 def fp8_matmul(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor) -> Tensor:
     return torch.matmul(_bf16(a_q), _bf16(b_q)).float() * (a_scale * b_scale)
 
@@ -192,6 +198,7 @@ LOWERINGS = {
     "dynamic_scale": _dynamic_scale_op,
     "dynamic_quantize": dynamic_quantize,
     "fp8_linear": fp8_linear,
+    "fp8_mlp": fp8_mlp,
     "layer_norm_quantize": layer_norm_quantize,
     "fp8_matmul": fp8_matmul,
     "fp8_attention": fp8_attention,

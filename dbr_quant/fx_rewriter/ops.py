@@ -91,6 +91,19 @@ def _(x_q, x_scale, w_q, w_scale, bias, activation, residual, out_dtype, out_sca
     return x_q.new_empty((*x_q.shape[:-1], n), dtype=dtype)
 
 
+@torch.library.custom_op("dbr_quant::fp8_mlp", mutates_args=())
+def fp8_mlp(x_q: Tensor, x_scale: Tensor, w1_q: Tensor, w1_scale: Tensor, b1: Tensor | None, activation: str,
+            h_scale: Tensor, h_fmt: str, w2_q: Tensor, w2_scale: Tensor, b2: Tensor | None, residual: Tensor | None,
+            out_dtype: torch.dtype) -> Tensor:
+    return kernels.fp8_mlp(x_q, x_scale, w1_q, w1_scale, b1, activation or None, h_scale, _fmt(h_fmt), w2_q,
+                           w2_scale, b2, residual, out_dtype)
+
+
+@fp8_mlp.register_fake
+def _(x_q, x_scale, w1_q, w1_scale, b1, activation, h_scale, h_fmt, w2_q, w2_scale, b2, residual, out_dtype):
+    return x_q.new_empty((*x_q.shape[:-1], w2_q.shape[0]), dtype=out_dtype)
+
+
 @torch.library.custom_op("dbr_quant::layer_norm_quantize", mutates_args=())
 def layer_norm_quantize(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, scale: Tensor,
                         fmt: str, rms: bool) -> tuple[Tensor, Tensor]:
@@ -151,6 +164,12 @@ class GraphOps:
     def fp8_linear(x_q, x_scale, w_q, w_scale, *, bias, activation, residual, out_dtype, out_scale, out_fmt):
         return torch.ops.dbr_quant.fp8_linear(x_q, x_scale, w_q, w_scale, bias, activation or "", residual,
                                               out_dtype, out_scale, out_fmt.value)
+
+    @staticmethod
+    def fp8_mlp(x_q, x_scale, w1_q, w1_scale, b1, activation, h_scale, h_fmt, w2_q, w2_scale, b2, residual,
+                out_dtype):
+        return torch.ops.dbr_quant.fp8_mlp(x_q, x_scale, w1_q, w1_scale, b1, activation or "", h_scale, h_fmt.value,
+                                           w2_q, w2_scale, b2, residual, out_dtype)
 
     @staticmethod
     def layer_norm_quantize(x, weight, bias, eps, scale, fmt, *, rms):

@@ -24,8 +24,8 @@ from .dispatch import (
 
 __all__ = [
     "BACKENDS", "count_launches", "current_backend", "resolve_backend", "use_backend",
-    "quantize", "dynamic_quantize", "dequantize", "dynamic_scale", "fp8_linear", "fp8_matmul", "fp8_attention",
-    "layer_norm_quantize",
+    "quantize", "dynamic_quantize", "dequantize", "dynamic_scale", "fp8_linear", "fp8_mlp", "fp8_matmul",
+    "fp8_attention", "layer_norm_quantize",
 ]
 
 
@@ -78,6 +78,19 @@ def fp8_linear(x_q, x_scale, w_q, w_scale, *, bias=None, activation=None, residu
     record_launch("fp8_linear")
     return _impl(x_q).fp8_linear(x_q, x_scale, w_q, w_scale, bias=bias, activation=activation,
                               residual=residual, out_dtype=out_dtype, out_scale=out_scale, out_fmt=out_fmt)
+
+
+def fp8_mlp(x_q, x_scale, w1_q, w1_scale, b1, activation, h_scale, h_fmt, w2_q, w2_scale, b2, residual,
+            out_dtype=torch.float32) -> torch.Tensor:
+    """An MLP's two GEMMs, FP8 between them: fc1's epilogue applies the activation (gated ones take a
+    stacked [gate; up] w1) and quantizes with fc2's input scale ``h_scale``; fc2's adds bias and residual.
+    Two launches; one graph node (``dbr_quant::fp8_mlp``) when captured."""
+    if (ops := graph_ops()) is not None:
+        return ops.fp8_mlp(x_q, x_scale, w1_q, w1_scale, b1, activation, h_scale, h_fmt, w2_q, w2_scale, b2,
+                           residual, out_dtype)
+    h = fp8_linear(x_q, x_scale, w1_q, w1_scale, bias=b1, activation=activation, out_dtype=out_dtype,
+                   out_scale=h_scale, out_fmt=h_fmt)
+    return fp8_linear(h, h_scale, w2_q, w2_scale, bias=b2, residual=residual, out_dtype=out_dtype)
 
 
 def layer_norm_quantize(x, weight, bias, eps, scale, fmt, *, rms=False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -105,6 +105,20 @@ def test_fp8_linear_lowering_equals_the_op(case, per_channel):
                                                    want.view(torch.uint8) if want.dtype.itemsize == 1 else want)
 
 
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_fp8_mlp_lowering_equals_the_op(activation):
+    x_q, x_s = _fp8((2, 5, 32))
+    w1, w1_s = _fp8((2 * 48 if activation == "swiglu" else 48, 32), scale=0.01)
+    w2, w2_s = _fp8((32, 48), scale=0.01)
+    args = (x_q, x_s, w1, w1_s, None if activation == "swiglu" else torch.randn(48), activation, torch.tensor(0.03),
+            "e4m3", w2, w2_s, torch.randn(32), torch.randn(2, 5, 32), torch.float32)
+    want, got = torch.ops.dbr_quant.fp8_mlp(*args), lowering.fp8_mlp(*args)
+    if activation == "swiglu":  # one stacked GEMM instead of the reference's two: the same dot products
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(got, want)
+
+
 def test_gated_linear_lowering_matches_the_op():
     x_q, x_s = _fp8((5, 32))
     w_q, w_s = _fp8((2 * 24, 32), scale=0.01)

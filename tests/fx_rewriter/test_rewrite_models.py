@@ -61,6 +61,8 @@ def minilm():
 def test_minilm_rewrite_equal_compile_and_export(minilm, tmp_path):
     tok, c = minilm
     gm = rewrite(c)
+    ops = [str(n.target) for n in gm.graph.nodes if "dbr_quant" in str(n.target)]
+    assert ops.count("dbr_quant.fp8_mlp.default") == 6  # each layer's intermediate → output block, one node
     batches = [encode(tok, EVAL_SENTENCES[:32]), encode(tok, EVAL_SENTENCES[:1])]
     with torch.no_grad():
         for b in batches:
