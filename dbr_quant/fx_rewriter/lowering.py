@@ -140,7 +140,7 @@ def fp8_linear(x_q, x_scale, w_q, w_scale, bias, activation, residual, out_dtype
     acc = F.linear(_bf16(x_q), _bf16(w_q))  # bf16 GEMM with fp32 accumulation, as reference.fp8_linear
     y = reference.dequantize_accumulator(acc, x_scale * w_scale, bias)
     return reference.linear_epilogue(y, activation or None, residual, out_dtype, out_scale,
-                                     FP8Format.parse(out_fmt), quantize=quantize)
+                                     FP8Format.parse(out_fmt), quantize=quantize, inplace=False)
 
 
 def fp8_mlp(x_q, x_scale, w1_q, w1_scale, b1, activation, h_scale, h_fmt, w2_q, w2_scale, b2, residual,

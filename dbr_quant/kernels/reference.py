@@ -175,17 +175,19 @@ def dequantize_accumulator(acc: torch.Tensor, scale: torch.Tensor, bias: torch.T
 
 
 def linear_epilogue(y: torch.Tensor, activation: str | None, residual: torch.Tensor | None, out_dtype: torch.dtype,
-                    out_scale: torch.Tensor | None, out_fmt: FP8Format, quantize=quantize) -> torch.Tensor:
+                    out_scale: torch.Tensor | None, out_fmt: FP8Format, quantize=quantize,
+                    inplace: bool = True) -> torch.Tensor:
     """What follows the scaled fp32 GEMM result ``y``: activation (gated ones halve the columns), residual,
     the output dtype, and FP8 output when ``out_scale`` is given. ``quantize`` is swappable so the inductor
-    lowering (fx_rewriter.lowering) shares this code with its own, compilable, quantize."""
+    lowering (fx_rewriter.lowering) shares this code with its own, compilable, quantize; it passes
+    ``inplace=False`` (its decompositions run below functionalization, where in-place ops are refused)."""
     if activation in GATED:
         gate, up = y.chunk(2, dim=-1)
         y = apply_activation(gate, "silu" if activation == "swiglu" else "gelu") * up
     else:
         y = apply_activation(y, activation)
     if residual is not None:
-        y = y + residual.float()  # out of place: inductor's decompositions run below functionalization
+        y = y.add_(residual.float()) if inplace and activation is None else y + residual.float()
     y = y.to(out_dtype)
     return y if out_scale is None else quantize(y, out_scale, out_fmt)
 
