@@ -9,6 +9,7 @@ from . import kernels
 from .api import PrepareError, calibrate, convert, disabled, format_report, prepare, quant_state, report
 from .formats import FP8Format
 from .fusions import Fusion, register_fusion
+from .fx_rewriter import ops as _ops  # noqa: F401  (defines the dbr_quant:: ops, so saved ExportedPrograms load)
 from .observers import MSE, AmaxHistory, MovingAverage, Percentile, RunningMax
 from .qconfig import Override, QConfig, TensorQConfig
 from .quantization_state import AutoQuantizationState, UncalibratedError, UnseenOpError
@@ -24,8 +25,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """``dbr_quant.inspect`` and ``dbr_quant.fx_rewriter`` load on first use (they pull in more)."""
-    if name in ("inspect", "fx_rewriter"):
+    """``dbr_quant.inspect`` loads on first use (it pulls in more)."""
+    if name == "inspect":
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")

@@ -26,6 +26,7 @@ def quantize(x: Tensor, scale: Tensor, fmt: str) -> Tensor:
 
 @quantize.register_fake
 def _(x, scale, fmt):
+    _ensure_lowerings()
     return torch.empty_like(x, dtype=_fmt(fmt).dtype)
 
 
@@ -36,6 +37,7 @@ def dequantize(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
 
 @dequantize.register_fake
 def _(q, scale, dtype):
+    _ensure_lowerings()
     return torch.empty_like(q, dtype=dtype)
 
 
@@ -50,6 +52,7 @@ def fp8_to_bf16(q: Tensor) -> Tensor:
 
 @fp8_to_bf16.register_fake
 def _(q):
+    _ensure_lowerings()
     return torch.empty_like(q, dtype=torch.bfloat16)
 
 
@@ -60,6 +63,7 @@ def dynamic_scale(x: Tensor, fmt: str, per_token: bool) -> Tensor:
 
 @dynamic_scale.register_fake
 def _(x, fmt, per_token):
+    _ensure_lowerings()
     shape = (*x.shape[:-1], 1) if per_token else ()
     return x.new_empty(shape, dtype=torch.float32)
 
@@ -72,6 +76,7 @@ def dynamic_quantize(x: Tensor, fmt: str, per_token: bool) -> tuple[Tensor, Tens
 
 @dynamic_quantize.register_fake
 def _(x, fmt, per_token):
+    _ensure_lowerings()
     shape = (*x.shape[:-1], 1) if per_token else ()
     return torch.empty_like(x, dtype=_fmt(fmt).dtype), x.new_empty(shape, dtype=torch.float32)
 
@@ -86,6 +91,7 @@ def fp8_linear(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, bias:
 
 @fp8_linear.register_fake
 def _(x_q, x_scale, w_q, w_scale, bias, activation, residual, out_dtype, out_scale, out_fmt):
+    _ensure_lowerings()
     n = w_q.shape[0] // 2 if activation in ("swiglu", "geglu") else w_q.shape[0]
     dtype = out_dtype if out_scale is None else _fmt(out_fmt).dtype
     return x_q.new_empty((*x_q.shape[:-1], n), dtype=dtype)
@@ -101,6 +107,7 @@ def fp8_mlp(x_q: Tensor, x_scale: Tensor, w1_q: Tensor, w1_scale: Tensor, b1: Te
 
 @fp8_mlp.register_fake
 def _(x_q, x_scale, w1_q, w1_scale, b1, activation, h_scale, h_fmt, w2_q, w2_scale, b2, residual, out_dtype):
+    _ensure_lowerings()
     return x_q.new_empty((*x_q.shape[:-1], w2_q.shape[0]), dtype=out_dtype)
 
 
@@ -113,6 +120,7 @@ def layer_norm_quantize(x: Tensor, weight: Tensor | None, bias: Tensor | None, e
 
 @layer_norm_quantize.register_fake
 def _(x, weight, bias, eps, scale, fmt, rms):
+    _ensure_lowerings()
     return torch.empty_like(x), torch.empty_like(x, dtype=_fmt(fmt).dtype)
 
 
@@ -123,6 +131,7 @@ def fp8_matmul(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor) -> Te
 
 @fp8_matmul.register_fake
 def _(a_q, a_scale, b_q, b_scale):
+    _ensure_lowerings()
     return torch.empty(torch.matmul(a_q.new_empty(a_q.shape, dtype=torch.float32, device="meta"),
                                     b_q.new_empty(b_q.shape, dtype=torch.float32, device="meta")).shape,
                        dtype=torch.float32, device=a_q.device)
@@ -138,6 +147,7 @@ def fp8_attention(q_q: Tensor, q_scale: Tensor, k_q: Tensor, k_scale: Tensor, v_
 
 @fp8_attention.register_fake
 def _(q_q, q_scale, k_q, k_scale, v_q, v_scale, attn_mask, is_causal, softmax_scale, p_scale, fmt):
+    _ensure_lowerings()
     return q_q.new_empty((*q_q.shape[:-1], v_q.shape[-1]), dtype=torch.float32)
 
 
@@ -186,10 +196,18 @@ class GraphOps:
                                                  softmax_scale, p_scale, fmt.value)
 
 
-def _register_lowerings() -> None:
-    from .lowering import register_inductor_lowerings
-
-    register_inductor_lowerings()
+_lowerings_registered = False
 
 
-_register_lowerings()
+def _ensure_lowerings() -> None:
+    """Register the inductor lowerings (fx_rewriter.lowering) the first time any op is traced.
+
+    Not at import: importing inductor's decomposition table costs ~1.5 s, and ``import dbr_quant`` defines
+    these ops (so a saved ExportedProgram loads). Every path to inductor traces the ops with fake tensors
+    (dynamo, export) before inductor picks its decomposition table, so registering here is in time."""
+    global _lowerings_registered
+    if not _lowerings_registered:
+        _lowerings_registered = True
+        from .lowering import register_inductor_lowerings
+
+        register_inductor_lowerings()

@@ -113,3 +113,20 @@ def test_compile_fullgraph_has_no_graph_breaks():
         out, want = compiled(x)["out"], c(x)["out"]
     # inductor fuses the surrounding fp32 ops differently, so FP8 roundings may flip: close, not equal
     assert F.cosine_similarity(out.flatten(), want.flatten(), dim=0) > 0.999
+
+
+def test_saved_program_loads_in_a_fresh_process_with_only_import_dbr_quant(tmp_path):
+    """``import dbr_quant`` defines the custom ops: a saved ExportedProgram loads and runs without
+    importing anything else of ours (and without paying for inductor's import)."""
+    import subprocess
+    import sys
+
+    _, c, x = converted_block()
+    torch.export.save(torch.export.export(rewrite(c), (x,)), tmp_path / "block.pt2")
+    torch.save({"x": x, "want": c(x)["out"]}, tmp_path / "io.pt")
+    script = ("import sys, torch, dbr_quant\n"
+              f"io = torch.load({str(tmp_path / 'io.pt')!r})\n"
+              f"out = torch.export.load({str(tmp_path / 'block.pt2')!r}).module()(io['x'])['out']\n"
+              "assert torch.equal(out, io['want'])\n"
+              "assert 'torch._inductor.decomposition' not in sys.modules\n")
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
