@@ -30,6 +30,14 @@ class FP8Format(enum.Enum):
         return 7 if self is FP8Format.E4M3 else 15
 
     @classmethod
+    def of(cls, dtype: torch.dtype) -> FP8Format:
+        """The format whose storage dtype is ``dtype``."""
+        for fmt in cls:
+            if fmt.dtype == dtype:
+                return fmt
+        raise ValueError(f"{dtype} is not an FP8 dtype: use one of {[f.dtype for f in cls]}")
+
+    @classmethod
     def parse(cls, value: FP8Format | str) -> FP8Format:
         """Accept the enum or its name/value in any case ("E4M3", "e5m2")."""
         if isinstance(value, cls):

@@ -31,10 +31,6 @@ from ..kernels import reference
 from ..kernels.dispatch import resolve_backend
 
 
-def _fmt_of(q: Tensor) -> FP8Format:
-    return FP8Format.E4M3 if q.dtype == torch.float8_e4m3fn else FP8Format.E5M2
-
-
 def round_to_grid(y: Tensor, fmt: FP8Format) -> Tensor:
     """Round fp32 ``y`` (already within ±fmt.max) to the nearest FP8 value, ties to even, in fp32.
 
@@ -90,7 +86,7 @@ def encode(q: Tensor, fmt: FP8Format, sign_of: Tensor | None = None) -> Tensor:
 
 def decode(q: Tensor) -> Tensor:
     """FP8 → fp32 values by integer ops (E4M3's NaN code comes out as ±480, as in reference.e4m3_to_bf16)."""
-    fmt = _fmt_of(q)
+    fmt = FP8Format.of(q.dtype)
     code = q.view(torch.uint8).to(torch.int32)
     magnitude = code & 0x7F
     m, rebias = fmt.mantissa_bits, 127 - fmt.exponent_bias
