@@ -10,6 +10,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from dbr_quant.weights import fp8_weight_bytes, fp8_weight_of
+
 
 def time_interleaved(variants: dict[str, Callable[[], object]], rounds: int = 15, warmup: int = 3,
                      inner: int = 1) -> dict[str, list[float]]:
@@ -40,14 +42,10 @@ def paired_ratio(samples: dict[str, list[float]], num: str, den: str) -> float:
 
 def linear_weight_bytes(model: nn.Module) -> int:
     """Bytes of every nn.Linear weight as stored: fp32/bf16 parameters, or FP8 data plus its scales."""
-    total = 0
+    total = fp8_weight_bytes(model)
     for m in model.modules():
-        if isinstance(m, nn.Linear):
-            if "weight_fp8" in m._buffers:
-                total += m.weight_fp8.numel() * m.weight_fp8.element_size()
-                total += m.weight_scale.numel() * m.weight_scale.element_size()
-            else:
-                total += m.weight.numel() * m.weight.element_size()
+        if isinstance(m, nn.Linear) and fp8_weight_of(m) is None:
+            total += m.weight.numel() * m.weight.element_size()
     return total
 
 

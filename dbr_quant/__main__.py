@@ -18,6 +18,7 @@ def demo(rounds: int = 7) -> None:
         load_minilm,
         sentence_embeddings,
     )
+    from dbr_quant.weights import fp8_weight_bytes
 
     torch.manual_seed(0)
     print("dbr_quant demo: all-MiniLM-L6-v2 (real pretrained weights) → FP8 (E4M3), CPU reference backend\n")
@@ -30,8 +31,7 @@ def demo(rounds: int = 7) -> None:
     rows = dq.report(converted)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     fp32_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-    fp8_bytes = sum(m.weight_fp8.numel() + m.weight_scale.numel() * 4
-                    for m in converted.modules() if isinstance(m, torch.nn.Linear) and "weight_fp8" in m._buffers)
+    fp8_bytes = fp8_weight_bytes(converted)
     batch = encode(tok, EVAL_SENTENCES[:8])
     cos = (sentence_embeddings(model, batch) * sentence_embeddings(converted, batch)).sum(-1)
 

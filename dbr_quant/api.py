@@ -15,11 +15,12 @@ from tqdm.auto import tqdm
 
 from . import kernels
 from .auto_trace import disabled, intercepting, is_disabled
-from .mappings import LINEAR, QUANTIZEABLE, is_container, linear_weight
+from .mappings import LINEAR, QUANTIZEABLE, is_container, is_linear_module, is_transposed_linear, linear_weight
 from .qconfig import QConfig
 from .quantization_state import AutoQuantizationState, UncalibratedError
 from .runs import CalibrateRun, ConvertRun, HighPrecisionRun, InspectRun, ModelRecord, state_of
 from .tracer import TraceRun
+from .weights import attach_fp8_weight, fp8_weight_of
 
 __all__ = ["prepare", "calibrate", "convert", "disabled", "report", "PrepareError"]
 
@@ -47,7 +48,9 @@ def _root_forward(m: nn.Module, *args: Any, **kwargs: Any) -> Any:
     elif record.inspector is not None:
         run = InspectRun(m, record, record.inspector)
     elif record.phase == "prepared":
-        run = CalibrateRun(m, record)
+        # observers are state shared by every caller: concurrent calibration forwards take turns
+        with record.calibration_lock, intercepting(run := CalibrateRun(m, record)):
+            return run.finish(forward(*args, **kwargs))
     else:
         run = ConvertRun(m, record)
     run.begin()
@@ -137,6 +140,8 @@ def prepare(
     if not any(op.kind in QUANTIZEABLE for st in record.states for op in st.seen_ops):
         warnings.warn("dbr_quant.prepare(): the forward ran no quantizeable op (linear, matmul, "
                       "scaled_dot_product_attention); nothing will be converted to FP8", stacklevel=2)
+    else:
+        _warn_high_precision(m, record, "prepare")
     return m
 
 
@@ -220,6 +225,7 @@ def convert(prepared: nn.Module, *, inplace: bool = False) -> nn.Module:
     _quantize_linear_weights(m, record)
     _stack_gate_up_weights(m, record)
     record.phase = "converted"
+    _warn_high_precision(m, record, "convert")
     return m
 
 
@@ -234,8 +240,9 @@ def _same_input_quantization(record: ModelRecord, a, b) -> bool:
 
 
 def _stack_gate_up_weights(m: nn.Module, record: ModelRecord) -> None:
-    """Store each gated MLP's gate and up FP8 weights as one [gate; up] buffer on the gate module, so its
-    fused GEMM (both halves, activation·up in the epilogue) reads them without a per-call copy."""
+    """Store each gated MLP's gate and up FP8 weights as adjacent rows of one [gate; up] buffer (each
+    module's ``weight`` is a view of its rows), so the fused GEMM (both halves, activation·up in the
+    epilogue) reads them without a per-call copy."""
     groups: dict[int, list] = {}
     for st in record.states:
         for op in st.seen_ops:
@@ -250,17 +257,16 @@ def _stack_gate_up_weights(m: nn.Module, record: ModelRecord) -> None:
         if not _same_input_quantization(record, gate_op, up_op):
             continue  # the fused GEMM quantizes x once: both projections must use the same scale
         gate, up = m.get_submodule(gate_op.weight_owner), m.get_submodule(up_op.weight_owner)
-        if "weight_fp8" not in gate._buffers or "weight_fp8" not in up._buffers or \
-                gate.weight_fp8.dtype != up.weight_fp8.dtype or gate.weight_fp8.shape[1] != up.weight_fp8.shape[1]:
+        gw, uw = fp8_weight_of(gate), fp8_weight_of(up)
+        if gw is None or uw is None or gw.transposed or uw.transposed or gw.qdata.dtype != uw.qdata.dtype \
+                or gw.qdata.shape[1] != uw.qdata.shape[1]:
             continue
-        n_gate, n_up = gate.weight_fp8.shape[0], up.weight_fp8.shape[0]
-        scales = [s.expand(n) if s.dim() == 0 else s for s, n in ((gate.weight_scale, n_gate), (up.weight_scale, n_up))]
-        gate.register_buffer("weight_fp8", torch.cat([gate.weight_fp8, up.weight_fp8]))
-        gate.register_buffer("weight_scale", torch.cat(scales))
-        del up._buffers["weight_fp8"], up._buffers["weight_scale"]
-        gate.__dict__["_dbr_rows"] = (0, n_gate)
-        up.__dict__["_dbr_rows"] = (n_gate, n_gate + n_up)
-        up.__dict__["_dbr_weight_home"] = gate
+        n_gate, n_up = gw.qdata.shape[0], uw.qdata.shape[0]
+        q = torch.cat([gw.qdata, uw.qdata])
+        s = torch.cat([sc.expand(n) if sc.dim() == 0 else sc for sc, n in ((gw.scale, n_gate), (uw.scale, n_up))])
+        attach_fp8_weight(gate, q[:n_gate], s[:n_gate], gw.dtype)
+        attach_fp8_weight(up, q[n_gate:], s[n_gate:], uw.dtype)
+        up.__dict__["_dbr_stacked_after"] = gate
 
 
 def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
@@ -283,16 +289,58 @@ def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
         observer = cfg.observer.create(cfg.format, 0 if per_channel else None)  # e.g. MSE clipping for weights
         observer(w)
         scale = observer.scale()
-        q = kernels.quantize(w, scale.unsqueeze(1) if per_channel else scale, cfg.format)
-        del module._parameters["weight"]
-        module.register_buffer("weight_fp8", q)
-        module.register_buffer("weight_scale", scale)
-        module.__dict__["_dbr_weight_dtype"] = w.dtype
+        q = kernels.quantize(w, scale.unsqueeze(1) if per_channel else scale, cfg.format).contiguous()
+        attach_fp8_weight(module, q, scale, w.dtype, transposed=is_transposed_linear(module))
 
 
 # ---------------------------------------------------------------------- report
+def _linear_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every module that holds a linear weight: nn.Linear (and subclasses), Hugging Face Conv1D."""
+    return [(fqn, mod) for fqn, mod in model.named_modules()
+            if isinstance(mod, nn.Linear) or (is_linear_module(mod) and is_transposed_linear(mod))]
+
+
+def _unreached_rows(model: nn.Module, record: ModelRecord) -> list[dict[str, Any]]:
+    """Linear modules that no recorded op ran as a module: they stay high precision; say why."""
+    owners = {op.weight_owner for st in record.states for op in st.seen_ops if op.weight_owner is not None}
+    rows = []
+    for fqn, mod in _linear_modules(model):
+        if fqn in owners:
+            continue
+        if not is_linear_module(mod):
+            reason = (f"{type(mod).__name__} overrides nn.Linear.forward: its torch ops run as written (an F.linear "
+                      "inside is recorded as a functional linear with a weight quantized per call)")
+        else:
+            reason = ("never called during prepare()'s trace (a branch not taken, an expert not routed to, an "
+                      "unused head); prepare with example inputs that reach it to quantize it")
+        rows.append({"fqn": fqn, "kind": LINEAR, "module": fqn.rpartition(".")[0], "fp8": False, "fusion": None,
+                     "reason": reason})
+    return rows
+
+
+def _warn_high_precision(model: nn.Module, record: ModelRecord, fn: str) -> None:
+    """One warning naming how many linear weights (and bytes) stay high precision, and why."""
+    fp8 = {op.weight_owner for st in record.states for op in st.seen_ops
+           if op.weight_owner is not None and op.kind == LINEAR and op.quantize}
+    hp_ops = {op.weight_owner: op.reason for st in record.states for op in st.seen_ops
+              if op.weight_owner is not None and op.kind == LINEAR and not op.quantize}
+    reasons = {r["fqn"]: r["reason"] for r in _unreached_rows(model, record)}
+    reasons.update({fqn: why for fqn, why in hp_ops.items()})
+    if not reasons:
+        return
+    mods = dict(_linear_modules(model))
+    nbytes = sum(w.numel() * w.element_size() for fqn in reasons if fqn in mods
+                 for w in [mods[fqn]._parameters.get("weight")] if w is not None and fqn not in fp8)
+    shown = "; ".join(f"{fqn}: {why}" for fqn, why in list(reasons.items())[:5])
+    more = f"; … and {len(reasons) - 5} more" if len(reasons) > 5 else ""
+    warnings.warn(f"dbr_quant.{fn}(): {len(reasons)} linear module(s) stay high precision "
+                  f"({nbytes / 2**20:.2f} MiB of weights): {shown}{more}. dbr_quant.report(model) lists every one.",
+                  stacklevel=3)
+
+
 def report(model: nn.Module) -> list[dict[str, Any]]:
-    """One row per recorded quantizeable op: where it is, whether it runs in FP8, and why not."""
+    """One row per recorded quantizeable op, plus one per linear module no recorded op ran (those stay high
+    precision): where it is, whether it runs in FP8, and why not."""
     record = model.__dict__.get("_dbr_record")
     if record is None:
         raise TypeError("dbr_quant.report() needs a model returned by prepare() or convert()")
@@ -303,7 +351,7 @@ def report(model: nn.Module) -> list[dict[str, Any]]:
                 continue
             rows.append({"fqn": op.fqn, "kind": op.kind, "module": st.fqn, "fp8": op.quantize,
                          "fusion": op.fusion, "reason": op.reason})
-    return rows
+    return rows + _unreached_rows(model, record)
 
 
 def format_report(rows: list[dict[str, Any]]) -> str:

@@ -15,6 +15,7 @@ from torch import nn
 from . import kernels
 from .mappings import LINEAR, MATMUL, SDPA, linear_weight
 from .quantization_state import AutoQuantizationState, SeenOp
+from .weights import adjacent_rows, fp8_weight_of
 
 
 @dataclass
@@ -52,39 +53,40 @@ class Env(Protocol):
 def stored_fp8_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(fp8 weight (N×K), scale (N,) or 0-d) that convert stored for a linear module, else None.
 
-    The gate and up projections of a gated MLP are stored stacked on the gate module (one [gate; up]
-    buffer, so the fused GEMM reads both without a copy); each module sees its own rows of it.
+    The gate and up projections of a gated MLP are stored as adjacent rows of one [gate; up] buffer (so
+    the fused GEMM reads both without a copy); each module's weight is its own rows of it.
     """
-    home = module.__dict__.get("_dbr_weight_home", module)
-    if "weight_fp8" not in home._buffers:
-        return None
-    w, s = home.weight_fp8, home.weight_scale
-    rows = module.__dict__.get("_dbr_rows")
-    return (w, s) if rows is None else (w[rows[0]:rows[1]], s[rows[0]:rows[1]])
+    w = fp8_weight_of(module)
+    return None if w is None else (w.qdata, w.scale)
 
 
 def stacked_gate_up(gate: Call, up: Call) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The [gate; up] FP8 weight and scales when convert stacked this pair, else None."""
+    """The [gate; up] FP8 weight and scales when convert stacked this pair (and they still share one
+    buffer: a device move copies them apart, then the fused GEMM concatenates per call), else None."""
     g, u = gate.module, up.module
-    if g is None or u is None or u.__dict__.get("_dbr_weight_home") is not g:
+    if g is None or u is None or u.__dict__.get("_dbr_stacked_after") is not g:
         return None
-    return g.weight_fp8, g.weight_scale
+    gw, uw = fp8_weight_of(g), fp8_weight_of(u)
+    q = adjacent_rows(gw.qdata, uw.qdata)
+    s = adjacent_rows(gw.scale, uw.scale)
+    if q is None or s is None:
+        return torch.cat([gw.qdata, uw.qdata]), torch.cat([gw.scale, uw.scale])
+    return q, s
 
 
 def linear_hp_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The weight and bias of an nn.Linear in high precision (dequantized when stored in FP8)."""
-    if "weight" in module._parameters:
+    """The weight and bias of an nn.Linear in high precision (dequantized when stored in FP8), as (N×K)."""
+    w = fp8_weight_of(module)
+    if w is None:
         return linear_weight(module), module.bias
-    w_q, scale = stored_fp8_weight(module)
-    scale = scale.unsqueeze(-1) if scale.dim() else scale
-    return kernels.dequantize(w_q, scale, module.__dict__["_dbr_weight_dtype"]), module.bias
+    return kernels.dequantize(w.qdata, w.scale.unsqueeze(-1) if w.scale.dim() else w.scale, w.dtype), module.bias
 
 
 def linear_operands(call: Call) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(x, weight-or-None-if-stored-FP8, bias) of a linear call, module or functional."""
     if call.module is not None:
         m = call.module
-        return call.args[0], linear_weight(m) if "weight" in m._parameters else None, m.bias
+        return call.args[0], None if fp8_weight_of(m) is not None else linear_weight(m), m.bias
     args, kw = call.args, call.kwargs
     x = args[0]
     w = args[1] if len(args) > 1 else kw["weight"]

@@ -96,6 +96,11 @@ def is_linear_module(module: nn.Module) -> bool:
     return _is_hf_conv1d(module)
 
 
+def is_transposed_linear(module: nn.Module) -> bool:
+    """Hugging Face ``Conv1D`` stores its weight as (in_features, out_features)."""
+    return _is_hf_conv1d(module)
+
+
 def _is_hf_conv1d(module: nn.Module) -> bool:
     cls = type(module)
     return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.") and hasattr(module, "nf")

@@ -77,7 +77,6 @@ class AutoQuantizationState(nn.Module):
         self.seen_ops: list[SeenOp] = []
         self.observers = nn.ModuleDict()
         self.converted = False
-        self.cursor = 0  # position of the next op in the current forward; reset per root call
         self._warned: set[tuple] = set()
 
     # ----------------------------------------------------------------- recording (trace)
@@ -89,36 +88,34 @@ class AutoQuantizationState(nn.Module):
         return op
 
     # ----------------------------------------------------------------- matching (later runs)
-    def next_op(self, kind: str, fqn: str, strict: bool, warn: bool = True) -> SeenOp | None:
-        """The record for the op now running, or None (with one warning) when the trace never saw it.
+    def match(self, kind: str, fqn: str, start: int) -> int:
+        """Index of the record for an op of ``kind``/``fqn`` at position ``start`` of a forward, or -1.
 
-        ``warn`` is False for kinds this config never quantizes: nothing is lost by not matching them.
-        Records are matched in call order. When an earlier record was skipped (a branch not taken
-        this time), the cursor moves forward to the next record with the same kind and fqn.
+        Records are matched in call order; when an earlier record was skipped (a branch not taken this
+        time), the next record with the same kind and fqn matches. The position belongs to the run (one
+        per root forward), never to this shared state, so concurrent forwards do not disturb each other.
         """
         ops = self.seen_ops
-        i = self.cursor
-        if i < len(ops) and ops[i].kind == kind and ops[i].fqn == fqn:
-            self.cursor = i + 1
-            return ops[i]
-        for j in range(i + 1, len(ops)):
+        if start < len(ops) and ops[start].kind == kind and ops[start].fqn == fqn:
+            return start
+        for j in range(start + 1, len(ops)):
             if ops[j].kind == kind and ops[j].fqn == fqn:
-                self.cursor = j + 1
-                return ops[j]
+                return j
+        return -1
+
+    def unseen(self, kind: str, fqn: str, position: int, strict: bool) -> None:
+        """An op the trace never saw at this point: one warning per (op, position), or an error when strict."""
         msg = (
             f"dbr_quant: module '{self.fqn or '<root>'}' ran op '{kind}' ({fqn}) that the trace in prepare() "
             f"never saw at this point (control flow changed). It runs in high precision. Re-run prepare() "
             f"with example inputs that take this path to quantize it."
         )
-        if not warn:  # an op that would not have been quantized anyway (a norm, attention when off)
-            return None
         if strict:
             raise UnseenOpError(msg + " (QConfig(strict=True) turns this warning into this error.)")
-        key = (kind, fqn, i)
+        key = (kind, fqn, position)
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(msg, stacklevel=4)
-        return None
+            warnings.warn(msg, stacklevel=5)
 
     # ----------------------------------------------------------------- calibration / convert
     def observe(self, op: SeenOp, slot: str, x: torch.Tensor) -> None:
@@ -155,6 +152,15 @@ class AutoQuantizationState(nn.Module):
                 if local not in self._buffers:
                     self.register_buffer(local, torch.empty_like(value))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _apply(self, fn, recurse=True):
+        """``model.to(dtype)`` / ``.half()`` move scales and observer state to the new device but keep their
+        dtype: an fp32 scale rounded to fp16 would change every FP8 value it produces (or overflow)."""
+        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
+            moved = fn(t)
+            return moved if moved.dtype == t.dtype else t.to(device=moved.device)
+
+        return super()._apply(keep_dtype, recurse)
 
     # ----------------------------------------------------------------- display
     def extra_repr(self) -> str:

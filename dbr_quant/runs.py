@@ -7,6 +7,7 @@ torch functions and module calls to ``run.function_call`` / ``run.module_call``.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +20,7 @@ from .auto_trace import has_hooks, original_call, suspended
 from .basic_ops import PER_TOKEN_SLOTS, Call, linear_hp_weight, run_basic, stored_fp8_weight
 from .fusions import Fusion
 from .mappings import FUNC_KINDS, INDEXED, LINEAR, MATMUL, NORM, PASSTHROUGH, SDPA, is_linear_module, is_passthrough
-from .quantization_state import AutoQuantizationState, observer_key
+from .quantization_state import AutoQuantizationState, SeenOp, observer_key
 
 
 @dataclass
@@ -43,6 +44,16 @@ class ModelRecord:
     subgraphs: dict[int, Subgraph] = field(default_factory=dict)
     example: tuple[tuple, dict] | None = None  # prepare()'s example inputs: the default for the rewriter
     inspector: Any = None  # set by dbr_quant.inspect while a session runs: then forwards are InspectRuns
+    calibration_lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:  # deepcopy / pickle: a lock cannot be copied; the copy gets its own
+        state = dict(self.__dict__)
+        state.pop("calibration_lock", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.calibration_lock = threading.RLock()
 
 
 def state_of(module: nn.Module) -> AutoQuantizationState | None:
@@ -62,6 +73,44 @@ class Run:
         self.record = record
         self.stack: list[nn.Module] = [root]
         self.suspended = False
+        self.cursors: dict[int, int] = {}  # id(state) → position of its next op in this forward
+        self.hooked: list[tuple[nn.Module, Any]] = []  # linear modules with hooks now running: (module, body)
+
+    def next_op(self, st: AutoQuantizationState | None, kind: str, fqn: str, warn: bool = True) -> SeenOp | None:
+        """The record of the op now running in ``st``'s module, or None when the trace never saw it here
+        (one warning, for kinds this config quantizes; ``warn`` False for the others)."""
+        if st is None:
+            return None
+        key = id(st)
+        i = self.cursors.get(key, 0)
+        j = st.match(kind, fqn, i)
+        if j >= 0:
+            self.cursors[key] = j + 1
+            return st.seen_ops[j]
+        if warn:
+            st.unseen(kind, fqn, i, self.record.qconfig.strict)
+        return None
+
+    def call_hooked(self, module: nn.Module, body, args: tuple, kwargs: dict) -> Any:
+        """Call a linear module that has hooks through the stock ``__call__`` (so its hooks run and see
+        real tensors) with ``body(x)`` computing its output: the module's own forward calls ``F.linear``
+        (``torch.addmm`` for Conv1D), which :meth:`hooked_body` intercepts. Nothing on the module is
+        patched, so other threads calling it at the same time are not affected."""
+        self.hooked.append((module, body))
+        try:
+            return self.call_module(module, args, kwargs)
+        finally:
+            self.hooked.pop()
+
+    def hooked_body(self, func, args: tuple, kwargs: dict) -> Any:
+        """The output of a hooked linear's body, when this call is its forward's ``F.linear``/``addmm``;
+        else NotImplemented."""
+        module, body = self.hooked[-1]
+        if self.stack[-1] is not module or not any(a is module._parameters.get("weight") for a in args):
+            return NotImplemented
+        x = args[0] if func is torch.nn.functional.linear else args[1]
+        with suspended(self):
+            return body(x)
 
     def owner(self) -> nn.Module:
         """The innermost module on the stack that owns records (a non-leaf module of the model, or root)."""
@@ -103,8 +152,7 @@ class Run:
             self.stack.pop()
 
     def begin(self) -> None:
-        for st in self.record.states:
-            st.cursor = 0
+        pass
 
     def finish(self, out: Any) -> Any:
         return out
@@ -117,7 +165,7 @@ class CalibrateRun(Run):
         st = state_of(self.owner())
         if st is None:
             return
-        op = st.next_op(kind, self.op_fqn(kind, module), self.record.qconfig.strict, self.warns(kind))
+        op = self.next_op(st, kind, self.op_fqn(kind, module), self.warns(kind))
         if op is None or not op.quantize or op.qconfig.dynamic:
             return
         values = observed_inputs(kind, call_args, kwargs)
@@ -265,13 +313,17 @@ class ConvertRun(Run):
         return run_basic(call, self)
 
     def function_call(self, func, args, kwargs):
+        if self.hooked and func in HOOKED_BODY_FUNCS:
+            out = self.hooked_body(func, args, kwargs)
+            if out is not NotImplemented:
+                return out
         hit = None
         if self.placeholders or self.resolved:
             args, kwargs, hit = self._scan(args, kwargs)
         kind = FUNC_KINDS.get(func)
         if kind in INDEXED:
             st = state_of(self.owner())
-            op = st.next_op(kind, self.op_fqn(kind), self.record.qconfig.strict, self.warns(kind)) if st else None
+            op = self.next_op(st, kind, self.op_fqn(kind), self.warns(kind))
             if op is not None:
                 return self._execute(Call(kind, func, args, kwargs, op, st), hit)
         elif hit is not None:
@@ -285,6 +337,8 @@ class ConvertRun(Run):
 
     def module_call(self, module, args, kwargs):
         if is_linear_module(module):
+            if has_hooks(module):
+                return self._hooked_linear_call(module, args, kwargs)
             with suspended(self):  # our own torch calls below are not the model's
                 return self._linear_call(module, args, kwargs)
         if module.__dict__.get("_dbr_norm") and not has_hooks(module) and len(args) == 1 and not kwargs:
@@ -301,24 +355,26 @@ class ConvertRun(Run):
         hit = None
         if self.placeholders or self.resolved:
             args, _, hit = self._scan(args, {})
-        st = state_of(self.owner())
-        op = st.next_op(NORM, self.op_fqn(NORM, module), self.record.qconfig.strict, False) if st else None
+        op = self.next_op(st := state_of(self.owner()), NORM, self.op_fqn(NORM, module), False)
         if op is None:
             args, _ = self._resolve_all(args, {}, hit)
             return Call(NORM, module, args, {}).run_original()
         return self._execute(Call(NORM, module, args, {}, op, st), hit)
 
+    def _hooked_linear_call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """Hooks must see real tensors: no fusion, the stock __call__ runs them around our FP8 op."""
+        with suspended(self):
+            if self.placeholders or self.resolved:
+                args, kwargs = self._resolve_all(*self._scan(args, kwargs))
+            op = self.next_op(st := state_of(self.owner()), LINEAR, self.op_fqn(LINEAR, module))
+        return self.call_hooked(module, lambda x: run_basic(Call(LINEAR, module, (x,), {}, op, st), self),
+                                args, kwargs)
+
     def _linear_call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         hit = None
         if self.placeholders or self.resolved:
             args, kwargs, hit = self._scan(args, kwargs)
-        st = state_of(self.owner())
-        op = st.next_op(LINEAR, self.op_fqn(LINEAR, module), self.record.qconfig.strict) if st else None
-        if has_hooks(module):
-            # hooks must see real tensors: no fusion, and the stock __call__ runs them around our op
-            args, kwargs = self._resolve_all(args, kwargs, hit)
-            return _call_with_forward(self, module, lambda *a, **k: run_basic(
-                Call(LINEAR, module, a, k, op, st), self), args, kwargs)
+        op = self.next_op(st := state_of(self.owner()), LINEAR, self.op_fqn(LINEAR, module))
         if op is None:
             args, kwargs = self._resolve_all(args, kwargs, hit)
             return Call(LINEAR, module, args, kwargs).run_original()
@@ -347,10 +403,13 @@ class InspectRun(Run):
 
     def _op(self, kind: str, module: nn.Module | None = None):
         st = state_of(self.owner())
-        op = st.next_op(kind, self.op_fqn(kind, module), self.record.qconfig.strict, self.warns(kind)) if st else None
-        return st, op
+        return st, self.next_op(st, kind, self.op_fqn(kind, module), self.warns(kind))
 
     def function_call(self, func, args, kwargs):
+        if self.hooked and func in HOOKED_BODY_FUNCS:
+            out = self.hooked_body(func, args, kwargs)
+            if out is not NotImplemented:
+                return out
         kind = FUNC_KINDS.get(func)
         if kind in INDEXED:
             st, op = self._op(kind)
@@ -364,38 +423,38 @@ class InspectRun(Run):
         with suspended(self):
             st, op = self._op(LINEAR, module)
             if op is not None and op.quantize:
-                body = lambda *a, **k: self.inspector.execute(Call(LINEAR, module, a, k, op, st), self)  # noqa: E731
+                body = lambda x: self.inspector.execute(Call(LINEAR, module, (x,), {}, op, st), self)  # noqa: E731
             elif stored_fp8_weight(module) is not None:
-                body = lambda *a, **k: Call(LINEAR, module, a, k).run_original()  # noqa: E731
+                body = lambda x: Call(LINEAR, module, (x,), {}).run_original()  # noqa: E731
             else:
                 return original_call(module, *args, **kwargs)
-            if has_hooks(module):
-                return _call_with_forward(self, module, body, args, kwargs)
-            return body(*args, **kwargs)
+            if not has_hooks(module):
+                return body(*args, **kwargs)
+        return self.call_hooked(module, body, args, kwargs)
 
 
 class HighPrecisionRun(Run):
     """``dbr_quant.disabled()`` on a converted model: every op as written, FP8 weights dequantized."""
 
     def function_call(self, func, args, kwargs):
+        if self.hooked and func in HOOKED_BODY_FUNCS:
+            out = self.hooked_body(func, args, kwargs)
+            if out is not NotImplemented:
+                return out
         return func(*args, **kwargs)
 
     def module_call(self, module, args, kwargs):
         if is_linear_module(module) and stored_fp8_weight(module) is not None:
-            with suspended(self):
-                return _call_with_forward(self, module, lambda x: torch.nn.functional.linear(
-                    x, *linear_hp_weight(module)), args, kwargs)
+            body = lambda x: torch.nn.functional.linear(x, *linear_hp_weight(module))  # noqa: E731
+            if not has_hooks(module):
+                with suspended(self):
+                    return body(*args, **kwargs)
+            return self.call_hooked(module, body, args, kwargs)
         return self.call_module(module, args, kwargs)
 
 
-def _call_with_forward(run: Run, module: nn.Module, forward, args: tuple, kwargs: dict) -> Any:
-    """Call ``module`` through the stock ``__call__`` (so its hooks run) with ``forward`` as its body."""
-    module.__dict__["forward"] = forward
-    try:
-        with suspended(run):
-            return original_call(module, *args, **kwargs)
-    finally:
-        del module.__dict__["forward"]
+# what a linear module's own forward calls to compute its output (nn.Linear; Hugging Face Conv1D)
+HOOKED_BODY_FUNCS = frozenset({torch.nn.functional.linear, torch.addmm})
 
 
 def tensor_leaves(obj: Any) -> list[torch.Tensor]:

@@ -10,6 +10,7 @@ from torch import nn
 import dbr_quant as dq
 from dbr_quant.formats import FP8Format, safe_scale
 from dbr_quant.kernels import reference as R
+from dbr_quant.weights import fp8_weight_bytes
 
 
 class Net(nn.Module):
@@ -50,20 +51,19 @@ def test_dynamic_mode_needs_no_calibration():
         assert len(dq.quant_state(c).observers) == 0
 
 
-def test_weights_become_fp8_buffers_and_the_fp32_weights_are_dropped():
+def test_weights_become_fp8_and_the_fp32_weights_are_dropped():
     m, p, x = make()
     c = dq.convert(p)
     fc = c.block[0]
-    assert "weight" not in fc._parameters and fc.weight_fp8.dtype == torch.float8_e4m3fn
-    assert fc.weight_scale.shape == (32,) and fc.weight_scale.dtype == torch.float32
+    assert fc.weight.qdata.dtype == torch.float8_e4m3fn and fc.weight.dtype == torch.float32
+    assert fc.weight.scale.shape == (32,) and fc.weight.scale.dtype == torch.float32
     w = m.block[0].weight.detach()
     scale = safe_scale(w.abs().amax(1), FP8Format.E4M3)
-    assert torch.equal(fc.weight_fp8.view(torch.uint8), (w / scale[:, None]).clamp(-448, 448)
+    assert torch.equal(fc.weight.qdata.view(torch.uint8), (w / scale[:, None]).clamp(-448, 448)
                        .to(torch.float8_e4m3fn).view(torch.uint8)) or torch.equal(
-        fc.weight_fp8.view(torch.uint8), R.quantize(w, scale[:, None], FP8Format.E4M3).view(torch.uint8))
+        fc.weight.qdata.view(torch.uint8), R.quantize(w, scale[:, None], FP8Format.E4M3).view(torch.uint8))
     fp32_bytes = sum(mod.weight.numel() * 4 for mod in m.modules() if isinstance(mod, nn.Linear))
-    fp8_bytes = sum(mod.weight_fp8.numel() + mod.weight_scale.numel() * 4
-                    for mod in c.modules() if isinstance(mod, nn.Linear))
+    fp8_bytes = fp8_weight_bytes(c)
     assert fp8_bytes / fp32_bytes < 0.3
     assert "weight" in m.block[0]._parameters, "the user's model keeps its weights"
 
@@ -155,7 +155,7 @@ def test_state_dict_round_trip_reproduces_outputs_exactly():
     m, p, x = make()
     c = dq.convert(p)
     sd = c.state_dict()
-    assert sd["block.0.weight_fp8"].dtype == torch.float8_e4m3fn
+    assert sd["block.0.weight"].dtype == torch.float8_e4m3fn and sd["block.0.weight_scale"].shape == (32,)
     assert "block._auto_quant_state.scale_0_input" in sd, "container states save through hooks"
     assert "block._auto_quant_state.observers.0_input.amax" in sd and "_auto_quant_state.scale_0_input" in sd
     buf = io.BytesIO()
@@ -211,6 +211,6 @@ def test_weight_observer_from_the_qconfig_is_used():
         qc = dq.QConfig(weight=dq.TensorQConfig(granularity="channel", observer=obs))
         p = dq.prepare(m, (x,), qc)
         dq.calibrate(p, [x], progress=False)
-        scales[name] = dq.convert(p)[0].weight_scale
+        scales[name] = dq.convert(p)[0].weight.scale
     assert torch.allclose(scales["max"], torch.full((64,), 50.0 / 448))
     assert (scales["pct"] < scales["max"] / 10).all()

@@ -151,6 +151,30 @@ def _(q_q, q_scale, k_q, k_scale, v_q, v_scale, attn_mask, is_causal, softmax_sc
     return q_q.new_empty((*q_q.shape[:-1], v_q.shape[-1]), dtype=torch.float32)
 
 
+def _inference_only(name: str):
+    """Autograd for an FP8 op: these ops are for inference, a backward through them is a clear error.
+
+    Registered so that the graph still runs (eager or compiled) with grad mode on — the default state of
+    a script — when nothing needs a gradient; only a backward that reaches an FP8 op raises."""
+
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"dbr_quant::{name} has no gradient: FP8 models from dbr_quant.convert are for inference. Run them "
+            "under torch.no_grad() / torch.inference_mode() and do not call backward through them (inputs and "
+            "parameters that require grad do); fine-tune the high-precision model, then prepare/convert again.")
+
+    def setup_context(ctx, inputs, output):
+        pass
+
+    return backward, setup_context
+
+
+for _op in (quantize, dequantize, fp8_to_bf16, dynamic_scale, dynamic_quantize, fp8_linear, fp8_mlp,
+            layer_norm_quantize, fp8_matmul, fp8_attention):
+    _backward, _setup = _inference_only(_op._name.split("::")[-1])
+    _op.register_autograd(_backward, setup_context=_setup)
+
+
 class GraphOps:
     """Kernel entry points → custom ops (what ``kernels.*`` call while a graph is captured)."""
 

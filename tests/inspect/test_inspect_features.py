@@ -260,6 +260,6 @@ def test_converted_model_features(known):
            "    Scaling: {weight_granularity: tensor}\n    LogFP8Stats: {}\n")
     with dqi.session(c, cfg) as s:
         y = c(x)
-    w_deq = c.fc1.weight_fp8.float() * c.fc1.weight_scale[:, None]
+    w_deq = c.fc1.weight.qdata.float() * c.fc1.weight.scale[:, None]
     assert _values(s, "fc1", "weight")["scale"] == pytest.approx(w_deq.abs().max().item() / 448, rel=1e-6)
     assert not torch.equal(y, c(x))

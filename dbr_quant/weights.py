@@ -1,0 +1,218 @@
+"""The FP8 weight of a converted linear: ``module.weight`` stays, stored as FP8 bytes plus scales.
+
+``FP8Weight`` is a wrapper tensor subclass (the design torchao's ``Float8Tensor`` uses): it reports the
+original high-precision dtype, the original shape and the real device, so model code that reads
+``module.weight.dtype`` / ``.shape`` / ``.device`` (Hugging Face T5, tied embeddings, PEFT, accelerate)
+keeps working, while its only storage is ``qdata`` (FP8, ``[out, in]``) and ``scale`` (fp32, ``[out]`` per
+channel or 0-d per tensor). Why a subclass rather than buffers beside a dropped ``weight``:
+
+* ``Module.to(dtype)`` / ``.half()`` / ``.bfloat16()`` pass each parameter through ``_to_copy``; the subclass
+  answers by changing only the dtype it reports (the compute/output dtype), never the FP8 bytes or the
+  fp32 scales. A plain FP8 buffer counts as floating point and would be cast to bf16/fp16 silently.
+* Anything outside dbr_quant's runtime that uses it as a tensor (``F.linear(x, m.weight)``,
+  ``m.weight.float()``, ``m.weight @ x``) gets the dequantized values (``__torch_dispatch__`` fallback).
+* ``__tensor_flatten__`` lets ``torch.export`` / ``torch.compile`` see the two inner tensors.
+
+The runtime never goes through dispatch: it reads ``qdata`` and ``scale`` directly. ``state_dict()`` of a
+converted linear holds ``weight`` (float8) and ``weight_scale`` (fp32), the keys serving engines read.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+aten = torch.ops.aten
+
+__all__ = ["FP8Weight", "attach_fp8_weight", "fp8_weight_of", "adjacent_rows", "fp8_weight_bytes"]
+
+
+class FP8Weight(torch.Tensor):
+    """An FP8 weight (``qdata`` × ``scale``) that reports the high-precision ``dtype`` it replaces.
+
+    ``transposed`` marks Hugging Face ``Conv1D`` (GPT-2), whose weight is ``[in, out]``: the logical tensor
+    is ``qdata.T`` while ``qdata`` stays ``[out, in]`` for the GEMM.
+    """
+
+    qdata: torch.Tensor
+    scale: torch.Tensor
+    transposed: bool
+
+    @staticmethod
+    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transposed: bool = False):
+        shape = qdata.shape[::-1] if transposed else qdata.shape
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=qdata.device,
+                                                   requires_grad=False)
+
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transposed: bool = False):
+        self.qdata = qdata
+        self.scale = scale
+        self.transposed = transposed
+
+    def __repr__(self) -> str:
+        gran = "per-tensor" if self.scale.dim() == 0 else "per-channel"
+        return (f"FP8Weight(shape={list(self.shape)}, dtype={self.dtype}, storage={self.qdata.dtype}, {gran} scale, "
+                f"device={self.device})")
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return ["qdata", "scale"], (self.dtype, self.transposed)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, ctx: Any, outer_size: Any, outer_stride: Any) -> FP8Weight:
+        return FP8Weight(inner["qdata"], inner["scale"], *ctx)
+
+    def __deepcopy__(self, memo: dict) -> FP8Weight:
+        # memo-aware copies keep a stacked [gate; up] pair sharing one storage after deepcopy
+        out = FP8Weight(copy.deepcopy(self.qdata, memo), copy.deepcopy(self.scale, memo), self.dtype, self.transposed)
+        if isinstance(self, nn.Parameter):
+            out = nn.Parameter(out, requires_grad=False)
+        memo[id(self)] = out
+        return out
+
+    def __reduce_ex__(self, protocol: int):  # torch.save(model) / pickle
+        return _rebuild, (self.qdata, self.scale, self.dtype, self.transposed, isinstance(self, nn.Parameter))
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The high-precision values ``qdata × scale`` in ``dtype`` (default: the reported dtype)."""
+        from . import kernels
+
+        scale = self.scale.unsqueeze(-1) if self.scale.dim() else self.scale
+        w = kernels.dequantize(self.qdata, scale, dtype or self.dtype)
+        return w.t() if self.transposed else w
+
+    def _like(self, qdata: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+              dtype: torch.dtype | None = None) -> FP8Weight:
+        return FP8Weight(self.qdata if qdata is None else qdata, self.scale if scale is None else scale,
+                         self.dtype if dtype is None else dtype, self.transposed)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            return handler(*args, **kwargs)
+        # any other use as a tensor: the dequantized high-precision values
+        unwrap = lambda t: t.dequantize() if isinstance(t, FP8Weight) else t  # noqa: E731
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+def _rebuild(qdata, scale, dtype, transposed, is_param):
+    w = FP8Weight(qdata, scale, dtype, transposed)
+    return nn.Parameter(w, requires_grad=False) if is_param else w
+
+
+def _to_copy(w: FP8Weight, *, dtype=None, device=None, layout=None, pin_memory=None, non_blocking=False,
+             memory_format=None) -> FP8Weight:
+    """``.to(dtype)`` switches the reported (compute) dtype only; ``.to(device)`` moves bytes and scales."""
+    if dtype is not None and not (dtype.is_floating_point and dtype.itemsize >= 2):
+        raise TypeError(f"dbr_quant: an FP8 weight can compute in float32/bfloat16/float16, not {dtype}; "
+                        "call .dequantize() for the values in another dtype")
+    q, s = w.qdata, w.scale
+    if device is not None and torch.device(device) != q.device:
+        q, s = q.to(device, non_blocking=non_blocking), s.to(device, non_blocking=non_blocking)
+    return w._like(q, s, dtype)
+
+
+def _copy_(dst: FP8Weight, src: torch.Tensor, non_blocking: bool = False) -> FP8Weight:
+    if not isinstance(src, FP8Weight):
+        raise TypeError("dbr_quant: copying high-precision values into an FP8 weight would re-quantize it "
+                        "with stale scales; load a converted state_dict (weight + weight_scale) instead")
+    if src.qdata.shape != dst.qdata.shape or src.scale.shape != dst.scale.shape:
+        raise RuntimeError(f"dbr_quant: FP8 weight shape/scale mismatch: {list(src.qdata.shape)} "
+                           f"{list(src.scale.shape)} into {list(dst.qdata.shape)} {list(dst.scale.shape)}")
+    dst.qdata.copy_(src.qdata, non_blocking)
+    dst.scale.copy_(src.scale, non_blocking)
+    return dst
+
+
+_HANDLERS = {
+    aten.detach.default: lambda w: w._like(),
+    aten.alias.default: lambda w: w._like(),
+    aten.clone.default: lambda w, memory_format=None: w._like(w.qdata.clone(), w.scale.clone()),
+    aten._to_copy.default: _to_copy,
+    aten.copy_.default: _copy_,
+    aten.is_same_size.default: lambda a, b: a.shape == b.shape,
+}
+
+
+# ---------------------------------------------------------------------- modules
+def fp8_weight_of(module: nn.Module) -> FP8Weight | None:
+    """The module's FP8 weight when convert stored one, else None (the hot path: one dict lookup)."""
+    w = module._parameters.get("weight")
+    return w if type(w) is FP8Weight else None
+
+
+def attach_fp8_weight(module: nn.Module, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                      transposed: bool = False) -> None:
+    """Make ``module.weight`` an FP8 weight; its state_dict entries become ``weight`` (FP8) + ``weight_scale``."""
+    module._parameters["weight"] = nn.Parameter(FP8Weight(qdata, scale, dtype, transposed), requires_grad=False)
+    if not module.__dict__.get("_dbr_fp8_hooks"):
+        module._register_state_dict_hook(_state_dict_hook)
+        module._register_load_state_dict_pre_hook(_load_hook, with_module=True)
+        module.__dict__["_dbr_fp8_hooks"] = True
+
+
+def _state_dict_hook(module, state_dict, prefix, local_metadata):
+    w = fp8_weight_of(module)
+    if w is None:
+        return
+    q, s = w.qdata, w.scale
+    if q.untyped_storage().nbytes() != q.numel() * q.element_size():
+        q, s = q.clone(), s.clone()  # rows of a stacked [gate; up] buffer: safetensors refuses shared storage
+    state_dict[prefix + "weight"] = q
+    state_dict[prefix + "weight_scale"] = s
+
+
+def _load_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    """``weight`` (FP8) + ``weight_scale`` from a checkpoint become one FP8Weight, which the stock loader
+    then copies into the module's weight in place (a stacked [gate; up] buffer stays shared)."""
+    w = fp8_weight_of(module)
+    key = prefix + "weight"
+    if w is None or key not in state_dict or isinstance(state_dict[key], FP8Weight):
+        return
+    q, s = state_dict[key], state_dict.pop(prefix + "weight_scale", None)
+    if s is None:
+        missing.append(prefix + "weight_scale")
+        del state_dict[key]
+        return
+    if q.dtype != w.qdata.dtype or q.shape != w.qdata.shape or s.shape != w.scale.shape:
+        errors.append(f"{prefix}weight: the checkpoint holds {q.dtype} {list(q.shape)} with scale {list(s.shape)}, "
+                      f"the converted model {w.qdata.dtype} {list(w.qdata.shape)} with scale {list(w.scale.shape)}; "
+                      "convert the model with the same QConfig before loading")
+        del state_dict[key]
+        return
+    state_dict[key] = FP8Weight(q, s, w.dtype, w.transposed)
+
+
+def adjacent_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """``cat([a, b])`` without a copy when ``b``'s rows directly follow ``a``'s in one storage, else None."""
+    if a.dtype != b.dtype or a.device != b.device or a.shape[1:] != b.shape[1:] or not (
+            a.is_contiguous() and b.is_contiguous()):
+        return None
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return None
+    if b.storage_offset() != a.storage_offset() + a.numel():
+        return None
+    return a.as_strided((a.shape[0] + b.shape[0], *a.shape[1:]), a.stride(), a.storage_offset())
+
+
+def fp8_weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's FP8 weights occupy (FP8 data + scales; a shared buffer counted once)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for m in model.modules():
+        w = fp8_weight_of(m)
+        if w is None:
+            continue
+        for t in (w.qdata, w.scale):
+            key = (t.untyped_storage().data_ptr(), t.storage_offset())
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+    return total
