@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map
 
 aten = torch.ops.aten
@@ -192,6 +193,10 @@ def _load_hook(module, state_dict, prefix, local_metadata, strict, missing, unex
 
 def adjacent_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     """``cat([a, b])`` without a copy when ``b``'s rows directly follow ``a``'s in one storage, else None."""
+    if is_fake(a) or is_fake(b):
+        # while a graph is captured the two are separate graph inputs: a view reaching from one into the
+        # other's rows would read whatever the other input holds at run time (after a device move, garbage)
+        return None
     if a.dtype != b.dtype or a.device != b.device or a.shape[1:] != b.shape[1:] or not (
             a.is_contiguous() and b.is_contiguous()):
         return None

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.export import Dim
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_structure
 
 from ..kernels.dispatch import capture_with
 from .ops import GraphOps
@@ -83,6 +83,8 @@ def rewrite(converted: nn.Module, example_inputs: Any = None, *,
             () if example_inputs is None else (example_inputs,))
         kwargs = dict(example_kwargs or {})
         _check_inputs(record.example, args, kwargs)
+    given = set(kwargs)
+    kwargs = _without_kv_cache(converted, kwargs)
     dyn_args, dyn_kwargs = _dynamic_shapes(args, kwargs)
     with torch.no_grad(), capture_with(GraphOps):
         exported = torch.export.export(converted, args, kwargs, strict=False,
@@ -90,7 +92,47 @@ def rewrite(converted: nn.Module, example_inputs: Any = None, *,
     gm = exported.module()
     gm.graph.eliminate_dead_code()  # the runtime's placeholders and unused observer buffers
     gm.recompile()
+    _inference_parameters(gm)
+    implied = {k: v for k, v in kwargs.items() if k not in given}
+    if implied:
+        _drop_constant_inputs(gm, implied, args, {k: v for k, v in kwargs.items() if k in given})
     return gm
+
+
+def _drop_constant_inputs(gm: torch.fx.GraphModule, constants: dict, args: tuple, kwargs: dict) -> None:
+    """Remove keyword inputs that rewrite() fixed (``use_cache=False``) from the graph's signature, so the
+    graph is called — and exported again — with the caller's own arguments only."""
+    for node in list(gm.graph.find_nodes(op="placeholder")):
+        if node.target in constants:
+            for user in list(node.users):
+                user.replace_input_with(node, constants[node.target])
+            gm.graph.erase_node(node)
+    info = gm.graph._codegen.pytree_info  # the generated forward flattens its inputs by this spec
+    gm.graph._codegen.pytree_info = info._replace(
+        orig_args=[a for a in info.orig_args if a not in constants], in_spec=tree_structure((args, kwargs)))
+    gm.recompile()
+
+
+def _without_kv_cache(model: nn.Module, kwargs: dict) -> dict:
+    """A Hugging Face model whose forward takes ``use_cache`` returns a ``DynamicCache`` object by default,
+    which an exported graph cannot return (and a cache that grows per call is not a fixed graph). Unless
+    the caller chose, the graph is captured with ``use_cache=False``: it computes the outputs of a full
+    forward (logits / hidden states) without a KV cache. Generation with a cache stays on the eager model."""
+    import inspect
+
+    if "use_cache" in kwargs or "use_cache" not in inspect.signature(type(model).forward).parameters:
+        return kwargs
+    return {**kwargs, "use_cache": False}
+
+
+def _inference_parameters(gm: nn.Module) -> None:
+    """The graph is for inference: its parameters (new Parameter objects on the same storage, so the
+    converted model is untouched) do not require grad. Then ``torch.compile`` with grad mode on (a script's
+    default) compiles an inference graph, and the FP8 ops need no gradient formula."""
+    for mod in gm.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and p.requires_grad:
+                mod._parameters[name] = nn.Parameter(p.detach(), requires_grad=False)
 
 
 def _named(model: nn.Module, dyn_args: tuple) -> dict[str, Any]:

@@ -130,3 +130,39 @@ def test_saved_program_loads_in_a_fresh_process_with_only_import_dbr_quant(tmp_p
               "assert torch.equal(out, io['want'])\n"
               "assert 'torch._inductor.decomposition' not in sys.modules\n")
     subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+
+
+def test_compile_with_grad_mode_on_runs_as_inference_and_backward_is_a_clear_error():
+    m, c, x = converted_block()
+    gm = rewrite(c)
+    assert not any(p.requires_grad for p in gm.parameters())
+    assert all(p.requires_grad for p in c.parameters() if type(p) is nn.Parameter), "the converted model is untouched"
+    compiled = torch.compile(gm, fullgraph=True)
+    assert torch.is_grad_enabled()
+    got = compiled(x)["out"]  # grad mode on, as in a plain script
+    with torch.no_grad():
+        want = c(x)["out"]
+    assert F.cosine_similarity(got.flatten(), want.flatten(), 0) > 0.999
+    x_grad = x.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="has no gradient: FP8 models from dbr_quant.convert are for inference"):
+        gm(x_grad)["out"].sum().backward()
+
+
+def test_rewritten_decoder_with_default_kwargs_exports_again():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(cfg).eval()
+    batch = {"input_ids": torch.randint(0, 64, (2, 6)), "attention_mask": torch.ones(2, 6, dtype=torch.long)}
+    p = dq.prepare(lm, example_kwargs=batch)
+    dq.calibrate(p, [batch], progress=False)
+    c = dq.convert(p)
+    gm = rewrite(c)  # prepare()'s example: the model's default use_cache=True
+    with torch.no_grad():
+        want = c(**batch).logits
+        assert torch.equal(gm(**batch).logits, want)
+    ep = torch.export.export(gm, (), batch)  # the graph's own signature: no use_cache to pass
+    with torch.no_grad():
+        assert torch.equal(ep.module()(**batch).logits, want)
