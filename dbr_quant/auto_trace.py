@@ -74,25 +74,38 @@ def intercepting(run: Any) -> Iterator[None]:
                 nn.Module.__call__ = _outer_call
 
 
+def current_run() -> Any:
+    """The run this thread is inside, or None."""
+    return getattr(_tls, "run", None)
+
+
 def is_patched() -> bool:
     """True while some thread is inside a run (tests use it to check global state is restored)."""
     return nn.Module.__call__ is _intercepting_call
 
 
-@contextlib.contextmanager
-def suspended(run: Any) -> Iterator[None]:
+class suspended:  # noqa: N801 - used like a function: ``with suspended(run):``
     """Run the block without interception: our own bookkeeping and kernels, a recognised op's forward.
 
     Torch-function dispatch is switched off too, so the kernels' many small torch calls do not each
-    take a trip through the Python mode (that trip cost more than the ops themselves).
+    take a trip through the Python mode (that trip cost more than the ops themselves). A class rather
+    than a generator context manager: it is entered once or twice per op, and this costs a third.
     """
-    before = run.suspended
-    run.suspended = True
-    try:
-        with torch._C.DisableTorchFunction():
-            yield
-    finally:
-        run.suspended = before
+
+    __slots__ = ("run", "before", "guard")
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+
+    def __enter__(self) -> None:
+        self.before = self.run.suspended
+        self.run.suspended = True
+        self.guard = torch._C.DisableTorchFunction()
+        self.guard.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.guard.__exit__(*exc)
+        self.run.suspended = self.before
 
 
 def has_hooks(module: nn.Module) -> bool:

@@ -78,6 +78,7 @@ class AutoQuantizationState(nn.Module):
         self.observers = nn.ModuleDict()
         self.converted = False
         self._warned: set[tuple] = set()
+        self._scale_names: dict[tuple[int, str], str] = {}
 
     # ----------------------------------------------------------------- recording (trace)
     def add_op(self, op: SeenOp, make_observer) -> SeenOp:
@@ -142,6 +143,15 @@ class AutoQuantizationState(nn.Module):
 
     def scale(self, op: SeenOp, slot: str) -> torch.Tensor:
         return getattr(self, f"scale_{observer_key(op.index, slot)}")
+
+    def frozen_scale(self, op: SeenOp, slot: str) -> torch.Tensor:
+        """``scale`` without building the name per call (the runtime's hot path)."""
+        names = self._scale_names
+        key = (op.index, slot)
+        name = names.get(key)
+        if name is None:
+            name = names[key] = f"scale_{observer_key(op.index, slot)}"
+        return self._buffers[name]
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # scale buffers exist only after convert(); a freshly converted skeleton has them, but make

@@ -16,10 +16,21 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import kernels
-from .auto_trace import has_hooks, original_call, suspended
+from .auto_trace import current_run, has_hooks, original_call, suspended
 from .basic_ops import PER_TOKEN_SLOTS, Call, linear_hp_weight, run_basic, stored_fp8_weight
 from .fusions import Fusion
-from .mappings import FUNC_KINDS, INDEXED, LINEAR, MATMUL, NORM, PASSTHROUGH, SDPA, is_linear_module, is_passthrough
+from .mappings import (
+    ACT,
+    FUNC_KINDS,
+    INDEXED,
+    LINEAR,
+    MATMUL,
+    NORM,
+    PASSTHROUGH,
+    SDPA,
+    is_linear_module,
+    is_passthrough,
+)
 from .quantization_state import AutoQuantizationState, SeenOp, observer_key
 
 
@@ -72,6 +83,9 @@ class Run:
         self.root = root
         self.record = record
         self.stack: list[nn.Module] = [root]
+        # states of the modules on the stack that own records (root first): the innermost is where an op
+        # now running is recorded — kept beside the stack so finding it is O(1) per op
+        self.owners: list[AutoQuantizationState | None] = [state_of(root)]
         self.suspended = False
         self.cursors: dict[int, int] = {}  # id(state) → position of its next op in this forward
         self.hooked: list[tuple[nn.Module, Any]] = []  # linear modules with hooks now running: (module, body)
@@ -119,6 +133,10 @@ class Run:
                 return m
         return self.root
 
+    def owner_state(self) -> AutoQuantizationState | None:
+        """The state of the innermost module on the stack that owns records (a non-leaf module, or root)."""
+        return self.owners[-1]
+
     def op_fqn(self, kind: str, module: nn.Module | None = None) -> str:
         if module is not None and fqn_of(module) is not None:
             return fqn_of(module)
@@ -141,15 +159,20 @@ class Run:
             per_token = cfg.granularity == "token" and slot in PER_TOKEN_SLOTS
             return kernels.dynamic_scale(x, cfg.format, per_token=per_token)
         st = call.state
-        s = st.scale(op, slot) if st.converted else st.observers[observer_key(op.index, slot)].scale()
+        s = st.frozen_scale(op, slot) if st.converted else st.observers[observer_key(op.index, slot)].scale()
         return s if x is None or s.device == x.device else s.to(x.device)
 
     def call_module(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         self.stack.append(module)
+        owns = module.__dict__.get("_dbr_owner", False)
+        if owns:
+            self.owners.append(state_of(module))
         try:
             return original_call(module, *args, **kwargs)
         finally:
             self.stack.pop()
+            if owns:
+                self.owners.pop()
 
     def begin(self) -> None:
         pass
@@ -162,7 +185,7 @@ class CalibrateRun(Run):
     """Runs the model in high precision and feeds each quantized op's inputs to its observers."""
 
     def _observe(self, kind: str, call_args: tuple, kwargs: dict, module: nn.Module | None) -> None:
-        st = state_of(self.owner())
+        st = self.owner_state()
         if st is None:
             return
         op = self.next_op(st, kind, self.op_fqn(kind, module), self.warns(kind))
@@ -221,7 +244,8 @@ class ConvertRun(Run):
         self.pending: dict[int, _Pending] = {}
         self.placeholders: dict[int, _Pending] = {}
         self.resolved: dict[int, torch.Tensor] = {}
-        self.done: list[_Pending] = []  # keeps placeholder objects alive so their ids stay unique
+        self.done: list[_Pending] = []
+        self.n_placeholders = placeholder_base(current_run() is None)  # next index into this thread's pool
 
     # ------------------------------------------------------------------ placeholders
     def _scan(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, _Pending | None]:
@@ -267,8 +291,8 @@ class ConvertRun(Run):
         self.done.append(p)
 
     def _placeholder(self, p: _Pending, call: Call) -> torch.Tensor:
-        ph = torch.empty(0, device="meta")
-        ph._dbr_placeholder = True
+        ph = _placeholder_tensor(self.n_placeholders)
+        self.n_placeholders += 1
         call.placeholder = ph
         p.calls.append(call)
         self.placeholders[id(ph)] = p
@@ -322,7 +346,7 @@ class ConvertRun(Run):
             args, kwargs, hit = self._scan(args, kwargs)
         kind = FUNC_KINDS.get(func)
         if kind in INDEXED:
-            st = state_of(self.owner())
+            st = self.owner_state()
             op = self.next_op(st, kind, self.op_fqn(kind), self.warns(kind))
             if op is not None:
                 return self._execute(Call(kind, func, args, kwargs, op, st), hit)
@@ -341,6 +365,16 @@ class ConvertRun(Run):
                 return self._hooked_linear_call(module, args, kwargs)
             with suspended(self):  # our own torch calls below are not the model's
                 return self._linear_call(module, args, kwargs)
+        act = ACTIVATION_MODULES.get(type(module))
+        if act is not None and self.placeholders and len(args) == 1 and not kwargs and not has_hooks(module):
+            # an activation module consuming a pending subgraph's output: the step its forward's F.relu /
+            # F.gelu / F.silu would take, without the module call and the torch-function trip
+            p = self.placeholders.get(id(args[0]))
+            kinds = p.subgraph.kinds if p is not None else ()
+            if p is not None and len(p.calls) < len(kinds) and kinds[len(p.calls)] == ACT:
+                func, kw = act(module)
+                with suspended(self):
+                    return self._step(p, Call(ACT, func, args, kw))
         if module.__dict__.get("_dbr_norm") and not has_hooks(module) and len(args) == 1 and not kwargs:
             with suspended(self):
                 return self._norm_module_call(module, args)
@@ -355,7 +389,7 @@ class ConvertRun(Run):
         hit = None
         if self.placeholders or self.resolved:
             args, _, hit = self._scan(args, {})
-        op = self.next_op(st := state_of(self.owner()), NORM, self.op_fqn(NORM, module), False)
+        op = self.next_op(st := self.owner_state(), NORM, self.op_fqn(NORM, module), False)
         if op is None:
             args, _ = self._resolve_all(args, {}, hit)
             return Call(NORM, module, args, {}).run_original()
@@ -366,7 +400,7 @@ class ConvertRun(Run):
         with suspended(self):
             if self.placeholders or self.resolved:
                 args, kwargs = self._resolve_all(*self._scan(args, kwargs))
-            op = self.next_op(st := state_of(self.owner()), LINEAR, self.op_fqn(LINEAR, module))
+            op = self.next_op(st := self.owner_state(), LINEAR, self.op_fqn(LINEAR, module))
         return self.call_hooked(module, lambda x: run_basic(Call(LINEAR, module, (x,), {}, op, st), self),
                                 args, kwargs)
 
@@ -374,7 +408,7 @@ class ConvertRun(Run):
         hit = None
         if self.placeholders or self.resolved:
             args, kwargs, hit = self._scan(args, kwargs)
-        op = self.next_op(st := state_of(self.owner()), LINEAR, self.op_fqn(LINEAR, module))
+        op = self.next_op(st := self.owner_state(), LINEAR, self.op_fqn(LINEAR, module))
         if op is None:
             args, kwargs = self._resolve_all(args, kwargs, hit)
             return Call(LINEAR, module, args, kwargs).run_original()
@@ -386,6 +420,37 @@ class ConvertRun(Run):
         if self.resolved:
             out = tree_map(lambda t: self.resolved.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
         return out
+
+
+_pool = threading.local()
+
+
+def _placeholder_tensor(i: int) -> torch.Tensor:
+    """The i-th placeholder of this thread's pool: an empty meta tensor marked as a placeholder. Runs of
+    one thread nest (a prepared model called inside another's forward), so each run takes indices above
+    those of the runs it is nested in (``placeholder_base``): identities stay unique among live runs."""
+    tensors = getattr(_pool, "tensors", None)
+    if tensors is None:
+        tensors = _pool.tensors = []
+    while len(tensors) <= i:
+        ph = torch.empty(0, device="meta")
+        ph._dbr_placeholder = True
+        tensors.append(ph)
+    return tensors[i]
+
+
+def placeholder_base(outermost: bool) -> int:
+    """Where a new run's placeholders start in this thread's pool: 0 for an outermost run, else above
+    everything handed out so far."""
+    return 0 if outermost else len(getattr(_pool, "tensors", ()))
+
+
+# activation modules whose forward is one functional call: (module) → (function, kwargs)
+ACTIVATION_MODULES = {
+    nn.ReLU: lambda m: (torch.nn.functional.relu, {"inplace": m.inplace}),
+    nn.GELU: lambda m: (torch.nn.functional.gelu, {"approximate": m.approximate}),
+    nn.SiLU: lambda m: (torch.nn.functional.silu, {"inplace": m.inplace}),
+}
 
 
 class InspectRun(Run):
@@ -402,7 +467,7 @@ class InspectRun(Run):
         self.inspector = inspector
 
     def _op(self, kind: str, module: nn.Module | None = None):
-        st = state_of(self.owner())
+        st = self.owner_state()
         return st, self.next_op(st, kind, self.op_fqn(kind, module), self.warns(kind))
 
     def function_call(self, func, args, kwargs):

@@ -20,13 +20,25 @@ ENV_VAR = "DBR_QUANT_BACKEND"
 _tls = threading.local()
 
 
+_env_cache: list = []  # [value] once read: the variable is read on the first kernel call, not per call
+
+
 def _env_backend() -> str | None:
+    if _env_cache:
+        return _env_cache[0]
     name = os.environ.get(ENV_VAR)
     if name is None or name == "":
+        _env_cache.append(None)
         return None
     if name not in BACKENDS:
         raise ValueError(f"{ENV_VAR}={name!r} is not a backend; use one of {BACKENDS}")
+    _env_cache.append(name)
     return name
+
+
+def reread_environment() -> None:
+    """Read $DBR_QUANT_BACKEND again on the next kernel call (it is read once, then cached)."""
+    _env_cache.clear()
 
 
 def current_backend() -> str:
