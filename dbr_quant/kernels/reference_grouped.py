@@ -36,6 +36,7 @@ def fp8_grouped_linear(
     out_scale: torch.Tensor | None = None,
     out_fmt: FP8Format = FP8Format.E4M3,
     topk_weights: torch.Tensor | None = None,
+    deterministic: bool = True,
     exact: bool = False,
 ) -> torch.Tensor:
     """Per expert ``e``: ``act(x_rows·w_q[e]ᵀ·sx·sw[e] + bias[e])`` for the rows ``routing`` gives it.
@@ -46,7 +47,8 @@ def fp8_grouped_linear(
     * ``w_q`` [E, N, K] FP8 (gated: [E, 2N, K]); ``w_scale`` one value, [E], or [E, N]; ``bias`` [E, N].
     * ``out_scale`` (one value or [E]): return FP8 in ``out_fmt``, else ``out_dtype``; rows in sorted order.
     * ``topk_weights`` [T, top_k]: return [T, N] in ``out_dtype``, the routing-weighted sum over each
-      token's experts (no ``out_scale`` then).
+      token's experts (no ``out_scale`` then). The combine is always in a fixed order here
+      (``deterministic`` is accepted for the backends' common signature).
     """
     op = "fp8_grouped_linear"
     check_grouped_args(x_q, w_q, routing, x_sorted, activation, out_scale, topk_weights, op)
