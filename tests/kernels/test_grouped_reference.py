@@ -88,13 +88,16 @@ def test_routing_plan_properties(tokens, experts, top_k, seed):
         assert r.slots[lo:hi].tolist() == sorted(r.slots[lo:hi].tolist())
 
 
-def _case(gen, tokens, experts, top_k, k, n, activation, x_kind, w_kind, has_bias, x_sorted, empty):
+def _case(gen, tokens, experts, top_k, k, n, activation, x_kind, w_kind, has_bias, x_sorted, empty,
+          fmt_x=E4M3, fmt_w=E4M3):
+    """A random grouped-GEMM problem: (ids, routing, x as passed, x_scale as passed, FP8 row per slot,
+    scale per slot, w_q, w_scale, bias)."""
     ids = random_topk(gen, tokens, experts, top_k, empty)
     r = moe_route(ids, experts)
     n_w = 2 * n if activation in R.GATED else n
     rows = r.num_rows
-    x_slot = fp8((rows, k), gen)
-    w_q = fp8((experts, n_w, k), gen)
+    x_slot = fp8((rows, k), gen, fmt_x)
+    w_q = fp8((experts, n_w, k), gen, fmt_w)
     if x_kind == "tensor":
         xs = torch.rand((), generator=gen) * 0.1 + 1e-3
         xs_slot = xs.expand(rows)
@@ -108,7 +111,7 @@ def _case(gen, tokens, experts, top_k, k, n, activation, x_kind, w_kind, has_bia
         xs_tok = torch.rand(tokens, generator=gen) * 0.1 + 1e-3
         xs, xs_slot = xs_tok[:, None], xs_tok.repeat_interleave(top_k)
     if not x_sorted:  # token-order input: every slot of token t reads row t
-        x_tok = fp8((tokens, k), gen)
+        x_tok = fp8((tokens, k), gen, fmt_x)
         x_in, x_slot = x_tok, x_tok.repeat_interleave(top_k, dim=0)
     else:
         x_in = x_slot[r.slots.long()]
