@@ -73,7 +73,9 @@ def moe_route(topk_ids: torch.Tensor, num_experts: int) -> MoeRouting:
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"moe_route: expert ids must lie in [0, {num_experts}), got [{lo}, {hi}]")
     slots = torch.argsort(flat, stable=True).to(torch.int32)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount sizes its output from max(ids), which syncs with the host on a GPU
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
     offsets[1:] = torch.cumsum(counts, 0)
     return MoeRouting(slots, offsets, topk_ids.shape[0], topk_ids.shape[1])
