@@ -227,6 +227,53 @@ def block(s: int, h: int, f: int) -> Seqs:
     return {"unfused FP8": unfused, "fused FP8": fused}
 
 
+MOE_EXPERTS, MOE_TOP_K = 8, 2  # Mixtral-8x7B: 8 experts, top-2, hidden 4096, expert FFN 14336 (= ffn(4096))
+
+
+def moe_block(m: int, h: int, f: int, experts: int = MOE_EXPERTS, top_k: int = MOE_TOP_K) -> Seqs:
+    """(f) MoE experts after routing: out[t] = sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)).
+
+    Routing (router GEMM, softmax, top-k, sort) is identical in every column and left out. The m*top_k rows
+    are assumed spread over min(experts, m*top_k) experts evenly (balanced load: the most weight traffic, and
+    what a uniform router gives at decode as soon as m*top_k >= experts). Loops run one expert at a time, as
+    HF's eager MixtralExperts does; "fused FP8 grouped" is dbr_quant's kernels.fp8_moe_block: per-token
+    quantize, gate|up grouped GEMM with SwiGLU and FP8 out, down grouped GEMM with the routing-weighted
+    scatter-add as fp32 atomics (counted as one 4-byte write per row element), plus the memset that zeroes
+    the fp32 output (3 kernels + 1 memset). Tensor-core FLOPs count useful rows only: at decode a grouped
+    tile pads each expert's rows to 64, which costs tensor-core time but no bytes, and decode is memory-bound.
+    """
+    rows = m * top_k
+    active = min(experts, rows)
+    per = rows // active  # rows per active expert; whole for TOKENS (m*top_k is 2, or a multiple of 8)
+    bf16, fp8 = [], []
+    for _ in range(active):
+        # the combine: out[tokens] += w * y, reading y and out, writing out (bf16)
+        combine = elementwise("x routing weight, index_add", per * h, 2 * BF16, BF16, 2)
+        gather = elementwise("gather rows", per * h, BF16, BF16, 0)
+        bf16 += [
+            gather,
+            gemm("gate_up", per, 2 * f, h, in_bytes=BF16, epi_flops=0),
+            elementwise("silu(gate)*up", per * f, 2 * BF16, BF16, SWIGLU_FLOPS),
+            gemm("down", per, h, f, in_bytes=BF16, epi_flops=0),
+            combine,
+        ]
+        fp8 += [gather, quantize(per, h)["fused FP8"][0], mlp(per, h, f)["fused FP8"][1],  # gate|up+SwiGLU, FP8 out
+                gemm("down fp8", per, h, f), combine]
+
+    def grouped(name: str, n: int, k: int, out_bytes: int, out_cols: int, epi: float) -> Kernel:
+        """One launch over every active expert: each gathered row and each active expert's weight read once."""
+        nbytes = (rows * k + active * n * k) * FP8 + rows * out_cols * out_bytes
+        return Kernel(name, 2.0 * rows * n * k, epi * rows * n, nbytes)
+
+    fused = [
+        quantize(m, h)["fused FP8"][0],
+        elementwise("zero fp32 output (memset)", m * h, 0, 4, 0),
+        grouped("gate|up grouped + SwiGLU (FP8 out)", 2 * f, h, FP8, f, SCALE_FLOPS + (SWIGLU_FLOPS + 1) / 2),
+        grouped("down grouped + weighted scatter-add", h, f, 4, h, SCALE_FLOPS + 2),
+    ]
+    return {"bf16 loop": bf16, "FP8 loop": fp8, "fused FP8 grouped": fused}
+
+
 def ffn(hidden: int) -> int:
     return hidden * 7 // 2  # Llama-3: 4096 -> 14336, 8192 -> 28672
 
@@ -285,6 +332,8 @@ def main(argv: list[str] | None = None) -> None:
         for name, ks in seqs.items():
             print(f"  {what:5} {name:11} {len(ks):>2}: " + ", ".join(k.name for k in ks))
     print_table("2. Transformer block (norm, qkv, attention, o_proj, MLP)", block, hs, ov)
+    print_table(f"3. Mixtral-8x7B MoE experts after routing ({MOE_EXPERTS} experts, top-{MOE_TOP_K}, I = 14336; "
+                "decode M <= 16, prefill M = 4096)", moe_block, [4096], ov)
 
 
 if __name__ == "__main__":

@@ -116,6 +116,25 @@ def test_block_launches_and_fused_always_moves_fewer_bytes(rl):
                 assert rl.seq_time_s(fam["fused FP8"], 3e-6) < rl.seq_time_s(fam["unfused FP8"], 3e-6)
 
 
+def test_moe_block_launches_and_hand_computed_bytes(rl):
+    h, f = 4096, 14336  # Mixtral-8x7B
+    decode = rl.moe_block(1, h, f)  # 2 rows on 2 experts
+    assert [len(s) for s in decode.values()] == [10, 10, 4]  # 5 launches per expert in the loops; 3 kernels + memset
+    quant, memset = h * (2 + 1), h * 4
+    gate_up = 2 * h + 2 * (2 * f * h) + 2 * f  # 2 gathered FP8 rows, 2 experts' [2f, h] FP8 weights, 2 FP8 rows out
+    down = 2 * f + 2 * (h * f) + 2 * h * 4  # 2 FP8 rows, 2 experts' [h, f] weights, 2 fp32 atomic rows
+    assert total_bytes(decode["fused FP8 grouped"]) == quant + memset + gate_up + down == 352_448_512
+    # the bf16 loop reads every active expert's weights in bf16: twice the FP8 weight bytes and then some
+    assert total_bytes(decode["bf16 loop"]) > 2 * (2 * (2 * f * h) + 2 * (h * f))
+    prefill = rl.moe_block(4096, h, f)  # 8192 rows, 1024 per expert: every expert's weights read once
+    fused = prefill["fused FP8 grouped"]
+    assert sum(k.mma_flops for k in fused) == 2 * 8192 * (2 * f) * h + 2 * 8192 * h * f
+    assert fused[2].bytes == 8192 * h + 8 * (2 * f * h) + 8192 * f
+    for m in rl.TOKENS:
+        seqs = rl.moe_block(m, h, f)
+        assert rl.seq_time_s(seqs["fused FP8 grouped"], 3e-6) < rl.seq_time_s(seqs["FP8 loop"], 3e-6)
+
+
 def test_ffn_matches_llama3(rl):
     assert rl.ffn(4096) == 14336 and rl.ffn(8192) == 28672
 
@@ -123,7 +142,9 @@ def test_ffn_matches_llama3(rl):
 def test_main_prints_labelled_tables(rl, capsys):
     rl.main(["--hidden", "4096", "--launch-overhead-us", "0"])
     out = capsys.readouterr().out
-    assert out.count("estimated from a roofline model, not measured") == 8  # header + 1a, 1b, 1c x2, 1d, 1e, 2
+    # header + 1a, 1b, 1c x2, 1d, 1e, 2, 3 (MoE)
+    assert out.count("estimated from a roofline model, not measured") == 9
+    assert "3. Mixtral-8x7B MoE experts after routing" in out
     assert "0 us/launch" in out
     assert "MLP   unfused FP8  8:" in out and "MLP   fused FP8    3:" in out
     assert "block unfused FP8 22:" in out and "block fused FP8    7:" in out

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import FP8Format
-from . import reference
+from . import reference, reference_grouped
 from .dispatch import (
     BACKENDS,
     count_launches,
@@ -21,21 +21,32 @@ from .dispatch import (
     resolve_backend,
     use_backend,
 )
+from .moe_routing import MoeRouting, moe_route
 
 __all__ = [
     "BACKENDS", "count_launches", "current_backend", "resolve_backend", "use_backend",
     "quantize", "dynamic_quantize", "dequantize", "dynamic_scale", "fp8_linear", "fp8_mlp", "fp8_matmul",
-    "fp8_attention", "layer_norm_quantize",
+    "fp8_attention", "layer_norm_quantize", "MoeRouting", "moe_route", "moe_quantize", "fp8_grouped_linear",
+    "fp8_moe_block",
 ]
 
 
-def _impl(t: torch.Tensor):
+def _impl(t: torch.Tensor, reference_module=reference):
     """The implementation module for the backend that runs on ``t``'s device."""
     if resolve_backend(t.device) == "reference":
-        return reference
+        return reference_module
     from . import triton_backend
 
     return triton_backend
+
+
+def _graph_op(ops, name: str):
+    """``ops.<name>``, or a clear error while the graph rewriter has no such op yet."""
+    op = getattr(ops, name, None)
+    if op is None:
+        raise NotImplementedError(f"dbr_quant.kernels.{name}: the graph rewriter (fx_rewriter) has no {name} op "
+                                  "yet; run this model eagerly (without rewrite/compile)")
+    return op
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
@@ -116,3 +127,57 @@ def fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, *, attn_mask=None, i
     record_launch("fp8_attention")
     return _impl(q_q).fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, attn_mask=attn_mask,
                                  is_causal=is_causal, softmax_scale=softmax_scale, p_scale=p_scale, fmt=fmt)
+
+
+def moe_quantize(x: torch.Tensor, x_scale: torch.Tensor, routing: MoeRouting, fmt: FP8Format) -> torch.Tensor:
+    """Quantize each (token, expert) row with its expert's input scale ``x_scale`` [E]; rows come out sorted by
+    expert ([T·top_k, K], see moe_routing) for ``fp8_grouped_linear(..., x_sorted=True)``. One launch."""
+    if (ops := graph_ops()) is not None:
+        return _graph_op(ops, "moe_quantize")(x, x_scale, routing, fmt)
+    record_launch("moe_quantize")
+    return _impl(x, reference_grouped).moe_quantize(x, x_scale, routing, fmt)
+
+
+def fp8_grouped_linear(x_q, x_scale, w_q, w_scale, routing: MoeRouting, *, x_sorted=False, bias=None, activation=None,
+                       out_dtype=torch.float32, out_scale=None, out_fmt=FP8Format.E4M3, topk_weights=None,
+                       deterministic=False) -> torch.Tensor:
+    """Every expert's rows against its FP8 weight ``w_q[e]`` in one launch, with the dense GEMM's epilogues
+    (see reference_grouped.fp8_grouped_linear); with ``topk_weights`` the routing-weighted scatter-add into
+    token order. ``deterministic`` (Triton, top_k > 2 matters) combines slots in a fixed order: +1 launch."""
+    kw = dict(x_sorted=x_sorted, bias=bias, activation=activation, out_dtype=out_dtype, out_scale=out_scale,
+              out_fmt=out_fmt, topk_weights=topk_weights)
+    if (ops := graph_ops()) is not None:
+        return _graph_op(ops, "fp8_grouped_linear")(x_q, x_scale, w_q, w_scale, routing, **kw)
+    record_launch("fp8_grouped_linear")
+    impl = _impl(x_q, reference_grouped)
+    if impl is not reference_grouped and deterministic and topk_weights is not None and routing.top_k > 1:
+        record_launch("moe_sum")  # the Triton path's fixed-order combine (the reference's is part of its loop)
+    return impl.fp8_grouped_linear(x_q, x_scale, w_q, w_scale, routing, deterministic=deterministic, **kw)
+
+
+def fp8_moe_block(x: torch.Tensor, routing: MoeRouting, topk_weights: torch.Tensor, w13_q: torch.Tensor,
+                  w13_scale: torch.Tensor, w2_q: torch.Tensor, w2_scale: torch.Tensor, h_scale: torch.Tensor, *,
+                  x_scale: torch.Tensor | None = None, activation: str = "swiglu", fmt: FP8Format = FP8Format.E4M3,
+                  bias13: torch.Tensor | None = None, bias2: torch.Tensor | None = None,
+                  out_dtype: torch.dtype = torch.float32, deterministic: bool = False) -> torch.Tensor:
+    """An MoE block's experts after routing, ``Σ_j w[t, j]·down_e(act(gate_up_e(x_t)))``, in three launches:
+
+    1. quantize x: ``x_scale`` None → dynamic per-token scales; one value → static; [E] → per-expert static
+       scales (``moe_quantize``: rows gathered and sorted by expert while quantizing);
+    2. gate_up grouped GEMM (``w13_q`` [E, 2I, H] stacked [gate; up] for gated activations), epilogue
+       ``act(gate)·up`` quantized with the down projection's input scale ``h_scale`` (one value or [E]);
+    3. down grouped GEMM (``w2_q`` [E, H, I]) with the routing-weighted scatter-add into [T, H].
+    """
+    if x.dim() != 2:
+        raise ValueError(f"fp8_moe_block: x must be [tokens, hidden], got {tuple(x.shape)}")
+    if x_scale is None:
+        x_q, xs = dynamic_quantize(x, fmt, per_token=True)
+        x_sorted = False
+    elif x_scale.numel() == 1:
+        x_q, xs, x_sorted = quantize(x, x_scale, fmt), x_scale, False
+    else:
+        x_q, xs, x_sorted = moe_quantize(x, x_scale, routing, fmt), x_scale, True
+    h_q = fp8_grouped_linear(x_q, xs, w13_q, w13_scale, routing, x_sorted=x_sorted, bias=bias13,
+                             activation=activation, out_scale=h_scale, out_fmt=fmt)
+    return fp8_grouped_linear(h_q, h_scale, w2_q, w2_scale, routing, x_sorted=True, bias=bias2,
+                              topk_weights=topk_weights, out_dtype=out_dtype, deterministic=deterministic)

@@ -53,3 +53,16 @@ def fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, *, attn_mask=None, i
 
 def layer_norm_quantize(x, weight, bias, eps, scale, fmt, *, rms=False):
     return _mod("triton_norm").layer_norm_quantize(x, weight, bias, eps, scale, fmt, rms=rms)
+
+
+def fp8_grouped_linear(x_q, x_scale, w_q, w_scale, routing, *, x_sorted=False, bias=None, activation=None,
+                       out_dtype=torch.float32, out_scale=None, out_fmt=FP8Format.E4M3, topk_weights=None,
+                       deterministic=False):
+    return _mod("triton_grouped_gemm").fp8_grouped_linear(
+        x_q, x_scale, w_q, w_scale, routing, x_sorted=x_sorted, bias=bias, activation=activation,
+        out_dtype=out_dtype, out_scale=out_scale, out_fmt=out_fmt, topk_weights=topk_weights,
+        deterministic=deterministic)
+
+
+def moe_quantize(x, x_scale, routing, fmt):
+    return _mod("triton_grouped_gemm").moe_quantize(x, x_scale, routing, fmt)
