@@ -152,11 +152,26 @@ def _fp8_linear_kernel(
     # epilogue, in the reference's order: acc·(sx·sw) + bias → activation → + residual → output
     xs = tl.load(x_scale_ptr + rm * stride_xs, mask=mask_m, other=0.0)
     y = acc * (xs[:, None] * tl.load(w_scale_ptr + rn * stride_ws, mask=mask_n, other=0.0)[None, :])
+    up = y
+    if GATED:
+        up = acc_up * (xs[:, None] * tl.load(w_scale_ptr + (rn + N) * stride_ws, mask=mask_n, other=0.0)[None, :])
+    linear_epilogue(y, up, rm, rn, mask_m, mask_n, N, bias_ptr, res_ptr, out_ptr, inv_out_scale_ptr,
+                    stride_rm, stride_rn, stride_om, stride_on, ACTIVATION, GATED, HAS_BIAS, HAS_RESIDUAL, OUT_KIND,
+                    FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
+
+
+@device_function
+def linear_epilogue(y, up, rm, rn, mask_m, mask_n, N, bias_ptr, res_ptr, out_ptr, inv_out_scale_ptr,
+                    stride_rm, stride_rn, stride_om, stride_on,
+                    ACTIVATION: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    HAS_RESIDUAL: tl.constexpr, OUT_KIND: tl.constexpr, FP8_MAX: tl.constexpr,
+                    MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, EXP_BIAS: tl.constexpr):
+    """Everything after the scaled fp32 accumulator ``y`` (and ``up``, the up half's, when GATED; bias
+    column n + N), in the reference's order: + bias → activation (act(gate)·up) → + residual → stored as
+    OUT_KIND. Shared by every linear kernel (per-tensor/channel scales here, block scales in triton_block_gemm)."""
     if HAS_BIAS:
         y += tl.load(bias_ptr + rn, mask=mask_n, other=0.0)[None, :]
     if GATED:
-        ws_up = tl.load(w_scale_ptr + (rn + N) * stride_ws, mask=mask_n, other=0.0)
-        up = acc_up * (xs[:, None] * ws_up[None, :])
         if HAS_BIAS:
             up += tl.load(bias_ptr + N + rn, mask=mask_n, other=0.0)[None, :]
         y = _activate(y, ACTIVATION) * up
