@@ -85,7 +85,7 @@ def _layer_norm_quantize_kernel(x_ptr, w_ptr, b_ptr, inv_ptr, y_ptr, q_ptr, N, e
 LAYER_NORM_QUANTIZE = Kernel(_layer_norm_quantize_kernel)
 
 
-def _affine_params(x: torch.Tensor, weight: torch.Tensor | None,
+def affine_params(x: torch.Tensor, weight: torch.Tensor | None,
                    bias: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """weight/bias contiguous in one loadable dtype: x's dtype if they both have it, else fp32."""
     params = [p for p in (weight, bias) if p is not None]
@@ -117,7 +117,7 @@ def layer_norm_quantize(
     if rms:
         bias = None  # reference.layer_norm_quantize ignores bias for RMSNorm
     x_c = loadable(x)
-    weight, bias = _affine_params(x_c, weight, bias)
+    weight, bias = affine_params(x_c, weight, bias)
     y = torch.empty(x.shape, dtype=x_c.dtype, device=x.device)
     q = torch.empty(x.shape, dtype=fmt.dtype, device=x.device)
     if x.numel() == 0:
