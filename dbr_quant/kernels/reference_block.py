@@ -185,7 +185,7 @@ def block_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_sc
     acc = torch.zeros(x_q.shape[0], n, dtype=torch.float32, device=x_q.device)
     for kb, start in enumerate(range(0, k, bk)):
         part = F.linear(x_c[:, start:start + bk], w_c[:, start:start + bk]).float()
-        acc += part * (xs[:, kb, None] * w_cols[None, :, kb])
+        acc += part * xs[:, kb, None] * w_cols[None, :, kb]  # (P·sx)·sw, the Triton kernel's order
     return acc
 
 

@@ -47,11 +47,13 @@ from .triton_gemm import (
 __all__ = ["AOT_CONFIGS", "BLOCK_CONFIGS", "aot_attrs", "aot_options", "fp8_block_linear", "pick_block_config"]
 
 # As triton_gemm.CONFIGS, with BLOCK_K = 128 everywhere: one scale pair per K step for 128-wide blocks
-# (a 64-wide step would double the CUDA-core scaling work). smem per stage = (BLOCK_M + BLOCK_N)·128 B:
-# decode 4 × 16 KB, medium 3 × 24 KB, large 3 × 32 KB = 96 KB (under Ada's 99 KB per block).
+# (a 64-wide step would double the CUDA-core scaling work). Each step's dot needs a second fp32 tile next to
+# the accumulator, so medium uses 8 warps (with 4: 255 registers and a 16-byte spill on sm_89).
+# smem per stage = (BLOCK_M + BLOCK_N)·128 B: decode 4 × 16 KB, medium 3 × 24 KB, large 3 × 32 KB = 96 KB
+# (under Ada's 99 KB per block).
 BLOCK_CONFIGS: dict[str, GemmConfig] = {
     "decode": GemmConfig("decode", 64, 64, 128, GROUP_M=8, num_warps=4, num_stages=4),
-    "medium": GemmConfig("medium", 64, 128, 128, GROUP_M=8, num_warps=4, num_stages=3),
+    "medium": GemmConfig("medium", 64, 128, 128, GROUP_M=8, num_warps=8, num_stages=3),
     "large": GemmConfig("large", 128, 128, 128, GROUP_M=8, num_warps=8, num_stages=3),
 }
 MIN_BLOCK_K = 32  # an FP8 MMA consumes K in steps of 32
@@ -96,10 +98,10 @@ def _fp8_block_linear_kernel(
         w_mask = (rk[:, None] < k_left) & mask_n[None, :]
         sa = tl.load(sa_ptrs + kb, mask=mask_m, other=0.0)
         sw = tl.load(sw_ptrs + kb, mask=mask_n, other=0.0)
-        acc += tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0)) * (sa[:, None] * sw[None, :])
+        acc += tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0)) * sa[:, None] * sw[None, :]
         if GATED:
             sw_up = tl.load(sw_up_ptrs + kb, mask=mask_n, other=0.0)
-            acc_up += tl.dot(a, tl.load(up_ptrs, mask=w_mask, other=0.0)) * (sa[:, None] * sw_up[None, :])
+            acc_up += tl.dot(a, tl.load(up_ptrs, mask=w_mask, other=0.0)) * sa[:, None] * sw_up[None, :]
             up_ptrs += BLOCK_K * stride_wk
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
