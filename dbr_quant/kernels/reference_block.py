@@ -181,7 +181,7 @@ def block_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_sc
     if exact:
         x_c, w_c = x_q.float(), w_q.float()
     else:
-        x_c, w_c = fp8_to_bf16(x_q), fp8_to_bf16(w_q)
+        x_c, w_c = fp8_to_bf16(x_q), fp8_to_bf16(w_q, reuse_buffer=True)  # scratch: read only in this call
     acc = torch.zeros(x_q.shape[0], n, dtype=torch.float32, device=x_q.device)
     for kb, start in enumerate(range(0, k, bk)):
         part = F.linear(x_c[:, start:start + bk], w_c[:, start:start + bk]).float()

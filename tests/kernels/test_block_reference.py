@@ -254,3 +254,12 @@ def test_dispatch_counts_launches_and_runs_reference_on_cpu():
         kernels.layer_norm_group_quantize(x, None, None, 1e-5, rms=True)
     assert counts == {"group_quantize": 1, "fp8_block_linear": 1, "norm_group_quantize": 1}
     assert torch.equal(y, RB.fp8_block_linear(x_q, x_s, w_q, w_s, bias=torch.zeros(64)))
+
+
+def test_capture_without_a_graph_op_says_so():
+    from dbr_quant.kernels.dispatch import capture_with
+
+    x_q, x_s = RB.group_quantize(torch.randn(2, 128))
+    w_q, w_s = RB.block_quantize_weight(torch.randn(8, 128))
+    with capture_with(object()), pytest.raises(NotImplementedError, match="fp8_block_linear has no graph op"):
+        kernels.fp8_block_linear(x_q, x_s, w_q, w_s)
