@@ -99,8 +99,12 @@ def test_fp8_block_linear_matches_reference(m, n, k, lead, block, fmt_x, fmt_w, 
     assert got.dtype == out
     tol = REL * (_magnitude(x_q, x_s, w_q, w_s, block, bias, gated) + ref.abs().max().item()) + 1e-30
     step = 0.0 if out == torch.float32 else ref.abs() * 2.0 ** -(8 if out == torch.bfloat16 else 11)
-    err = (got.float() - ref).abs()
-    assert torch.all(err <= tol + step), f"max error {err.max().item():.3g} > tolerance {tol:.3g}"
+    out_max = torch.finfo(out).max  # outlier channels × gated products can overflow fp16: inf, as ref.to(fp16)
+    over = ref.abs() >= out_max * (1 - 2.0**-11)
+    assert torch.all(got.float()[over].abs() >= out_max) and torch.equal(got[over].sign(), ref[over].sign().to(out))
+    err = (got.float() - ref).abs()[~over]
+    assert torch.all(err <= tol + (step if out == torch.float32 else step[~over])), (
+        f"max error {err.max().item():.3g} > tolerance {tol:.3g}")
 
 
 @pytest.mark.parametrize("activation", [None, "swiglu"])
