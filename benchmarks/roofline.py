@@ -11,6 +11,8 @@ Assumptions (identical for the fused and unfused columns, so the comparison is f
   intermediate written by one kernel is read back from HBM by the next. Within one launch, tiles reused through
   L2/SMEM count once (a GEMM reads its weight once; flash attention reads K and V once).
 - bf16 = 2 bytes, FP8 = 1 byte. Scale tensors (M + N fp32 values) are ignored: < 0.1% of bytes for these shapes.
+  Except in table 1f (block-scaled FP8), whose scale grids are counted: M x K/128 activation scales are ~3% of
+  the FP8 activation bytes.
 - Matmul FLOPs (2*M*N*K) run on tensor cores at the dense bf16/FP8 peak; elementwise FLOPs (norm, softmax,
   activation, epilogue) run on CUDA cores at the FP32 peak (67 TFLOP/s). The two compute times add.
 - "Unfused" = one launch per logical op, each op already a single kernel (RMSNorm, per-token quantize, GEMM,
@@ -24,6 +26,7 @@ Assumptions (identical for the fused and unfused columns, so the comparison is f
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,6 +46,8 @@ ACT_FLOPS = 5  # SiLU / GELU, roughly
 SWIGLU_FLOPS = ACT_FLOPS + 1  # silu(gate) * up
 SOFTMAX_FLOPS = 5  # max, subtract, exp, sum, divide
 SCALE_FLOPS = 2  # acc * row_scale * col_scale in every FP8 GEMM epilogue
+SCALE_BLOCK = 128  # block-scaled FP8 (DeepSeek-V3 layout): 128x128 weight blocks, 1x128 activation groups
+BLOCK_SCALE_FLOPS = 3  # per accumulator element per K block: partial * a_scale * w_scale, added to the accumulator
 
 HEAD_DIM, KV_HEADS = 128, 8  # Llama-3 8B and 70B both use 8 KV heads of dim 128 (GQA)
 TOKENS = (1, 16, 128, 1024, 4096, 16384)
@@ -231,7 +236,7 @@ MOE_EXPERTS, MOE_TOP_K = 8, 2  # Mixtral-8x7B: 8 experts, top-2, hidden 4096, ex
 
 
 def moe_block(m: int, h: int, f: int, experts: int = MOE_EXPERTS, top_k: int = MOE_TOP_K) -> Seqs:
-    """(f) MoE experts after routing: out[t] = sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)).
+    """(3) MoE experts after routing: out[t] = sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)).
 
     Routing (router GEMM, softmax, top-k, sort) is identical in every column and left out. The m*top_k rows
     are assumed spread over min(experts, m*top_k) experts evenly (balanced load: the most weight traffic, and
@@ -272,6 +277,26 @@ def moe_block(m: int, h: int, f: int, experts: int = MOE_EXPERTS, top_k: int = M
         grouped("down grouped + weighted scatter-add", h, f, 4, h, SCALE_FLOPS + 2),
     ]
     return {"bf16 loop": bf16, "FP8 loop": fp8, "fused FP8 grouped": fused}
+def block_scaled(m: int, n: int, k: int) -> Seqs:
+    """(f) One FP8 linear, bf16 x in, bf16 out: per-tensor scales vs block scales (128x128 W, per-token 1x128 x).
+
+    per-tensor: static-scale quantize (one pass) + GEMM scaling once in the epilogue. block: dynamic per-token-group
+    quantize (one pass, also writes M x K/128 fp32 scales) + a GEMM that scales every K block's partial product on
+    CUDA cores (BLOCK_SCALE_FLOPS per output per K block, not overlapped with the MMAs here) and reads both scale
+    grids. The activation-side cost of block scaling is the dynamic amax, which per-token FP8 pays as well.
+    """
+    kb, nb = math.ceil(k / SCALE_BLOCK), math.ceil(n / SCALE_BLOCK)
+    a_scales, w_scales = m * kb * 4, nb * kb * 4  # fp32
+    return {
+        "per-tensor FP8": [
+            elementwise("quantize (static per-tensor)", m * k, BF16, FP8, QUANT_FLOPS - AMAX_FLOPS),
+            gemm("fp8 gemm (per-tensor scales)", m, n, k),
+        ],
+        "block FP8": [
+            elementwise("group quantize (dynamic, 1 pass)", m * k, BF16, FP8, QUANT_FLOPS, a_scales),
+            gemm("block fp8 gemm", m, n, k, epi_flops=BLOCK_SCALE_FLOPS * kb, extra_bytes=a_scales + w_scales),
+        ],
+    }
 
 
 def ffn(hidden: int) -> int:
@@ -282,13 +307,15 @@ def seq_time_s(kernels: list[Kernel], overhead_s: float) -> float:
     return sum(k.time_s(overhead_s) for k in kernels)
 
 
-def print_table(title: str, family: Callable[[int, int, int], Seqs], hiddens: list[int], overhead_s: float) -> None:
-    """One row per (hidden, M): launches, GFLOP, MB, est. us per sequence, then fused speedup vs each other."""
+def print_table(title: str, family: Callable[[int, int, int], Seqs], hiddens: list[int], overhead_s: float,
+                ratio: str = "fused speedup vs") -> None:
+    """One row per (hidden, M): launches, GFLOP, MB, est. us per sequence, then the last variant's speedup vs each
+    other one (> 1: the last is faster)."""
     names = list(family(1, hiddens[0], ffn(hiddens[0])))
     others = names[:-1]
     print(f"\n{title} -- {LABEL}")
     groups = " | ".join(f"{n:^35}" for n in names)
-    print(f"{'':13} | {groups} | fused speedup vs")
+    print(f"{'':13} | {groups} | {ratio}")
     cols = " | ".join(f"{'launch':>6} {'GFLOP':>9} {'MB':>8} {'est us':>8}" for _ in names)
     print(f"{'hidden':>6} {'M':>6} | {cols} | " + " ".join(f"{n:>11}" for n in others))
     for h in hiddens:
@@ -326,6 +353,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     print_table("1d. Llama MLP (SwiGLU)", mlp, hs, ov)
     print_table("1e. Causal GQA attention, seq len = M, 8 KV heads of 128", lambda m, h, f: attention(m, h), hs, ov)
+    print_table("1f. FP8 linear N=K=hidden: block scales (128x128 W, 1x128 x) vs per-tensor",
+                lambda m, h, f: block_scaled(m, h, h), hs, ov, ratio="block speedup vs")
 
     print(f"\n2. Launches per MLP and per transformer block (hidden {hs[0]}, M=1; counts do not depend on shape)")
     for what, seqs in (("MLP", mlp(1, hs[0], ffn(hs[0]))), ("block", block(1, hs[0], ffn(hs[0])))):

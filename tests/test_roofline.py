@@ -133,6 +133,25 @@ def test_moe_block_launches_and_hand_computed_bytes(rl):
     for m in rl.TOKENS:
         seqs = rl.moe_block(m, h, f)
         assert rl.seq_time_s(seqs["fused FP8 grouped"], 3e-6) < rl.seq_time_s(seqs["FP8 loop"], 3e-6)
+def test_block_scaled_vs_per_tensor_hand_computed(rl):
+    m, n, k = 1024, 4096, 4096
+    seqs = rl.block_scaled(m, n, k)
+    assert list(seqs) == ["per-tensor FP8", "block FP8"] and [len(s) for s in seqs.values()] == [2, 2]
+    kb = 32  # K blocks of 128
+    a_scales, w_scales = m * kb * 4, 32 * kb * 4  # fp32 scale grids: 128 KiB and 4 KiB
+    operands, out = m * k + n * k, m * n * 2
+    assert total_bytes(seqs["per-tensor FP8"]) == m * k * 3 + operands + out
+    assert total_bytes(seqs["block FP8"]) == m * k * 3 + a_scales + operands + out + a_scales + w_scales
+    quant, block_gemm = seqs["block FP8"]
+    assert block_gemm.mma_flops == 2 * m * n * k and block_gemm.vec_flops == 3 * m * n * kb  # per K block: ·sa ·sw +
+    assert quant.vec_flops == 3 * m * k and seqs["per-tensor FP8"][0].vec_flops == m * k  # amax only for block
+    # compute-bound at M=1024: 17.36 us of MMA + 6.01 us of per-block scaling on CUDA cores + 3 us launch
+    assert block_gemm.time_s(3e-6) * 1e6 == pytest.approx(2 * m * n * k / 1979e12 * 1e6 + 3 * m * n * kb / 67e12 * 1e6
+                                                          + 3, rel=1e-12)
+    assert block_gemm.time_s(3e-6) * 1e6 == pytest.approx(26.37, abs=0.01)
+    # memory-bound decode: the scale grids add < 0.1% to the bytes, so the estimate is the same
+    one = rl.block_scaled(1, n, k)
+    assert rl.seq_time_s(one["block FP8"], 3e-6) == pytest.approx(rl.seq_time_s(one["per-tensor FP8"], 3e-6), rel=1e-3)
 
 
 def test_ffn_matches_llama3(rl):
@@ -142,9 +161,10 @@ def test_ffn_matches_llama3(rl):
 def test_main_prints_labelled_tables(rl, capsys):
     rl.main(["--hidden", "4096", "--launch-overhead-us", "0"])
     out = capsys.readouterr().out
-    # header + 1a, 1b, 1c x2, 1d, 1e, 2, 3 (MoE)
-    assert out.count("estimated from a roofline model, not measured") == 9
+    # header + 1a, 1b, 1c x2, 1d, 1e, 1f, 2, 3 (MoE)
+    assert out.count("estimated from a roofline model, not measured") == 10
     assert "3. Mixtral-8x7B MoE experts after routing" in out
+    assert "block speedup vs" in out
     assert "0 us/launch" in out
     assert "MLP   unfused FP8  8:" in out and "MLP   fused FP8    3:" in out
     assert "block unfused FP8 22:" in out and "block fused FP8    7:" in out

@@ -4,6 +4,8 @@ Every quantized subgraph calls one of the entry points below. Each entry point c
 :func:`count_launches`) and runs the implementation of the current backend (:func:`current_backend`;
 ``$DBR_QUANT_BACKEND`` or :func:`use_backend`). This release ships the ``reference`` backend (plain
 torch, exact FP8 semantics, the CPU default); the Triton backends plug into the same entry points.
+Block-scaled FP8 (128×128 weight blocks, per-token 128-channel activation groups) has its own entry points
+at the end, with :mod:`reference_block` as their reference implementation.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import FP8Format
-from . import reference, reference_grouped
+from . import reference, reference_block, reference_grouped
 from .dispatch import (
     BACKENDS,
     count_launches,
@@ -27,14 +29,14 @@ __all__ = [
     "BACKENDS", "count_launches", "current_backend", "resolve_backend", "use_backend",
     "quantize", "dynamic_quantize", "dequantize", "dynamic_scale", "fp8_linear", "fp8_mlp", "fp8_matmul",
     "fp8_attention", "layer_norm_quantize", "MoeRouting", "moe_route", "moe_quantize", "fp8_grouped_linear",
-    "fp8_moe_block",
+    "fp8_moe_block", "block_quantize_weight", "group_quantize", "layer_norm_group_quantize", "fp8_block_linear",
 ]
 
 
-def _impl(t: torch.Tensor, reference_module=reference):
-    """The implementation module for the backend that runs on ``t``'s device."""
+def _impl(t: torch.Tensor, ref=reference):
+    """The implementation module for the backend that runs on ``t``'s device (``ref`` for "reference")."""
     if resolve_backend(t.device) == "reference":
-        return reference_module
+        return ref
     from . import triton_backend
 
     return triton_backend
@@ -181,3 +183,48 @@ def fp8_moe_block(x: torch.Tensor, routing: MoeRouting, topk_weights: torch.Tens
                              activation=activation, out_scale=h_scale, out_fmt=fmt)
     return fp8_grouped_linear(h_q, h_scale, w2_q, w2_scale, routing, x_sorted=True, bias=bias2,
                               topk_weights=topk_weights, out_dtype=out_dtype, deterministic=deterministic)
+# ---------------------------------------------------------------------------------------------------
+# Block-scaled FP8 (reference_block: 128×128 weight blocks, 1×128 per-token activation groups)
+
+
+def block_quantize_weight(w: torch.Tensor, block: tuple[int, int] = reference_block.DEFAULT_BLOCK,
+                          fmt: FP8Format = FP8Format.E4M3) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 [N, K], scale [⌈N/bn⌉, ⌈K/bk⌉]): the compressed-tensors FP8_BLOCK / FineGrainedFP8 layout.
+    Convert-time work: plain torch on every backend and device."""
+    if (ops := graph_ops()) is not None:
+        return _graph_op(ops, "block_quantize_weight")(w, block, fmt)
+    record_launch("block_quantize_weight")
+    return reference_block.block_quantize_weight(w, block, fmt)
+
+
+def group_quantize(x: torch.Tensor, group: int = reference_block.DEFAULT_GROUP,
+                   fmt: FP8Format = FP8Format.E4M3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token-group quantization in one launch: (fp8 like x, scale [..., ⌈K/group⌉])."""
+    if (ops := graph_ops()) is not None:
+        return _graph_op(ops, "group_quantize")(x, group, fmt)
+    record_launch("group_quantize")
+    return _impl(x, reference_block).group_quantize(x, group, fmt)
+
+
+def layer_norm_group_quantize(x, weight, bias, eps, group: int = reference_block.DEFAULT_GROUP,
+                              fmt: FP8Format = FP8Format.E4M3, *,
+                              rms: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LayerNorm / RMSNorm then per-token-group FP8 in one kernel: (normalized, fp8, scale [..., ⌈K/group⌉])."""
+    if (ops := graph_ops()) is not None:
+        return _graph_op(ops, "layer_norm_group_quantize")(x, weight, bias, eps, group, fmt, rms=rms)
+    record_launch("norm_group_quantize")
+    return _impl(x, reference_block).layer_norm_group_quantize(x, weight, bias, eps, group, fmt, rms=rms)
+
+
+def fp8_block_linear(x_q, x_scale, w_q, w_scale, *, block=reference_block.DEFAULT_BLOCK, bias=None, activation=None,
+                     residual=None, out_dtype=torch.float32, out_scale=None, out_fmt=FP8Format.E4M3) -> torch.Tensor:
+    """Block-scaled ``act(x·Wᵀ + bias) + residual``: x_scale [..., ⌈K/bk⌉] per token-group, w_scale
+    [⌈N/bn⌉, ⌈K/bk⌉] per block, applied per K block in fp32 (see reference_block.fp8_block_linear)."""
+    if (ops := graph_ops()) is not None:
+        return _graph_op(ops, "fp8_block_linear")(x_q, x_scale, w_q, w_scale, block=block, bias=bias,
+                                                  activation=activation, residual=residual, out_dtype=out_dtype,
+                                                  out_scale=out_scale, out_fmt=out_fmt)
+    record_launch("fp8_block_linear")
+    return _impl(x_q, reference_block).fp8_block_linear(x_q, x_scale, w_q, w_scale, block=block, bias=bias,
+                                                        activation=activation, residual=residual,
+                                                        out_dtype=out_dtype, out_scale=out_scale, out_fmt=out_fmt)

@@ -21,7 +21,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-MODULES = ("triton_quantize", "triton_norm", "triton_gemm", "triton_attention", "triton_grouped_gemm")
+MODULES = ("triton_quantize", "triton_norm", "triton_gemm", "triton_attention", "triton_grouped_gemm",
+           "triton_group_quantize", "triton_block_gemm")
 # kernels that multiply matrices must use FP8 tensor cores; elementwise ones have nothing to find
 NEEDS_FP8_MMA = ("gemm", "linear", "matmul", "attention")
 

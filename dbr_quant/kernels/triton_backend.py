@@ -1,6 +1,7 @@
 """The ``triton`` / ``triton-interpret`` backend: every kernel entry point mapped to its Triton kernel.
 
-Same signatures as ``reference``. ``dequantize`` (only used by the high-precision path) stays plain torch.
+Same signatures as ``reference`` (``reference_block`` for the block-scaled ops). ``dequantize`` (only used
+by the high-precision path) stays plain torch.
 The kernel modules are imported on first use, so CPU-only users never pay Triton's import cost.
 """
 
@@ -66,3 +67,16 @@ def fp8_grouped_linear(x_q, x_scale, w_q, w_scale, routing, *, x_sorted=False, b
 
 def moe_quantize(x, x_scale, routing, fmt):
     return _mod("triton_grouped_gemm").moe_quantize(x, x_scale, routing, fmt)
+def group_quantize(x: torch.Tensor, group: int, fmt: FP8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    return _mod("triton_group_quantize").group_quantize(x, group, fmt)
+
+
+def layer_norm_group_quantize(x, weight, bias, eps, group, fmt, *, rms=False):
+    return _mod("triton_group_quantize").layer_norm_group_quantize(x, weight, bias, eps, group, fmt, rms=rms)
+
+
+def fp8_block_linear(x_q, x_scale, w_q, w_scale, *, block, bias=None, activation=None, residual=None,
+                     out_dtype=torch.float32, out_scale=None, out_fmt=FP8Format.E4M3):
+    return _mod("triton_block_gemm").fp8_block_linear(x_q, x_scale, w_q, w_scale, block=block, bias=bias,
+                                                      activation=activation, residual=residual, out_dtype=out_dtype,
+                                                      out_scale=out_scale, out_fmt=out_fmt)

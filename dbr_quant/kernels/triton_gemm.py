@@ -152,11 +152,26 @@ def _fp8_linear_kernel(
     # epilogue, in the reference's order: acc·(sx·sw) + bias → activation → + residual → output
     xs = tl.load(x_scale_ptr + rm * stride_xs, mask=mask_m, other=0.0)
     y = acc * (xs[:, None] * tl.load(w_scale_ptr + rn * stride_ws, mask=mask_n, other=0.0)[None, :])
+    up = y
+    if GATED:
+        up = acc_up * (xs[:, None] * tl.load(w_scale_ptr + (rn + N) * stride_ws, mask=mask_n, other=0.0)[None, :])
+    linear_epilogue(y, up, rm, rn, mask_m, mask_n, N, bias_ptr, res_ptr, out_ptr, inv_out_scale_ptr,
+                    stride_rm, stride_rn, stride_om, stride_on, ACTIVATION, GATED, HAS_BIAS, HAS_RESIDUAL, OUT_KIND,
+                    FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
+
+
+@device_function
+def linear_epilogue(y, up, rm, rn, mask_m, mask_n, N, bias_ptr, res_ptr, out_ptr, inv_out_scale_ptr,
+                    stride_rm, stride_rn, stride_om, stride_on,
+                    ACTIVATION: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    HAS_RESIDUAL: tl.constexpr, OUT_KIND: tl.constexpr, FP8_MAX: tl.constexpr,
+                    MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, EXP_BIAS: tl.constexpr):
+    """Everything after the scaled fp32 accumulator ``y`` (and ``up``, the up half's, when GATED; bias
+    column n + N), in the reference's order: + bias → activation (act(gate)·up) → + residual → stored as
+    OUT_KIND. Shared by every linear kernel (per-tensor/channel scales here, block scales in triton_block_gemm)."""
     if HAS_BIAS:
         y += tl.load(bias_ptr + rn, mask=mask_n, other=0.0)[None, :]
     if GATED:
-        ws_up = tl.load(w_scale_ptr + (rn + N) * stride_ws, mask=mask_n, other=0.0)
-        up = acc_up * (xs[:, None] * ws_up[None, :])
         if HAS_BIAS:
             up += tl.load(bias_ptr + N + rn, mask=mask_n, other=0.0)[None, :]
         y = _activate(y, ACTIVATION) * up
@@ -261,6 +276,30 @@ def _check_size(*tensors: torch.Tensor) -> None:
         raise ValueError("tensor too large for 32-bit offsets")
 
 
+def epilogue_operands(lead: torch.Size, m: int, n: int, residual: torch.Tensor | None, out_dtype: torch.dtype,
+                      out_scale: torch.Tensor | None, out_fmt: FP8Format | str, device: torch.device):
+    """What :func:`linear_epilogue` reads and writes, for an output of ``m`` rows (``lead`` flattened) × ``n``:
+    (residual as m×n with unit stride along N or None, out, its view the kernel stores through, OUT_KIND,
+    the FP8 format of an FP8 output, 1/out_scale as computed by reference.quantize or None)."""
+    res = None
+    if residual is not None:
+        res = _unit_stride(torch.broadcast_to(residual, (*lead, n)).reshape(m, n), 1)
+        if res.dtype not in _OUT_KINDS:
+            res = res.float()
+    if out_scale is not None:
+        fmt_o = FP8Format.parse(out_fmt)
+        if out_scale.numel() != 1:
+            raise ValueError("out_scale must be a single (0-d) scale: the next op's per-tensor input scale")
+        inv = torch.reciprocal(out_scale.detach().float()).reshape(1)  # same reciprocal as reference.quantize
+        out = torch.empty((m, n), dtype=fmt_o.dtype, device=device)
+        return res, out, out.view(torch.uint8), "fp8", fmt_o, inv
+    if out_dtype not in _OUT_KINDS:
+        raise TypeError(f"out_dtype must be one of {list(_OUT_KINDS)} (or pass out_scale for FP8)")
+    out = torch.empty((m, n), dtype=out_dtype, device=device)
+    kind = _OUT_KINDS[out_dtype]
+    return res, out, out.view(torch.uint16) if kind == "bf16" else out, kind, FP8Format.E4M3, None
+
+
 def fp8_linear(
     x_q: torch.Tensor,
     x_scale: torch.Tensor,
@@ -306,24 +345,8 @@ def fp8_linear(
     if ws.numel() not in (1, n_w):
         raise ValueError(f"w_scale must be a scalar or have {n_w} values, got {tuple(w_scale.shape)}")
     b = None if bias is None else bias.detach().float().reshape(n_w)
-    res = None
-    if residual is not None:
-        res = _unit_stride(torch.broadcast_to(residual, (*lead, n)).reshape(m, n), 1)
-        if res.dtype not in _OUT_KINDS:
-            res = res.float()
-    if out_scale is not None:
-        fmt_o = FP8Format.parse(out_fmt)
-        if out_scale.numel() != 1:
-            raise ValueError("out_scale must be a single (0-d) scale: the next op's per-tensor input scale")
-        inv = torch.reciprocal(out_scale.detach().float()).reshape(1)  # same reciprocal as reference.quantize
-        out = torch.empty((m, n), dtype=fmt_o.dtype, device=dev)
-        out_view, kind = out.view(torch.uint8), "fp8"
-    else:
-        if out_dtype not in _OUT_KINDS:
-            raise TypeError(f"out_dtype must be one of {list(_OUT_KINDS)} (or pass out_scale for FP8)")
-        fmt_o, inv, kind = FP8Format.E4M3, xs, _OUT_KINDS[out_dtype]
-        out = torch.empty((m, n), dtype=out_dtype, device=dev)
-        out_view = out.view(torch.uint16) if kind == "bf16" else out
+    res, out, out_view, kind, fmt_o, inv = epilogue_operands(lead, m, n, residual, out_dtype, out_scale, out_fmt, dev)
+    inv = xs if inv is None else inv  # any fp32 pointer when the output is not FP8
     cfg = config or pick_config(m)
     if gated and config is None:
         cfg = cfg.gated()

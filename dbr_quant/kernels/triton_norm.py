@@ -23,19 +23,16 @@ import torch
 import triton.language as tl
 
 from ..formats import FP8Format
-from .triton_common import Kernel, check_device, fp8_constants
+from .triton_common import Kernel, check_device, device_function, fp8_constants
 from .triton_quantize import FORMATS, TRITON_DTYPES, aot_signature, block_sum, loadable, pick_block, quantize_bits
 
 NORM_BLOCKS = (256, 1024, 4096)  # chunk sizes; hidden sizes above 4096 loop (up to 16384 and beyond)
 
 
-def _layer_norm_quantize_kernel(x_ptr, w_ptr, b_ptr, inv_ptr, y_ptr, q_ptr, N, eps, BLOCK: tl.constexpr,
-                                HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, RMS: tl.constexpr,
-                                FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
-                                EXP_BIAS: tl.constexpr):
-    """One row per program: mean (LayerNorm only), variance or mean square, then y and its FP8 bytes."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * N
+@device_function
+def row_stats(x_row, N, eps, BLOCK: tl.constexpr, RMS: tl.constexpr):
+    """(mean, rstd) of one row of N values in BLOCK chunks: mean (0 for RMSNorm), then the biased variance
+    (RMSNorm: the mean square) from the deviations, so there is no cancellation; rstd = 1 / sqrt(var + eps)."""
     cols = tl.arange(0, BLOCK)
     n = tl.full([], 0.0, tl.float32) + N  # the row length as fp32 for the divisions below
     mean = tl.full([], 0.0, tl.float32)
@@ -50,17 +47,36 @@ def _layer_norm_quantize_kernel(x_ptr, w_ptr, b_ptr, inv_ptr, y_ptr, q_ptr, N, e
         x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
         d = tl.where(mask, x - mean, 0.0)
         acc += d * d
-    var = tl.math.div_rn(block_sum(acc), n)  # LayerNorm: biased variance; RMSNorm: mean of squares
+    var = tl.math.div_rn(block_sum(acc), n)
     rstd = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(var + eps))
+    return mean, rstd
+
+
+@device_function
+def normalize(x, mean, rstd, w_ptr, b_ptr, offs, mask, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """fp32 ``(x - mean) · rstd · weight + bias`` for the columns ``offs`` of a row."""
+    y = (x - mean) * rstd
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return y
+
+
+def _layer_norm_quantize_kernel(x_ptr, w_ptr, b_ptr, inv_ptr, y_ptr, q_ptr, N, eps, BLOCK: tl.constexpr,
+                                HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, RMS: tl.constexpr,
+                                FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                                EXP_BIAS: tl.constexpr):
+    """One row per program: mean (LayerNorm only), variance or mean square, then y and its FP8 bytes."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * N
+    cols = tl.arange(0, BLOCK)
+    mean, rstd = row_stats(x_row, N, eps, BLOCK, RMS)
     inv = tl.load(inv_ptr)
     for start in range(0, N, BLOCK):
         mask = start + cols < N
         x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-        y = (x - mean) * rstd
-        if HAS_WEIGHT:
-            y = y * tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            y = y + tl.load(b_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+        y = normalize(x, mean, rstd, w_ptr, b_ptr, start + cols, mask, HAS_WEIGHT, HAS_BIAS)
         tl.store(y_ptr + row * N + start + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(q_ptr + row * N + start + cols, quantize_bits(y, inv, FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS),
                  mask=mask)
@@ -69,7 +85,7 @@ def _layer_norm_quantize_kernel(x_ptr, w_ptr, b_ptr, inv_ptr, y_ptr, q_ptr, N, e
 LAYER_NORM_QUANTIZE = Kernel(_layer_norm_quantize_kernel)
 
 
-def _affine_params(x: torch.Tensor, weight: torch.Tensor | None,
+def affine_params(x: torch.Tensor, weight: torch.Tensor | None,
                    bias: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """weight/bias contiguous in one loadable dtype: x's dtype if they both have it, else fp32."""
     params = [p for p in (weight, bias) if p is not None]
@@ -101,7 +117,7 @@ def layer_norm_quantize(
     if rms:
         bias = None  # reference.layer_norm_quantize ignores bias for RMSNorm
     x_c = loadable(x)
-    weight, bias = _affine_params(x_c, weight, bias)
+    weight, bias = affine_params(x_c, weight, bias)
     y = torch.empty(x.shape, dtype=x_c.dtype, device=x.device)
     q = torch.empty(x.shape, dtype=fmt.dtype, device=x.device)
     if x.numel() == 0:
