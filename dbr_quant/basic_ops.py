@@ -6,7 +6,7 @@ out activation scales and FP8 weights; the arithmetic itself is in ``dbr_quant.k
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -29,10 +29,10 @@ class Call:
     op: SeenOp | None = None
     state: AutoQuantizationState | None = None
     placeholder: Any = None  # what this call returned while its subgraph was still pending
+    module: nn.Module | None = field(init=False, repr=False)  # func, when the call is a module call
 
-    @property
-    def module(self) -> nn.Module | None:
-        return self.func if isinstance(self.func, nn.Module) else None
+    def __post_init__(self) -> None:
+        self.module = self.func if isinstance(self.func, nn.Module) else None
 
     def run_original(self, args: tuple | None = None) -> Any:
         """The high-precision op as the user wrote it."""

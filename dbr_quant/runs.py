@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module_globals
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import kernels
@@ -366,13 +367,16 @@ class ConvertRun(Run):
             with suspended(self):  # our own torch calls below are not the model's
                 return self._linear_call(module, args, kwargs)
         act = ACTIVATION_MODULES.get(type(module))
-        if act is not None and self.placeholders and len(args) == 1 and not kwargs and not has_hooks(module):
-            # an activation module consuming a pending subgraph's output: the step its forward's F.relu /
-            # F.gelu / F.silu would take, without the module call and the torch-function trip
+        if act is not None and len(args) == 1 and not kwargs and not has_hooks(module) and not _global_hooks():
+            # an activation module's forward is one F.relu / F.gelu / F.silu: take the step it would take
+            # (join a pending subgraph, or just compute) without the module call and the torch-function trip
+            func, kw = act(module)
             p = self.placeholders.get(id(args[0]))
+            if p is None and not self.resolved:
+                with suspended(self):
+                    return func(args[0], **kw)
             kinds = p.subgraph.kinds if p is not None else ()
             if p is not None and len(p.calls) < len(kinds) and kinds[len(p.calls)] == ACT:
-                func, kw = act(module)
                 with suspended(self):
                     return self._step(p, Call(ACT, func, args, kw))
         if module.__dict__.get("_dbr_norm") and not has_hooks(module) and len(args) == 1 and not kwargs:
@@ -443,6 +447,11 @@ def placeholder_base(outermost: bool) -> int:
     """Where a new run's placeholders start in this thread's pool: 0 for an outermost run, else above
     everything handed out so far."""
     return 0 if outermost else len(getattr(_pool, "tensors", ()))
+
+
+def _global_hooks() -> bool:
+    """Hooks registered for every module (``nn.modules.module.register_module_forward_hook``)."""
+    return bool(_module_globals._global_forward_hooks or _module_globals._global_forward_pre_hooks)
 
 
 # activation modules whose forward is one functional call: (module) → (function, kwargs)

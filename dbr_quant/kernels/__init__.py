@@ -35,7 +35,7 @@ __all__ = [
 
 def _impl(t: torch.Tensor, ref=reference):
     """The implementation module for the backend that runs on ``t``'s device (``ref`` for "reference")."""
-    if resolve_backend(t.device) == "reference":
+    if (not t.is_cuda and current_backend() == "auto") or resolve_backend(t.device) == "reference":
         return ref
     from . import triton_backend
 
