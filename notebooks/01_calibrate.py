@@ -24,6 +24,7 @@ import torch
 
 import dbr_quant as dq
 from dbr_quant.examples import minilm
+from dbr_quant.weights import fp8_weight_bytes
 
 # One intra-op thread: this machine has 2 cores shared with other jobs, and OpenMP threads that
 # compete for them are ~10x slower than a single thread on a model this small.
@@ -153,7 +154,8 @@ plt.show()
 # %% [markdown]
 # ## 5. The converted model vs fp32
 #
-# `convert` froze the scales and stored every linear's weight as `float8_e4m3fn` (per output channel).
+# `convert` froze the scales and stored every linear's weight as `float8_e4m3fn` (per output channel):
+# `module.weight` is now an `FP8Weight` that still reports float32 (`dbr_quant.weights`).
 # The converted model is a drop-in replacement: same call, same output type.
 
 # %%
@@ -162,8 +164,7 @@ emb_fp8 = minilm.sentence_embeddings(converted, evaluation)
 cos = (emb_fp8 * emb_fp32).sum(-1)
 print(f"KEY mean_cosine={cos.mean():.5f} min_cosine={cos.min():.5f}")
 print("converted model:", len(dq.report(converted)), "ops;",
-      sum(b.numel() for n, b in converted.named_buffers() if n.endswith("weight_fp8")) / 1e6,
-      "M weights stored in FP8")
+      f"{fp8_weight_bytes(converted) / 2**20:.2f} MiB of linear weights stored in FP8 (with their scales)")
 
 sim32, sim8 = emb_fp32 @ emb_fp32.T, emb_fp8 @ emb_fp8.T
 fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
