@@ -49,7 +49,8 @@ def _root_forward(m: nn.Module, *args: Any, **kwargs: Any) -> Any:
         run = InspectRun(m, record, record.inspector)
     elif record.phase == "prepared":
         # observers are state shared by every caller: concurrent calibration forwards take turns
-        with record.calibration_lock, intercepting(run := CalibrateRun(m, record)):
+        run = CalibrateRun(m, record)
+        with record.calibration_lock, intercepting(run, functions=record.observes_functions):
             return run.finish(forward(*args, **kwargs))
     else:
         run = ConvertRun(m, record)
@@ -135,6 +136,10 @@ def prepare(
     for module, st in run.states.items():
         _attach_state(module, st, record)
     record.states = list(run.states.values())
+    # calibration needs torch-function interception only for ops observed from a function call (matmul,
+    # SDPA, F.linear); linear modules are caught at the module call
+    record.observes_functions = any(op.quantize and op.slots and not (op.kind == LINEAR and op.weight_owner)
+                                    for st in record.states for op in st.seen_ops)
     del record.trace_run
     record.phase = "prepared"
     if not any(op.kind in QUANTIZEABLE for st in record.states for op in st.seen_ops):

@@ -53,8 +53,11 @@ class _FunctionMode(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def intercepting(run: Any) -> Iterator[None]:
-    """Route this thread's torch functions and module calls to ``run`` for the duration of the block."""
+def intercepting(run: Any, functions: bool = True) -> Iterator[None]:
+    """Route this thread's torch functions and module calls to ``run`` for the duration of the block.
+
+    ``functions=False`` intercepts module calls only (a calibration run whose recorded ops all run as
+    modules has nothing to do per torch function, and the mode's trip costs microseconds per call)."""
     global _patch_depth, _outer_call
     with _patch_lock:
         if _patch_depth == 0:
@@ -64,7 +67,7 @@ def intercepting(run: Any) -> Iterator[None]:
     previous = getattr(_tls, "run", None)
     _tls.run = run
     try:
-        with _FunctionMode(run):
+        with _FunctionMode(run) if functions else contextlib.nullcontext():
             yield
     finally:
         _tls.run = previous

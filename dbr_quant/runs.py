@@ -57,6 +57,7 @@ class ModelRecord:
     example: tuple[tuple, dict] | None = None  # prepare()'s example inputs: the default for the rewriter
     inspector: Any = None  # set by dbr_quant.inspect while a session runs: then forwards are InspectRuns
     calibration_lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
+    observes_functions: bool = True  # whether calibration must see torch function calls (set by prepare)
 
     def __getstate__(self) -> dict:  # deepcopy / pickle: a lock cannot be copied; the copy gets its own
         state = dict(self.__dict__)
