@@ -53,10 +53,32 @@ def _read_sidecar(folder: Path) -> dict[str, Any]:
     if meta.get("version") != sidecar.VERSION:
         raise CheckpointError(f"{path}: format version {meta.get('version')}, this dbr_quant reads "
                               f"{sidecar.VERSION}; upgrade dbr_quant")
-    for key in ("qconfig", "states", "linears", "stacked", "aliases"):
-        if key not in meta:
-            raise CheckpointError(f"{path}: the entry '{key}' is missing")
+    _check_schema(meta, path)
     return meta
+
+
+_OP_KEYS = {"index", "kind", "fqn", "quantize", "slots", "fusion", "group", "weight_owner", "qconfig", "scales"}
+_LINEAR_KEYS = {"layout", "format", "granularity", "transposed", "dtype"}
+
+
+def _check_schema(meta: dict[str, Any], path: Path) -> None:
+    """The shape of dbr_quant.json, so that a damaged file is an error naming the entry, not a KeyError."""
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise CheckpointError(f"{path}: malformed entry {what}")
+
+    for key, kind in (("qconfig", dict), ("states", list), ("linears", dict), ("stacked", list), ("aliases", dict),
+                      ("quantization_config", dict)):
+        need(isinstance(meta.get(key), kind), f"'{key}' (missing or not a {kind.__name__})")
+    for st in meta["states"]:
+        need(isinstance(st, dict) and isinstance(st.get("module"), str) and isinstance(st.get("ops"), list),
+             f"in 'states': {str(st)[:80]}")
+        for op in st["ops"]:
+            need(isinstance(op, dict) and _OP_KEYS <= set(op) and isinstance(op["scales"], dict),
+                 f"op in '{st['module']}': {str(op)[:80]}")
+    for fqn, info in meta["linears"].items():
+        need(isinstance(info, dict) and _LINEAR_KEYS <= set(info) and info["layout"] in ("fp8", "dequantized")
+             and (info["layout"] == "fp8" or isinstance(info.get("scale"), list)), f"'linears.{fqn}'")
 
 
 def _read_headers(folder: Path) -> dict[str, StoredTensor]:

@@ -249,3 +249,18 @@ def test_example_inputs_can_be_given(llama_converted, tmp_path):
     loaded = dq.load_pretrained(tmp_path, llama(), example_kwargs=example)
     assert torch.equal(_outputs(loaded, llama_converted.eval_inputs),
                        _outputs(llama_converted.converted, llama_converted.eval_inputs))
+
+
+@pytest.mark.parametrize("damage", ["drop states", "op without scales", "unknown layout"])
+def test_damaged_json_is_an_error_naming_the_entry(damage, llama_converted, tmp_path):
+    dq.save_pretrained(llama_converted.converted, tmp_path)
+    meta = json.loads((tmp_path / "dbr_quant.json").read_text())
+    if damage == "drop states":
+        del meta["states"]
+    elif damage == "op without scales":
+        del meta["states"][1]["ops"][0]["scales"]
+    else:
+        meta["linears"]["model.layers.0.mlp.up_proj"]["layout"] = "int4"
+    (tmp_path / "dbr_quant.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="dbr_quant.json: malformed entry"):
+        dq.load_pretrained(tmp_path, llama())
