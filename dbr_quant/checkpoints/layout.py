@@ -262,8 +262,26 @@ def build_plan(model: nn.Module) -> Plan:
     if multi_site:
         plan.notes.append(f"{len(multi_site)} linear(s) run at several call sites with different input scales; "
                           f"the file holds the largest of each ({', '.join(multi_site[:4])})")
+    _check_vllm_fused(schemes, ignore, plan)
     plan.quantization_config = _quantization_config(schemes, ignore, bool(kv))
     return plan
+
+
+_VLLM_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _check_vllm_fused(schemes: dict[str, tuple], ignore: list[str], plan: Plan) -> None:
+    """vLLM runs q/k/v and gate/up as one layer each and refuses siblings with different schemes (one FP8,
+    another in ``ignore``, or different strategies): say so at save time rather than at serve time."""
+    ignored = set(ignore)
+    parents = {fqn.rpartition(".")[0] for fqn in list(schemes) + ignore}
+    for parent in parents:
+        for names in _VLLM_FUSED:
+            members = [f"{parent}.{n}" if parent else n for n in names]
+            kinds = {("ignore",) if m in ignored else schemes[m] for m in members if m in ignored or m in schemes}
+            if len(kinds) > 1 and all(m in ignored or m in schemes for m in members):
+                plan.notes.append(f"{'/'.join(names)} of '{parent}' differ in scheme or precision; vLLM fuses them "
+                                  "into one layer and will refuse this checkpoint (transformers loads it)")
 
 
 def _module_dtype(mod: nn.Module) -> torch.dtype:

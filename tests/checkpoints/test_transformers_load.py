@@ -223,3 +223,11 @@ def test_warns_what_loaders_run_differently(tmp_path):
     text = " ".join(str(w.message) for w in caught)
     assert "1 linear(s) run at several call sites" in text and "proj" in text
     assert not (tmp_path / "config.json").exists()  # not a Hugging Face model: tensors + dbr_quant.json only
+
+
+def test_warns_when_vllm_fused_siblings_differ(tmp_path):
+    c = convert_hf(llama(), dq.QConfig(overrides=(dq.Override(pattern=r"layers\.1\.self_attn\.k_proj$", skip=True),)))
+    with pytest.warns(UserWarning, match=r"q_proj/k_proj/v_proj of 'model\.layers\.1\.self_attn' differ .* vLLM"):
+        dq.save_pretrained(c.converted, tmp_path)
+    ignore = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["ignore"]
+    assert "model.layers.1.self_attn.k_proj" in ignore
