@@ -3,10 +3,12 @@
     prepared = dbr_quant.prepare(model, example_inputs)
     dbr_quant.calibrate(prepared, batches)
     converted = dbr_quant.convert(prepared)
+    dbr_quant.save_pretrained(converted, "out/")      # FP8 checkpoint that transformers and vLLM load
 """
 
 from . import kernels
 from .api import PrepareError, calibrate, convert, disabled, format_report, prepare, quant_state, report
+from .checkpoints import CheckpointError, load_pretrained, save_pretrained
 from .formats import FP8Format
 from .fusions import Fusion, register_fusion
 from .fx_rewriter import ops as _ops  # noqa: F401  (defines the dbr_quant:: ops, so saved ExportedPrograms load)
@@ -20,6 +22,7 @@ __all__ = [
     "RunningMax", "MovingAverage", "AmaxHistory", "Percentile", "MSE",
     "AutoQuantizationState", "Fusion", "register_fusion", "kernels",
     "PrepareError", "UncalibratedError", "UnseenOpError",
+    "save_pretrained", "load_pretrained", "CheckpointError",
 ]
 __version__ = "0.1.0"
 

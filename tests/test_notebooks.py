@@ -95,3 +95,18 @@ def test_03_export_compile():
                       r"|FP8 compile_frozen)\s+(\d+\.\d)\s+(\d+\.\d\d)x$", text, re.M)
     assert len(rows) == 6 and float(rows[0][2]) == 1.0 and all(float(ms) > 0 for _, ms, _ in rows)
     assert "Measured on this CPU" in text
+
+
+@pytest.mark.slow
+def test_04_serve():
+    pytest.importorskip("compressed_tensors")
+    text, _ = _run("04_serve")
+    exact, total = _key(text, "exact_layers").split("/")
+    assert exact == total == "37"  # every FP8 linear loaded by transformers computes dbr_quant's FP8 math exactly
+    # end to end within FP8's noise floor: as far as dbr_quant's own exact kernels are from its CPU kernels
+    assert float(_key(text, "transformers_vs_dbr_min_cosine")) >= 0.997
+    assert float(_key(text, "exact_vs_fast_min_cosine")) >= 0.997
+    assert _key(text, "reload_identical") == "True"
+    assert _key(text, "sharded_equals_single") == "True"
+    assert float(_key(text, "size_ratio")) < 0.7
+    assert "model-00004-of-00004.safetensors" in text and "vllm serve" in text

@@ -1,0 +1,125 @@
+"""Peak extra memory of a sharded FP8 save: ``dbr_quant.save_pretrained`` against ``safetensors.torch.save_file``
+of the converted state_dict, on a random bf16 Llama of a few hundred MB (CPU).
+
+    .venv/bin/python benchmarks/checkpoint_memory.py [--hidden 1024 --layers 8 --shard 50MB]
+
+Extra memory = the process's peak resident set size during the save minus its size just before (freed
+memory returned to the OS first), sampled every millisecond from /proc/self/statm. Each variant runs in a
+fresh subprocess so earlier allocations do not hide later ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class PeakRSS:
+    """Samples RSS in a thread (file writes and torch ops release the GIL) and keeps the maximum."""
+
+    def __enter__(self) -> PeakRSS:
+        self.peak, self.stop = rss(), False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self.stop:
+            self.peak = max(self.peak, rss())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc) -> None:
+        self.stop = True
+        self.thread.join()
+        self.peak = max(self.peak, rss())
+
+
+def build(hidden: int, layers: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import dbr_quant as dq
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=16,
+                      num_key_value_heads=8, intermediate_size=int(hidden * 2.75), max_position_embeddings=256)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(1, 32000, (2, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = dq.prepare(model, example_kwargs={"input_ids": ids}, inplace=True)
+        dq.calibrate(prepared, [{"input_ids": ids}], progress=False)
+        return dq.convert(prepared, inplace=True)
+
+
+def measure(variant: str, hidden: int, layers: int, shard: str) -> dict:
+    import torch
+
+    import dbr_quant as dq
+
+    torch.set_num_threads(1)
+    converted = build(hidden, layers)
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    out = tempfile.mkdtemp(prefix="ckpt_mem_")
+    before = rss()
+    t = time.perf_counter()
+    with PeakRSS() as peak:
+        if variant == "dbr_quant.save_pretrained":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dq.save_pretrained(converted, out, max_shard_size=shard)
+        else:
+            from safetensors.torch import save_file
+
+            save_file(converted.state_dict(), os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    seconds = time.perf_counter() - t
+    files = [os.path.join(out, f) for f in os.listdir(out) if f.endswith(".safetensors")]
+    sizes = sorted(os.path.getsize(f) for f in files)
+    for f in os.listdir(out):
+        os.remove(os.path.join(out, f))
+    os.rmdir(out)
+    return {"variant": variant, "rss_before_mb": before / 1e6, "extra_mb": (peak.peak - before) / 1e6,
+            "seconds": seconds, "files": len(files), "largest_file_mb": sizes[-1] / 1e6,
+            "total_mb": sum(sizes) / 1e6}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--shard", default="50MB")
+    ap.add_argument("--variant", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.variant:
+        print(json.dumps(measure(args.variant, args.hidden, args.layers, args.shard)))
+        return
+    print(f"random bf16 Llama, hidden {args.hidden}, {args.layers} layers, vocab 32000; max_shard_size {args.shard}")
+    print(f"{'variant':<42} {'RSS before':>10} {'peak extra':>10} {'files':>5} {'largest':>8} {'total':>8} {'time':>6}")
+    for variant in ("dbr_quant.save_pretrained", "safetensors save_file(state_dict())"):
+        res = subprocess.run([sys.executable, __file__, "--variant", variant, "--hidden", str(args.hidden),
+                              "--layers", str(args.layers), "--shard", args.shard],
+                             check=True, capture_output=True, text=True)
+        r = json.loads(res.stdout.strip().splitlines()[-1])
+        print(f"{r['variant']:<42} {r['rss_before_mb']:>8.0f}MB {r['extra_mb']:>8.1f}MB {r['files']:>5} "
+              f"{r['largest_file_mb']:>6.1f}MB {r['total_mb']:>6.1f}MB {r['seconds']:>5.1f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,335 @@
+"""From a converted model to the compressed-tensors ``float-quantized`` layout: which tensors, in which
+dtype and shape, under which name, and the ``quantization_config`` that describes them.
+
+The mapping (each choice also in the README, "Save for serving"):
+
+* An FP8 ``nn.Linear``: ``weight`` float8_e4m3fn [out, in]; ``weight_scale`` [out, 1] per channel or [1]
+  per tensor; ``input_scale`` [1] when activations are static (dynamic: none, and the scheme says
+  ``dynamic: true`` with strategy ``tensor`` or ``token``); ``bias`` as is. A gate/up pair stacked into one
+  buffer is written as the two modules' own tensors.
+* Scale dtype: the model's dtype when that holds the fp32 scale exactly (always for fp32 models), else
+  float32. transformers creates scale parameters in the model's dtype and rounds a float32 scale into
+  it when loading (≤ 2⁻⁹ relative); vLLM's scale parameters are float32 and keep it exact. Writing the
+  rounded value instead would change every loader's numbers, and lose the exact scale for
+  ``load_pretrained``.
+* A linear called at several call sites has a scale per site: the file gets the largest (no site
+  saturates; the others lose a little resolution) and a warning says so. ``dbr_quant.json`` keeps all.
+* Linears that stay high precision (and every module compressed-tensors would otherwise match as a
+  ``Linear``) go to ``ignore``.
+* E5M2 weights or activations: compressed-tensors' FP8 is E4M3 only, so saving raises.
+* Hugging Face ``Conv1D`` (GPT-2): compressed-tensors quantizes ``nn.Linear`` only, so its FP8 weight has
+  no form transformers loads; it is written dequantized (its FP8 values × scale, exact in the model's
+  dtype) and listed in ``ignore``; ``load_pretrained`` re-quantizes it exactly with the scale kept in
+  ``dbr_quant.json``.
+* FP8 attention (``quantize_attention=True``): per attention layer ``k_scale`` / ``v_scale`` [1] and a
+  ``kv_cache_scheme``, only when every layer compressed-tensors treats as KV-cached attention has static
+  k/v scales; otherwise (and for q, and for activation × activation matmuls) loaders run attention in
+  high precision and a warning says so.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import kernels
+from ..formats import FP8Format
+from ..mappings import LINEAR, MATMUL, SDPA
+from ..quantization_state import AutoQuantizationState, SeenOp
+from ..runs import ModelRecord
+from ..weights import FP8Weight, fp8_weight_of
+from .errors import CheckpointError
+from .safetensors_io import Entry
+
+CT_VERSION = "0.20.0"  # the compressed-tensors release whose layout this writes (checked by the tests)
+# compressed-tensors' is_cached_attention_module (0.20): these names mark a KV-cached attention module
+_ATTENTION_PROJECTIONS = ("k_proj", "v_proj", "qkv_proj", "kv_b_proj", "q_a_proj", "kv_proj", "q")
+_KV_PROJECTIONS = ("k_proj", "v_proj", "qkv_proj", "kv_b_proj")
+
+
+@dataclass
+class Plan:
+    """Everything a save writes, before anything is written."""
+
+    groups: list[tuple[str, list[Entry]]] = field(default_factory=list)  # one per module, in model order
+    quantization_config: dict[str, Any] = field(default_factory=dict)
+    linears: dict[str, dict[str, Any]] = field(default_factory=dict)  # FP8 linears: how each is stored
+    aliases: dict[str, str] = field(default_factory=dict)  # tensor written once under another name
+    stacked: list[list[str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what loaders will run differently (one warning)
+
+
+def record_of(model: nn.Module) -> ModelRecord:
+    record = model.__dict__.get("_dbr_record")
+    if record is None or record.phase != "converted":
+        raise TypeError("dbr_quant.save_pretrained() needs a model returned by dbr_quant.convert()")
+    return record
+
+
+def model_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's own modules (dbr_quant's per-module states and their observers left out)."""
+    out, skip = [], []
+    for name, mod in model.named_modules():
+        if isinstance(mod, AutoQuantizationState):
+            skip.append(name + ".")
+            continue
+        if not any(name.startswith(s) for s in skip):
+            out.append((name, mod))
+    return out
+
+
+def own_tensors(mod: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and persistent buffers a state_dict would hold for this module itself."""
+    out = [(n, p) for n, p in mod._parameters.items() if p is not None]
+    out += [(n, b) for n, b in mod._buffers.items() if b is not None and n not in mod._non_persistent_buffers_set]
+    return out
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def scale_dtype(scale: torch.Tensor, model_dtype: torch.dtype) -> torch.dtype:
+    """The model's dtype when it holds every value of ``scale`` exactly, else float32."""
+    if model_dtype.is_floating_point and torch.equal(scale.to(model_dtype).float(), scale.float()):
+        return model_dtype
+    return torch.float32
+
+
+def _entry(name: str, t: torch.Tensor, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> Entry:
+    dtype = t.dtype if dtype is None else dtype
+    shape = tuple(t.shape) if shape is None else shape
+    return Entry(name, dtype, shape, lambda: t.detach().reshape(shape).to(dtype))
+
+
+def _is_ct_linear(mod: nn.Module) -> bool:
+    """What compressed-tensors' target "Linear" matches: a class named Linear anywhere in the MRO."""
+    return any(c.__name__ == "Linear" for c in type(mod).__mro__)
+
+
+def is_cached_attention(mod: nn.Module) -> bool:
+    """compressed-tensors' rule for the modules a ``kv_cache_scheme`` applies to (every one of them)."""
+    if "attention" not in type(mod).__name__.lower() or not any(hasattr(mod, n) for n in _KV_PROJECTIONS):
+        return False
+    try:
+        params = inspect.signature(mod.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "past_key_values" in params or "past_key_value" in params
+
+
+# ------------------------------------------------------------------------------------------ schemes
+def _args(strategy: str, dynamic: bool) -> dict[str, Any]:
+    return {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": dynamic,
+            "group_size": None, "observer": None if dynamic else "minmax"}
+
+
+def _scheme(fqn: str, w: FP8Weight, ops: list[SeenOp]) -> tuple[str, str, bool]:
+    """(weight strategy, activation strategy, dynamic) of an FP8 linear; raises for what the format lacks."""
+    if w.qdata.dtype != torch.float8_e4m3fn:
+        raise CheckpointError(f"'{fqn}': its weight is {FP8Format.of(w.qdata.dtype).name}; the compressed-tensors "
+                              "format stores FP8 weights as E4M3 only. Convert with QConfig(weight=TensorQConfig("
+                              "format='e4m3', ...)) to save for serving.")
+    formats = {op.qconfig.activation.format for op in ops}
+    if formats != {FP8Format.E4M3}:
+        raise CheckpointError(f"'{fqn}': its input is quantized as {sorted(f.name for f in formats)}; the "
+                              "compressed-tensors format has E4M3 activations only. Convert with E4M3 activations "
+                              "(the default) to save for serving.")
+    modes = {(op.qconfig.dynamic, op.qconfig.activation.granularity if op.qconfig.dynamic else "tensor")
+             for op in ops}
+    if len(modes) != 1:
+        raise CheckpointError(f"'{fqn}' is called at {len(ops)} sites with different activation settings "
+                              f"{sorted(modes)}; the format has one per linear. Give its call sites one setting.")
+    (dynamic, granularity), = modes
+    return ("tensor" if w.scale.dim() == 0 else "channel"), granularity, dynamic
+
+
+def _quantization_config(schemes: dict[str, tuple[str, str, bool]], ignore: list[str],
+                         kv: bool) -> dict[str, Any]:
+    """One config group per distinct scheme: the most common targets ``Linear``, the others list their
+    modules by exact name (an exact name outranks a class name in compressed-tensors and vLLM)."""
+    by_scheme: dict[tuple[str, str, bool], list[str]] = defaultdict(list)
+    for fqn, s in schemes.items():
+        by_scheme[s].append(fqn)
+    ordered = sorted(by_scheme.items(), key=lambda kv_: -len(kv_[1]))
+    groups = {}
+    for i, ((wstrat, astrat, dynamic), names) in enumerate(ordered):
+        groups[f"group_{i}"] = {
+            "targets": ["Linear"] if i == 0 else sorted(names), "format": "float-quantized",
+            "weights": _args(wstrat, False), "input_activations": _args(astrat, dynamic),
+            "output_activations": None,
+        }
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "kv_cache_scheme": _args("tensor", False) if kv else None, "ignore": ignore,
+            "config_groups": groups, "global_compression_ratio": None, "sparsity_config": {},
+            "transform_config": {}, "version": CT_VERSION}
+
+
+# ------------------------------------------------------------------------------------------ the plan
+def _linear_input_scales(record: ModelRecord) -> dict[str, list[tuple[AutoQuantizationState, SeenOp]]]:
+    sites: dict[str, list] = defaultdict(list)
+    for st in record.states:
+        for op in st.seen_ops:
+            if op.kind == LINEAR and op.weight_owner is not None:
+                sites[op.weight_owner].append((st, op))
+    return sites
+
+
+def _kv_scales(model: nn.Module, record: ModelRecord, plan: Plan) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per attention module: (k_scale, v_scale) [1] fp32, when the whole model can carry a kv_cache_scheme."""
+    found: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+    dynamic = matmuls = 0
+    for st in record.states:
+        for op in st.seen_ops:
+            if op.kind == SDPA and op.quantize:
+                if op.qconfig.dynamic or op.qconfig.activation.format != FP8Format.E4M3:
+                    dynamic += 1
+                else:
+                    found[st.fqn].append((st.scale(op, "k").float(), st.scale(op, "v").float()))
+            elif op.kind == MATMUL and op.quantize:
+                matmuls += 1
+    if matmuls:
+        plan.notes.append(f"{matmuls} activation × activation matmul(s) run in FP8 here; the format has no place "
+                          "for them, so loaders run them in high precision")
+    if dynamic:
+        plan.notes.append(f"{dynamic} attention op(s) use dynamic or E5M2 scales; a kv_cache_scheme needs static "
+                          "E4M3 k/v scales, so loaders run that attention in high precision")
+    if not found:
+        return {}
+    cached = [fqn for fqn, mod in model_modules(model) if is_cached_attention(mod)]
+    missing = [fqn for fqn in cached if fqn not in found]
+    if not cached or missing:
+        why = (f"attention layer(s) {missing[:3]} have no static k/v scales" if cached else
+               "no module is KV-cached attention as compressed-tensors sees it (class name with 'attention', "
+               "k_proj/v_proj, a past_key_values argument)")
+        plan.notes.append(f"FP8 attention is not written ({why}): loaders run attention in high precision; q "
+                          "scales are never part of the format")
+        return {}
+    out, extra = {}, [fqn for fqn in found if fqn not in cached]
+    for fqn in cached:
+        pairs = found[fqn]
+        out[fqn] = (torch.stack([k for k, _ in pairs]).max().reshape(1),
+                    torch.stack([v for _, v in pairs]).max().reshape(1))
+        if len(pairs) > 1:
+            plan.notes.append(f"attention '{fqn}' runs at {len(pairs)} call sites: its k/v scales are the largest")
+    if extra:
+        plan.notes.append(f"FP8 attention in {extra[:3]} is not KV-cached attention: loaders run it in high precision")
+    plan.notes.append("q is not quantized by loaders (the format carries k/v scales only)")
+    return out
+
+
+def build_plan(model: nn.Module) -> Plan:
+    """Map a converted model to tensor groups and a quantization_config; raises before anything is written."""
+    record = record_of(model)
+    plan = Plan()
+    sites = _linear_input_scales(record)
+    kv = _kv_scales(model, record, plan)
+    names = {id(mod): fqn for fqn, mod in model_modules(model)}
+    schemes: dict[str, tuple[str, str, bool]] = {}
+    ignore: list[str] = []
+    multi_site: list[str] = []
+    seen: dict[tuple, str] = {}
+    for fqn, mod in model_modules(model):
+        w = fp8_weight_of(mod)
+        entries: list[Entry] = []
+        for pname, t in own_tensors(mod):
+            name = _join(fqn, pname)
+            if w is not None and pname == "weight":
+                entries += _fp8_linear_entries(fqn, mod, w, sites.get(fqn, []), plan, schemes, ignore, multi_site)
+                continue
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            if t.numel() and key in seen:  # tied weights: written once, as Hugging Face does
+                plan.aliases[name] = seen[key]
+                continue
+            seen[key] = name
+            entries.append(_entry(name, t))
+        if w is None and _is_ct_linear(mod) and "weight" in mod._parameters:
+            ignore.append(fqn)
+        if fqn in kv:
+            k, v = kv[fqn]
+            entries += [_entry(_join(fqn, "k_scale"), k, scale_dtype(k, _module_dtype(mod))),
+                        _entry(_join(fqn, "v_scale"), v, scale_dtype(v, _module_dtype(mod)))]
+        stacked_after = mod.__dict__.get("_dbr_stacked_after")
+        if stacked_after is not None and w is not None:
+            plan.stacked.append([names[id(stacked_after)], fqn])
+        if entries:
+            plan.groups.append((fqn, entries))
+    if multi_site:
+        plan.notes.append(f"{len(multi_site)} linear(s) run at several call sites with different input scales; "
+                          f"the file holds the largest of each ({', '.join(multi_site[:4])})")
+    _check_vllm_fused(schemes, ignore, plan)
+    plan.quantization_config = _quantization_config(schemes, ignore, bool(kv))
+    return plan
+
+
+_VLLM_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _check_vllm_fused(schemes: dict[str, tuple], ignore: list[str], plan: Plan) -> None:
+    """vLLM runs q/k/v and gate/up as one layer each and refuses siblings with different schemes (one FP8,
+    another in ``ignore``, or different strategies): say so at save time rather than at serve time."""
+    ignored = set(ignore)
+    parents = {fqn.rpartition(".")[0] for fqn in list(schemes) + ignore}
+    for parent in parents:
+        for names in _VLLM_FUSED:
+            members = [f"{parent}.{n}" if parent else n for n in names]
+            kinds = {("ignore",) if m in ignored else schemes[m] for m in members if m in ignored or m in schemes}
+            if len(kinds) > 1 and all(m in ignored or m in schemes for m in members):
+                plan.notes.append(f"{'/'.join(names)} of '{parent}' differ in scheme or precision; vLLM fuses them "
+                                  "into one layer and will refuse this checkpoint (transformers loads it)")
+
+
+def _module_dtype(mod: nn.Module) -> torch.dtype:
+    for p in mod.parameters():
+        if p.dtype.is_floating_point:
+            return p.dtype
+    return torch.float32
+
+
+def _fp8_linear_entries(fqn: str, mod: nn.Module, w: FP8Weight, sites: list, plan: Plan,
+                        schemes: dict, ignore: list[str], multi_site: list[str]) -> list[Entry]:
+    ops = [op for _, op in sites]
+    if not ops:
+        raise CheckpointError(f"'{fqn}' holds an FP8 weight but no recorded op uses it (a dbr_quant bug)")
+    wstrat, astrat, dynamic = _scheme(fqn, w, ops)
+    out_features = w.qdata.shape[0]
+    info: dict[str, Any] = {"layout": "fp8", "format": "e4m3", "granularity": wstrat, "transposed": w.transposed,
+                            "dtype": str(w.dtype).removeprefix("torch.")}
+    if w.transposed:
+        return [_dequantized_conv1d(fqn, w, info, plan, ignore)]
+    plan.linears[fqn] = info
+    schemes[fqn] = (wstrat, astrat, dynamic)
+    scale = w.scale.float().reshape(out_features, 1) if wstrat == "channel" else w.scale.float().reshape(1)
+    entries = [Entry(_join(fqn, "weight"), w.qdata.dtype, tuple(w.qdata.shape), lambda: w.qdata),
+               _entry(_join(fqn, "weight_scale"), scale, scale_dtype(scale, w.dtype))]
+    if not dynamic:
+        values = torch.stack([st.scale(op, "input").float().reshape(()) for st, op in sites])
+        if not torch.isfinite(values).all() or (values <= 0).any():
+            raise CheckpointError(f"'{fqn}': an input scale is not a positive finite number ({values.tolist()})")
+        if len(values) > 1 and not bool((values == values[0]).all()):
+            multi_site.append(fqn)
+        s = values.max().reshape(1)
+        entries.append(_entry(_join(fqn, "input_scale"), s, scale_dtype(s, w.dtype)))
+    return entries
+
+
+def _dequantized_conv1d(fqn: str, w: FP8Weight, info: dict, plan: Plan, ignore: list[str]) -> Entry:
+    """A Conv1D's FP8 weight, dequantized into its own [in, out] layout in the model's dtype. Checked here to
+    re-quantize to the same FP8 bytes with the kept scale, which is what load_pretrained does."""
+    hp = w.dequantize()
+    scale = w.scale.unsqueeze(1) if w.scale.dim() else w.scale
+    if not torch.equal(kernels.quantize(hp.t(), scale, FP8Format.E4M3).view(torch.uint8), w.qdata.view(torch.uint8)):
+        raise CheckpointError(f"'{fqn}' (Conv1D): its FP8 weight times its scale is not exact in {w.dtype}, so it "
+                              "cannot be written dequantized and restored; convert the model in float32 or bfloat16")
+    info["layout"] = "dequantized"
+    info["scale"] = w.scale.float().cpu().tolist()
+    plan.linears[fqn] = info
+    ignore.append(fqn)
+    plan.notes.append("Hugging Face Conv1D layers have no compressed-tensors form: written dequantized and "
+                      "listed in ignore (loaders run them in high precision; load_pretrained restores FP8)")
+    return Entry(_join(fqn, "weight"), w.dtype, tuple(hp.shape), lambda: w.dequantize())

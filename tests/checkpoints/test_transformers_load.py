@@ -1,0 +1,233 @@
+"""Folders written by ``save_pretrained``, loaded by software we did not write: transformers with
+compressed-tensors (``AutoModel.from_pretrained(folder)`` on CPU), compared with dbr_quant's converted model.
+
+Two levels of evidence:
+
+* **Per layer, exact.** Every linear of the transformers-loaded model holds dbr_quant's FP8 bytes and
+  scales (fp32 MiniLM: bit for bit; bf16 Llama: scales rounded to bf16, which is what transformers does
+  with a float32 scale) and computes ``fp8(x / s_in)·s_in × (q·s_w)ᵀ + b``, checked against plain torch on
+  dbr_quant's own tensors.
+* **End to end, within FP8's noise floor.** The two models differ in arithmetic details (fp32 rounding
+  order, fusions; compressed-tensors fake-quantizes bf16 inputs with bf16 division), and FP8 rounding
+  turns a 1-ulp difference into whole FP8 steps that grow layer by layer. On MiniLM, changing one
+  LayerNorm weight by one ulp gives a min embedding cosine of 0.9994 between two dbr_quant runs, and a
+  differently calibrated dbr_quant model 0.9981, and dbr_quant's own CPU kernels (bf16 GEMM output) vs
+  its exact kernels (fp32, as on GPU) 0.9980 — so the bounds below (min 0.997; 0.998 against the exact
+  kernels; logits 2 %) check that the loaded model is the same FP8 model, not that two implementations
+  agree bitwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from ckpt_models import LM_HEAD_HP, convert_hf, fp8_linears, gpt2, input_scale, llama, twice
+from transformers import AutoModel, AutoModelForCausalLM
+
+import dbr_quant as dq
+from dbr_quant.examples import minilm
+from dbr_quant.weights import fp8_weight_of
+
+pytest.importorskip("compressed_tensors")
+
+
+def _capture_linears(model):
+    seen, handles = {}, []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            handles.append(mod.register_forward_hook(
+                lambda m, i, o, name=name: seen.__setitem__(name, (i[0].detach(), o.detach()))))
+    return seen, handles
+
+
+def _fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).to(x.dtype) * scale
+
+
+def test_minilm_loads_with_transformers_and_matches(minilm_converted, minilm_folder, monkeypatch):
+    c = minilm_converted
+    loaded = AutoModel.from_pretrained(minilm_folder).eval()
+    ours = fp8_linears(c.converted)
+    assert len(ours) == 37  # 6 layers × (q, k, v, attention out, fc1, fc2) + the pooler
+    seen, _ = _capture_linears(loaded)
+    with torch.no_grad():
+        emb_ct = minilm.sentence_embeddings(loaded, c.eval_inputs)
+    for name, mod in ours.items():
+        ct = loaded.get_submodule(name)
+        w = fp8_weight_of(mod)
+        s_in = input_scale(c.converted, name)
+        assert torch.equal(ct.weight_scale.flatten(), w.scale) and torch.equal(ct.input_scale, s_in.reshape(1)), name
+        x, y = seen[name]  # the loaded layer's own input and output
+        expected = F.linear(_fake_quant(x, s_in), w.qdata.float() * w.scale[:, None], mod.bias)
+        assert torch.equal(y, expected), name
+    emb_dbr = minilm.sentence_embeddings(c.converted, c.eval_inputs)
+    emb_fp32 = minilm.sentence_embeddings(c.model, c.eval_inputs)
+    ref = dq.kernels.reference  # exact=True: fp32 GEMMs, what dbr_quant's GPU kernels compute
+    monkeypatch.setattr(ref, "fp8_linear", functools.partial(ref.fp8_linear, exact=True))
+    monkeypatch.setattr(ref, "fp8_matmul", functools.partial(ref.fp8_matmul, exact=True))
+    emb_exact = minilm.sentence_embeddings(c.converted, c.eval_inputs)
+    cos, cos_exact = (emb_ct * emb_dbr).sum(-1), (emb_ct * emb_exact).sum(-1)
+    own_gap = (emb_exact * emb_dbr).sum(-1)  # dbr_quant's two kernel paths: the noise floor
+    print(f"MiniLM transformers-loaded vs dbr_quant: min cosine {cos.min():.5f}, mean {cos.mean():.5f}; vs exact "
+          f"kernels {cos_exact.min():.5f} / {cos_exact.mean():.5f}; exact vs CPU kernels {own_gap.min():.5f}")
+    assert cos.min() >= 0.997 and cos.mean() >= 0.9985
+    assert cos_exact.min() >= 0.998 and cos_exact.mean() >= 0.9993
+    assert cos.min() > (emb_ct * emb_fp32).sum(-1).min()  # closer to dbr_quant's FP8 model than to fp32
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_bf16_llama_loads_with_transformers(llama_converted, tmp_path):
+    c = llama_converted
+    dq.save_pretrained(c.converted, tmp_path)
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert qc["ignore"] == ["lm_head"] and qc["kv_cache_scheme"] is None
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.dtype == torch.bfloat16 and not hasattr(loaded.lm_head, "weight_scale")
+    assert torch.equal(loaded.lm_head.weight, c.converted.lm_head.weight)
+    for name, mod in fp8_linears(c.converted).items():
+        ct, w = loaded.get_submodule(name), fp8_weight_of(mod)
+        # transformers creates scale parameters in the model's dtype and rounds the float32 scale into it
+        assert torch.equal(ct.weight_scale.flatten(), w.scale.to(torch.bfloat16)), name
+        assert torch.equal(ct.input_scale, input_scale(c.converted, name).reshape(1).to(torch.bfloat16)), name
+        # still compressed until the first forward: dbr_quant's FP8 bytes
+        assert ct.weight.dtype == torch.float8_e4m3fn and torch.equal(ct.weight.view(torch.uint8),
+                                                                        w.qdata.view(torch.uint8)), name
+    # gate and up were one stacked buffer in dbr_quant; the file holds each module's own rows
+    gate = fp8_weight_of(c.converted.model.layers[0].mlp.gate_proj)
+    up = fp8_weight_of(c.converted.model.layers[0].mlp.up_proj)
+    assert gate.qdata.untyped_storage().data_ptr() == up.qdata.untyped_storage().data_ptr()
+    with torch.no_grad():
+        logits_ct = loaded(**c.eval_inputs).logits
+        logits_dbr = c.converted(**c.eval_inputs).logits
+        logits_hp = c.model(**c.eval_inputs).logits
+    err, fp8_err = _rel(logits_ct, logits_dbr), _rel(logits_dbr, logits_hp)
+    print(f"bf16 Llama transformers-loaded vs dbr_quant logits: {err:.4f} relative (dbr_quant vs bf16: {fp8_err:.4f})")
+    assert err <= 0.02 and err < 0.8 * fp8_err
+
+
+def test_sharded_folder_loads_the_same(llama_converted, tmp_path):
+    one, many = tmp_path / "one", tmp_path / "many"
+    dq.save_pretrained(llama_converted.converted, one)
+    dq.save_pretrained(llama_converted.converted, many, max_shard_size="30KB")
+    index = json.loads((many / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in many.glob("model-*.safetensors"))
+    assert len(shards) >= 4 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert set(index["weight_map"].values()) == set(shards) and not (many / "model.safetensors").exists()
+    # a module's tensors stay in one shard
+    for name in index["weight_map"]:
+        if name.endswith(".weight_scale"):
+            assert index["weight_map"][name] == index["weight_map"][name.replace("_scale", "")]
+    with torch.no_grad():
+        a = AutoModelForCausalLM.from_pretrained(one).eval()(**llama_converted.eval_inputs).logits
+        b = AutoModelForCausalLM.from_pretrained(many).eval()(**llama_converted.eval_inputs).logits
+    assert torch.equal(a, b)
+    dq.save_pretrained(llama_converted.converted, many)  # saving again with one shard removes the old shards
+    assert sorted(p.name for p in many.glob("model*")) == ["model.safetensors"]
+
+
+def test_fp8_attention_writes_kv_cache_scales_transformers_uses(tmp_path):
+    c = convert_hf(llama(), dq.QConfig(quantize_attention=True, overrides=LM_HEAD_HP.overrides))
+    with pytest.warns(UserWarning, match="q is not quantized by loaders"):
+        dq.save_pretrained(c.converted, tmp_path)
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert qc["kv_cache_scheme"] == {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
+                                     "dynamic": False, "group_size": None, "observer": "minmax"}
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    record = c.converted.__dict__["_dbr_record"]
+    for i, layer in enumerate(loaded.model.layers):
+        st = next(s for s in record.states if s.fqn == f"model.layers.{i}.self_attn")
+        op = next(op for op in st.seen_ops if op.kind == "sdpa")
+        assert layer.self_attn.k_scale.shape == (1,)
+        assert torch.equal(layer.self_attn.k_scale, st.scale(op, "k").reshape(1).to(torch.bfloat16))
+        assert torch.equal(layer.self_attn.v_scale, st.scale(op, "v").reshape(1).to(torch.bfloat16))
+    seen = []  # compressed-tensors' KV cache module: (key, value) in, quantized (key, value) out
+    for layer in loaded.model.layers:
+        layer.self_attn.kv_cache.register_forward_hook(
+            lambda m, args, out, attn=layer.self_attn: seen.append((args[:2], out, attn.k_scale, attn.v_scale)))
+    with torch.no_grad():
+        err = _rel(loaded(**c.eval_inputs).logits, c.converted(**c.eval_inputs).logits)
+    assert len(seen) == 2
+    for (k, v), (k_q, v_q), k_scale, v_scale in seen:  # the cached keys/values are on our scales' FP8 grids
+        assert torch.equal(k_q, _fake_quant(k, k_scale)) and torch.equal(v_q, _fake_quant(v, v_scale))
+        assert not torch.equal(k_q, k)
+    print(f"FP8 attention: transformers-loaded vs dbr_quant logits {err:.4f}")
+    assert err <= 0.03
+
+
+def test_mixed_schemes_get_one_config_group_each(tmp_path):
+    """A per-module override (dynamic per-token activations, per-tensor weights for down_proj) becomes a
+    second config group naming those modules; transformers applies each module's own scheme."""
+    qconfig = dq.QConfig(overrides=(
+        dq.Override(pattern="^lm_head$", skip=True),
+        dq.Override(pattern=r"down_proj$", dynamic=True, activation=dq.TensorQConfig(granularity="token"),
+                    weight=dq.TensorQConfig(granularity="tensor"))))
+    c = convert_hf(llama(), qconfig)
+    dq.save_pretrained(c.converted, tmp_path)
+    groups = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert groups["group_0"]["targets"] == ["Linear"]
+    assert groups["group_1"]["targets"] == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    assert groups["group_1"]["weights"]["strategy"] == "tensor"
+    assert groups["group_1"]["input_activations"]["dynamic"] is True
+    assert groups["group_1"]["input_activations"]["strategy"] == "token"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    down, gate = loaded.model.layers[1].mlp.down_proj, loaded.model.layers[1].mlp.gate_proj
+    assert down.quantization_scheme.input_activations.dynamic is True and not hasattr(down, "input_scale")
+    assert down.weight_scale.shape == (1,) and gate.weight_scale.shape == (128, 1)
+    with torch.no_grad():
+        err = _rel(loaded(**c.eval_inputs).logits, c.converted(**c.eval_inputs).logits)
+    assert err <= 0.02
+
+
+def test_gpt2_conv1d_is_written_dequantized_and_ignored(tmp_path):
+
+    c = convert_hf(gpt2())
+    with pytest.warns(UserWarning, match="Conv1D layers have no compressed-tensors form"):
+        dq.save_pretrained(c.converted, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert "transformer.h.0.attn.c_attn" in config["quantization_config"]["ignore"]
+    assert config["tie_word_embeddings"] is False  # lm_head is FP8, the token embedding is not
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    conv = loaded.transformer.h[0].attn.c_attn
+    assert torch.equal(conv.weight, fp8_weight_of(c.converted.transformer.h[0].attn.c_attn).dequantize())
+    assert hasattr(loaded.lm_head, "weight_scale")
+    with torch.no_grad():
+        err = _rel(loaded(**c.eval_inputs).logits, c.converted(**c.eval_inputs).logits)
+        fp8_err = _rel(c.converted(**c.eval_inputs).logits, c.model(**c.eval_inputs).logits)
+    assert err < fp8_err  # Conv1D activations run in high precision there, the weights are the FP8 ones
+
+
+def test_e5m2_is_refused_before_writing(tmp_path):
+    c = convert_hf(llama(), dq.QConfig(weight=dq.TensorQConfig(format="e5m2", granularity="channel")))
+    with pytest.raises(dq.CheckpointError, match="E5M2; the compressed-tensors format stores FP8 weights as E4M3"):
+        dq.save_pretrained(c.converted, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    c = convert_hf(llama(), dq.QConfig(activation=dq.TensorQConfig(format="e5m2")))
+    with pytest.raises(dq.CheckpointError, match="E4M3 activations only"):
+        dq.save_pretrained(c.converted, tmp_path / "out")
+
+
+def test_warns_what_loaders_run_differently(tmp_path):
+
+    c = twice()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dq.save_pretrained(c.converted, tmp_path)
+    text = " ".join(str(w.message) for w in caught)
+    assert "1 linear(s) run at several call sites" in text and "proj" in text
+    assert not (tmp_path / "config.json").exists()  # not a Hugging Face model: tensors + dbr_quant.json only
+
+
+def test_warns_when_vllm_fused_siblings_differ(tmp_path):
+    c = convert_hf(llama(), dq.QConfig(overrides=(dq.Override(pattern=r"layers\.1\.self_attn\.k_proj$", skip=True),)))
+    with pytest.warns(UserWarning, match=r"q_proj/k_proj/v_proj of 'model\.layers\.1\.self_attn' differ .* vLLM"):
+        dq.save_pretrained(c.converted, tmp_path)
+    ignore = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["ignore"]
+    assert "model.layers.1.self_attn.k_proj" in ignore
