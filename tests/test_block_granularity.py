@@ -293,10 +293,18 @@ def test_many_threads_get_the_single_threaded_outputs():
             assert torch.equal(out, want[i])
 
 
-def test_graph_rewriter_names_the_missing_block_op():
+@pytest.mark.parametrize("static", [False, True])
+def test_rewritten_graph_runs_the_block_ops_and_equals_eager(static):
     from dbr_quant.fx_rewriter import rewrite
 
-    c = _convert(_model(), dq.QConfig.fp8_block())
-    with pytest.raises(NotImplementedError, match="no fp8_block_linear op yet|no group_quantize op yet|"
-                                                  "no layer_norm_group_quantize op yet"):
-        rewrite(c)
+    qc = dq.QConfig(weight=dq.TensorQConfig(granularity="block", block=(48, 32))) if static else \
+        dq.QConfig.fp8_block((48, 32))
+    c = _convert(_model(), qc)
+    g = rewrite(c)
+    ops = [n.target._name for n in g.graph.nodes if n.op == "call_function" and hasattr(n.target, "_name")
+           and n.target._name.startswith("dbr_quant::")]
+    assert ops.count("dbr_quant::fp8_block_linear") == 5 and "dbr_quant::fp8_linear" not in ops
+    assert ops.count("dbr_quant::layer_norm_quantize" if static else "dbr_quant::layer_norm_group_quantize") == 2
+    with torch.no_grad():
+        for x in (_x(2, 5), _x(3, 8, seed=7)):  # the traced shape and another
+            assert torch.equal(g(x), c(x))
