@@ -31,7 +31,8 @@ class TensorQConfig:
     tile of [out, in], the DeepSeek-V3 / compressed-tensors FP8_BLOCK layout) or "group" (activations,
     dynamic only: one per token per ``group_size`` channels). ``block`` and ``group_size`` are read only by
     those granularities; a linear with block weights needs its activation group to equal the block's column
-    count (one activation scale per K block of the GEMM).
+    count (one activation scale per K block of the GEMM). With ``quantize_attention``, "group" activations of
+    matmul / attention operands are quantized per token where the operand allows it (a, q, k), else per tensor.
     """
 
     format: FP8Format = FP8Format.E4M3
