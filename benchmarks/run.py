@@ -17,6 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from block_accuracy import SCHEMES, format_rows, minilm_rows  # noqa: E402
 from harness import linear_weight_bytes, median, paired_ratio, state_dict_bytes, time_interleaved  # noqa: E402
 
 import dbr_quant as dq  # noqa: E402
@@ -44,6 +45,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (it takes ~30 s)")
+    parser.add_argument("--no-accuracy", action="store_true", help="skip the accuracy-by-granularity rows (~20 s)")
     parser.add_argument("--only", default="", help="comma-separated variants to time besides the fp32 and bf16 "
                         f"anchors (of {','.join(LABELS)}); default all")
     args = parser.parse_args()
@@ -101,6 +103,16 @@ def main() -> None:
           f"(ratio {wq / wb:.3f}, goal <= 0.27)")
     print(f"whole state_dict:    fp32 {sb / 2**20:.2f} MiB -> fp8 {sq / 2**20:.2f} MiB (ratio {sq / sb:.3f}; "
           "embeddings, norms and biases stay fp32)")
+    if not args.no_accuracy:
+        print_granularity_accuracy(model, tok)
+
+
+def print_granularity_accuracy(model, tok) -> None:
+    """Block-scaled FP8 (the DeepSeek-V3 / Qwen3-FP8 layout) next to per-tensor and per-channel/per-token FP8:
+    embedding cosine and SQNR vs fp32 on the held-out sentences (benchmarks/block_accuracy.py has more)."""
+    schemes = {k: v for k, v in SCHEMES.items() if "32x32" not in k}
+    print("\naccuracy by scale granularity (32 held-out sentences, each variant converted on its own):")
+    print(format_rows(minilm_rows(model, tok, schemes)))
 
 
 if __name__ == "__main__":

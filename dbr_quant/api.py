@@ -264,13 +264,19 @@ def _stack_gate_up_weights(m: nn.Module, record: ModelRecord) -> None:
         gate, up = m.get_submodule(gate_op.weight_owner), m.get_submodule(up_op.weight_owner)
         gw, uw = fp8_weight_of(gate), fp8_weight_of(up)
         if gw is None or uw is None or gw.transposed or uw.transposed or gw.qdata.dtype != uw.qdata.dtype \
-                or gw.qdata.shape[1] != uw.qdata.shape[1]:
+                or gw.qdata.shape[1] != uw.qdata.shape[1] or gw.block != uw.block:
             continue
         n_gate, n_up = gw.qdata.shape[0], uw.qdata.shape[0]
+        if gw.block is not None and n_gate != n_up:
+            continue  # the block GEMM splits [gate; up] into equal halves, each blocked on its own
         q = torch.cat([gw.qdata, uw.qdata])
-        s = torch.cat([sc.expand(n) if sc.dim() == 0 else sc for sc, n in ((gw.scale, n_gate), (uw.scale, n_up))])
-        attach_fp8_weight(gate, q[:n_gate], s[:n_gate], gw.dtype)
-        attach_fp8_weight(up, q[n_gate:], s[n_gate:], uw.dtype)
+        if gw.block is None:
+            s = torch.cat([sc.expand(n) if sc.dim() == 0 else sc for sc, n in ((gw.scale, n_gate), (uw.scale, n_up))])
+            s_gate = n_gate
+        else:  # [gate blocks; up blocks]: each half keeps its own block rows (a ragged last one included)
+            s, s_gate = torch.cat([gw.scale, uw.scale]), gw.scale.shape[0]
+        attach_fp8_weight(gate, q[:n_gate], s[:s_gate], gw.dtype, block=gw.block)
+        attach_fp8_weight(up, q[n_gate:], s[s_gate:], uw.dtype, block=uw.block)
         up.__dict__["_dbr_stacked_after"] = gate
 
 
@@ -290,12 +296,17 @@ def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
                              "fix the weights or skip this module with QConfig(overrides=(Override(pattern=...,"
                              " skip=True),))")
         cfg = ops[0].qconfig.weight
+        transposed = is_transposed_linear(module)
+        if cfg.granularity == "block":  # the compressed-tensors FP8_BLOCK scales: each block's amax / fmt.max
+            q, scale = kernels.block_quantize_weight(w, cfg.block, cfg.format)
+            attach_fp8_weight(module, q.contiguous(), scale, w.dtype, transposed=transposed, block=cfg.block)
+            continue
         per_channel = cfg.granularity == "channel"
         observer = cfg.observer.create(cfg.format, 0 if per_channel else None)  # e.g. MSE clipping for weights
         observer(w)
         scale = observer.scale()
         q = kernels.quantize(w, scale.unsqueeze(1) if per_channel else scale, cfg.format).contiguous()
-        attach_fp8_weight(module, q, scale, w.dtype, transposed=is_transposed_linear(module))
+        attach_fp8_weight(module, q, scale, w.dtype, transposed=transposed)
 
 
 # ---------------------------------------------------------------------- report

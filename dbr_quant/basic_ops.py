@@ -6,6 +6,7 @@ out activation scales and FP8 weights; the arithmetic itself is in ``dbr_quant.k
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -62,7 +63,8 @@ def stored_fp8_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | 
 
 def stacked_gate_up(gate: Call, up: Call) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The [gate; up] FP8 weight and scales when convert stacked this pair (and they still share one
-    buffer: a device move copies them apart, then the fused GEMM concatenates per call), else None."""
+    buffer: a device move copies them apart, then the fused GEMM concatenates per call), else None.
+    Block-scaled pairs: scales [gate block rows; up block rows], the layout of ``fp8_block_linear``'s gated path."""
     g, u = gate.module, up.module
     if g is None or u is None or u.__dict__.get("_dbr_stacked_after") is not g:
         return None
@@ -79,7 +81,7 @@ def linear_hp_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
     w = fp8_weight_of(module)
     if w is None:
         return linear_weight(module), module.bias
-    return kernels.dequantize(w.qdata, w.scale.unsqueeze(-1) if w.scale.dim() else w.scale, w.dtype), module.bias
+    return kernels.dequantize(w.qdata, w.elementwise_scale(), w.dtype), module.bias
 
 
 def linear_operands(call: Call) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -94,13 +96,26 @@ def linear_operands(call: Call) -> tuple[torch.Tensor, torch.Tensor | None, torc
     return x, w, b
 
 
+def weight_block(call: Call) -> tuple[int, int] | None:
+    """The (rows, columns) block of a block-scaled linear's weight (stored, or per the config when the weight
+    is quantized per call), else None."""
+    w = fp8_weight_of(call.module) if call.module is not None else None
+    if w is not None:
+        return w.block
+    wcfg = call.op.qconfig.weight
+    return wcfg.block if wcfg.granularity == "block" else None
+
+
 def fp8_weight(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
-    """The FP8 weight and its scale: stored on the module by convert, else quantized now (dynamic)."""
+    """The FP8 weight and its scale: stored on the module by convert, else quantized now (dynamic).
+    Block-scaled (see :func:`weight_block`): scale [⌈N/bn⌉, ⌈K/bk⌉]."""
     stored = stored_fp8_weight(call.module) if call.module is not None else None
     if stored is not None:
         return stored
     _, w, _ = linear_operands(call)
     wcfg = call.op.qconfig.weight
+    if wcfg.granularity == "block":
+        return kernels.block_quantize_weight(w, wcfg.block, wcfg.format)
     per_channel = wcfg.granularity == "channel"
     scale = kernels.dynamic_scale(w, wcfg.format, per_token=per_channel)
     return kernels.quantize(w, scale, wcfg.format), scale.reshape(-1) if per_channel else scale
@@ -112,13 +127,36 @@ PER_TOKEN_SLOTS = ("input", "a", "q", "k")
 
 
 def quantized_input(call: Call, slot: str, x: torch.Tensor, env: Env) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8, scale) of an activation: a static scale from the env, or a dynamic one in the same kernel."""
+    """(fp8, scale) of an activation: a static scale from the env, or a dynamic one in the same kernel.
+    "group" activations outside a block linear's input (matmul / attention operands) are quantized per token
+    where the slot allows it (the finest granularity those kernels take), else per tensor."""
     cfg = call.op.qconfig
     if cfg.dynamic:
-        per_token = cfg.activation.granularity == "token" and slot in PER_TOKEN_SLOTS
+        per_token = cfg.activation.granularity in ("token", "group") and slot in PER_TOKEN_SLOTS
         return kernels.dynamic_quantize(x, cfg.activation.format, per_token)
     scale = env.input_scale(call, slot, x)
     return kernels.quantize(x, scale, cfg.activation.format), scale
+
+
+def as_group_scale(scale: torch.Tensor, x_q: torch.Tensor, group: int) -> torch.Tensor:
+    """An activation scale in the per-token-group layout [..., ⌈K/group⌉] of the block GEMM: group scales as
+    they are, a per-tensor (0-d or one value) or per-token ([..., 1]) scale repeated over the groups."""
+    kb = math.ceil(x_q.shape[-1] / group)
+    want = (*x_q.shape[:-1], kb)
+    if tuple(scale.shape) == want:
+        return scale
+    return scale.reshape(scale.shape if scale.dim() == x_q.dim() else ()).expand(want).contiguous()
+
+
+def quantized_block_input(call: Call, x: torch.Tensor, env: Env, block: tuple[int, int]
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8, scale [..., ⌈K/bk⌉]) of a block linear's input: dynamic per-token-group quantization in one launch
+    for "group" activations, else the op's own scheme with its scale repeated per group."""
+    cfg = call.op.qconfig
+    if cfg.dynamic and cfg.activation.granularity == "group":
+        return kernels.group_quantize(x, block[1], cfg.activation.format)
+    x_q, x_scale = quantized_input(call, "input", x, env)
+    return x_q, as_group_scale(x_scale, x_q, block[1])
 
 
 def run_linear(call: Call, env: Env, *, x: torch.Tensor | None = None, activation: str | None = None,
@@ -128,21 +166,42 @@ def run_linear(call: Call, env: Env, *, x: torch.Tensor | None = None, activatio
     kernel already did), GEMM with epilogue; FP8 output with ``out_scale`` for the next op."""
     x0, _, bias = linear_operands(call)
     x = x0 if x is None else x
-    x_q, x_scale = quantized_input(call, "input", x, env) if x_fp8 is None else x_fp8
-    w_q, w_scale = fp8_weight(call)
     kw = {} if out_scale is None else {"out_scale": out_scale, "out_fmt": out_fmt}
-    return kernels.fp8_linear(
-        x_q, x_scale, w_q, w_scale, bias=bias, activation=activation, residual=residual, out_dtype=x.dtype, **kw
-    )
+    block = weight_block(call)
+    if x_fp8 is not None:
+        x_q, x_scale = x_fp8
+    elif block is not None:
+        x_q, x_scale = quantized_block_input(call, x, env, block)
+    else:
+        x_q, x_scale = quantized_input(call, "input", x, env)
+    return linear_kernel(x_q, x_scale, *fp8_weight(call), block, bias=bias, activation=activation,
+                         residual=residual, out_dtype=x.dtype, **kw)
+
+
+def linear_kernel(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                  block: tuple[int, int] | None, **epilogue: Any) -> torch.Tensor:
+    """``kernels.fp8_linear``, or ``kernels.fp8_block_linear`` for a block-scaled weight (the input scale
+    brought to the per-token-group layout)."""
+    if block is None:
+        return kernels.fp8_linear(x_q, x_scale, w_q, w_scale, **epilogue)
+    return kernels.fp8_block_linear(x_q, as_group_scale(x_scale, x_q, block[1]), w_q, w_scale, block=block,
+                                    **epilogue)
 
 
 def run_mlp(fc1_weight: tuple[torch.Tensor, torch.Tensor], fc1_bias: torch.Tensor | None, x_q: torch.Tensor,
             x_scale: torch.Tensor, activation: str | None, fc2: Call, env: Env, residual: torch.Tensor | None,
-            out_dtype: torch.dtype) -> torch.Tensor:
+            out_dtype: torch.dtype, fc1_block: tuple[int, int] | None = None) -> torch.Tensor:
     """fc1 (FP8 input given; its weight, possibly a stacked [gate; up]) → activation → fc2 (+ residual) as
-    one ``kernels.fp8_mlp``: FP8 from fc1's epilogue to fc2 with fc2's input scale."""
+    one ``kernels.fp8_mlp``: FP8 from fc1's epilogue to fc2 with fc2's input scale (static). With a
+    block-scaled fc1 or fc2, the same FP8 hand-off as two linear kernels."""
     h_scale = env.input_scale(fc2, "input", None)
     w2_q, w2_scale = fp8_weight(fc2)
+    fc2_block = weight_block(fc2)
+    if fc1_block is not None or fc2_block is not None:
+        h = linear_kernel(x_q, x_scale, *fc1_weight, fc1_block, bias=fc1_bias, activation=activation,
+                          out_dtype=out_dtype, out_scale=h_scale, out_fmt=fc2.op.qconfig.activation.format)
+        return linear_kernel(h, h_scale, w2_q, w2_scale, fc2_block, bias=linear_operands(fc2)[2],
+                             residual=residual, out_dtype=out_dtype)
     return kernels.fp8_mlp(x_q, x_scale, *fc1_weight, fc1_bias, activation, h_scale,
                            fc2.op.qconfig.activation.format, w2_q, w2_scale, linear_operands(fc2)[2], residual,
                            out_dtype)

@@ -22,12 +22,15 @@ from .basic_ops import (
     Call,
     Env,
     fp8_weight,
+    linear_kernel,
     linear_operands,
+    quantized_block_input,
     quantized_input,
     run_basic,
     run_linear,
     run_mlp,
     stacked_gate_up,
+    weight_block,
 )
 from .mappings import (
     ACT,
@@ -233,8 +236,15 @@ def _mlp(fc1: Call, fc2: Call, env: Env, x: torch.Tensor, act: str | None, resid
     if fc2.op.qconfig.dynamic:  # fc2's scale would depend on fc1's output: no FP8 hand-off
         h = run_linear(fc1, env, x=x, activation=act, x_fp8=x_fp8)
         return run_linear(fc2, env, x=h, residual=residual)
-    x_q, x_scale = quantized_input(fc1, "input", x, env) if x_fp8 is None else x_fp8
-    return run_mlp(fp8_weight(fc1), linear_operands(fc1)[2], x_q, x_scale, act, fc2, env, residual, x.dtype)
+    block = weight_block(fc1)
+    x_q, x_scale = _quantized_linear_input(fc1, x, env, block) if x_fp8 is None else x_fp8
+    return run_mlp(fp8_weight(fc1), linear_operands(fc1)[2], x_q, x_scale, act, fc2, env, residual, x.dtype,
+                   fc1_block=block)
+
+
+def _quantized_linear_input(call: Call, x: torch.Tensor, env: Env, block: tuple[int, int] | None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantized_input(call, "input", x, env) if block is None else quantized_block_input(call, x, env, block)
 
 
 @register_fusion
@@ -272,11 +282,33 @@ def _norm_arguments(norm: Call) -> tuple[torch.Tensor, torch.Tensor | None, torc
     return x, a.get("weight"), a.get("bias"), eps, rms
 
 
+def _norm_quantize(norm: Call, fc: Call, env: Env) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """The norm and the quantization of ``fc``'s input in one kernel where its scheme allows: a static scale
+    (``layer_norm_quantize``) or dynamic per-token groups of a block linear (``layer_norm_group_quantize``).
+    Returns (normalized, (fp8, scale)); (the norm as written, None) otherwise."""
+    parts = _norm_arguments(norm)
+    if parts is None:
+        return norm.run_original(), None
+    x, weight, bias, eps, rms = parts
+    cfg = fc.op.qconfig
+    if not cfg.dynamic:
+        scale = env.input_scale(fc, "input", None)
+        y, q = kernels.layer_norm_quantize(x, weight, bias, eps, scale, cfg.activation.format, rms=rms)
+        return y, (q, scale)
+    block = weight_block(fc)
+    if block is not None and cfg.activation.granularity == "group":
+        y, q, scale = kernels.layer_norm_group_quantize(x, weight, bias, eps, block[1], cfg.activation.format,
+                                                        rms=rms)
+        return y, (q, scale)
+    return norm.run_original(), None
+
+
 @register_fusion
 class NormLinear(Fusion):
     """LayerNorm / RMSNorm → linear (optionally → activation → linear: the whole MLP block).
 
-    One kernel normalizes and quantizes with the linear's input scale: the MLP block is 3 launches."""
+    One kernel normalizes and quantizes with the linear's input scale (static, or dynamic per-token groups for
+    block-scaled weights): the MLP block is 3 launches."""
 
     name = "norm_linear"
     steps = (Step(NORM), Step(LINEAR, accepts=_first_arg), Step(ACT, optional=True, accepts=_first_arg),
@@ -288,15 +320,7 @@ class NormLinear(Fusion):
         adds = _calls(calls, ADD)
         residual = _other_operand(adds[0]) if adds else None
         fc1 = linears[0]
-        parts = _norm_arguments(norm)
-        if parts is None or fc1.op.qconfig.dynamic:
-            y, x_fp8 = norm.run_original(), None
-        else:
-            x, weight, bias, eps, rms = parts
-            scale = env.input_scale(fc1, "input", None)
-            y, q = kernels.layer_norm_quantize(x, weight, bias, eps, scale, fc1.op.qconfig.activation.format,
-                                               rms=rms)
-            x_fp8 = (q, scale)
+        y, x_fp8 = _norm_quantize(norm, fc1, env)
         if len(linears) == 1:
             return run_linear(fc1, env, x=y, activation=act, residual=residual, x_fp8=x_fp8)
         return _mlp(fc1, linears[1], env, y, act, residual, x_fp8)
@@ -316,14 +340,15 @@ def _gated_mlp(gate: Call, up: Call, down: Call | None, env: Env, x: torch.Tenso
         h = run_linear(gate, env, x=x, activation=act, x_fp8=x_fp8) * run_linear(up, env, x=x, x_fp8=x_fp8)
         return h if down is None else run_linear(down, env, x=h, residual=residual)
     w_q, w_scale = stacked
-    x_q, x_scale = quantized_input(gate, "input", x, env) if x_fp8 is None else x_fp8
+    block = weight_block(gate)
+    x_q, x_scale = _quantized_linear_input(gate, x, env, block) if x_fp8 is None else x_fp8
     biases = [linear_operands(c)[2] for c in (gate, up)]
     bias = None if biases == [None, None] else torch.cat(
         [b if b is not None else torch.zeros(n, device=x.device) for b, n in zip(biases, (w_q.shape[0] // 2,) * 2)])
     if down is None or down.op.qconfig.dynamic:
-        h = kernels.fp8_linear(x_q, x_scale, w_q, w_scale, bias=bias, activation=kernel_act, out_dtype=x.dtype)
+        h = linear_kernel(x_q, x_scale, w_q, w_scale, block, bias=bias, activation=kernel_act, out_dtype=x.dtype)
         return h if down is None else run_linear(down, env, x=h, residual=residual)
-    return run_mlp((w_q, w_scale), bias, x_q, x_scale, kernel_act, down, env, residual, x.dtype)
+    return run_mlp((w_q, w_scale), bias, x_q, x_scale, kernel_act, down, env, residual, x.dtype, fc1_block=block)
 
 
 def _residual_after(graph: TraceGraph, last: Event) -> Event | None:
@@ -394,13 +419,10 @@ class NormGatedMLP(Fusion):
         adds = _calls(calls, ADD)
         residual = _other_operand(adds[0]) if adds else None
         act = _activation(calls)
-        parts = _norm_arguments(norm)
-        if parts is None or gate.op.qconfig.dynamic or stacked_gate_up(gate, up) is None:
+        if stacked_gate_up(gate, up) is None:
             return _gated_mlp(gate, up, down, env, norm.run_original(), act, residual)
-        x, weight, bias, eps, rms = parts
-        scale = env.input_scale(gate, "input", None)
-        y, q = kernels.layer_norm_quantize(x, weight, bias, eps, scale, gate.op.qconfig.activation.format, rms=rms)
-        return _gated_mlp(gate, up, down, env, y, act, residual, x_fp8=(q, scale))
+        y, x_fp8 = _norm_quantize(norm, gate, env)
+        return _gated_mlp(gate, up, down, env, y, act, residual, x_fp8=x_fp8)
 
 
 @register_fusion

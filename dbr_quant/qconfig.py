@@ -13,27 +13,45 @@ from typing import Literal
 from torch import nn
 
 from .formats import FP8Format
+from .kernels.reference_block import check_block, check_group
 from .observers import ObserverConfig, RunningMax
 
-Granularity = Literal["tensor", "channel", "token"]
+Granularity = Literal["tensor", "channel", "token", "block", "group"]
+GRANULARITIES = ("tensor", "channel", "token", "block", "group")
+WEIGHT_GRANULARITIES = ("tensor", "channel", "block")
+ACTIVATION_GRANULARITIES = ("tensor", "token", "group")
 
 
 @dataclass(frozen=True)
 class TensorQConfig:
     """How one kind of tensor (activations or weights) is quantized.
 
-    granularity: "tensor" (one scale), "channel" (weights: one per output channel) or "token"
-    (activations, dynamic only: one per row of the last dimension).
+    granularity: "tensor" (one scale), "channel" (weights: one per output channel), "token" (activations,
+    dynamic only: one per row of the last dimension), "block" (weights: one per ``block`` = (rows, columns)
+    tile of [out, in], the DeepSeek-V3 / compressed-tensors FP8_BLOCK layout) or "group" (activations,
+    dynamic only: one per token per ``group_size`` channels). ``block`` and ``group_size`` are read only by
+    those granularities; a linear with block weights needs its activation group to equal the block's column
+    count (one activation scale per K block of the GEMM). With ``quantize_attention``, "group" activations of
+    matmul / attention operands are quantized per token where the operand allows it (a, q, k), else per tensor.
     """
 
     format: FP8Format = FP8Format.E4M3
     observer: ObserverConfig = field(default_factory=RunningMax)
     granularity: Granularity = "tensor"
+    block: tuple[int, int] = (128, 128)
+    group_size: int = 128
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "format", FP8Format.parse(self.format))
-        if self.granularity not in ("tensor", "channel", "token"):
-            raise ValueError(f"granularity must be 'tensor', 'channel' or 'token', not {self.granularity!r}")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {', '.join(map(repr, GRANULARITIES))}, "
+                             f"not {self.granularity!r}")
+        object.__setattr__(self, "block", check_block(self.block, "TensorQConfig.block"))
+        check_group(self.group_size)
+        if self.granularity == "block" and type(self.observer) is not RunningMax:
+            raise ValueError(f"granularity 'block' takes each block's amax as its scale (as compressed-tensors "
+                             f"FP8_BLOCK and transformers FineGrainedFP8 do, so checkpoints match); observer "
+                             f"{type(self.observer).__name__} is not supported there: use RunningMax()")
 
 
 @dataclass(frozen=True)
@@ -89,25 +107,62 @@ class QConfig:
     overrides: tuple[Override, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.weight.granularity == "token":
-            raise ValueError("weights take granularity 'tensor' or 'channel', not 'token'")
-        if self.activation.granularity == "channel":
-            raise ValueError("activations take granularity 'tensor' or 'token' (token needs dynamic=True)")
-        if self.activation.granularity == "token" and not self.dynamic:
-            raise ValueError("per-token activation scales are computed at run time: set dynamic=True")
         object.__setattr__(self, "overrides", tuple(self.overrides))
+        check_combination(self.activation, self.weight, self.dynamic, "QConfig")
+        for ov in self.overrides:
+            r = self.for_op_override(ov)
+            check_combination(r.activation, r.weight, r.dynamic, f"Override(pattern={ov.pattern!r}, "
+                              f"module_type={getattr(ov.module_type, '__name__', ov.module_type)}) with QConfig")
+
+    @classmethod
+    def fp8_block(cls, block: tuple[int, int] = (128, 128), fmt: FP8Format | str = FP8Format.E4M3,
+                  **kwargs) -> QConfig:
+        """Block-scaled FP8 as DeepSeek-V3 / Qwen3-FP8 ship it (compressed-tensors ``FP8_BLOCK``): one weight
+        scale per ``block`` tile, dynamic activation scales per token per ``block[1]`` channels. No calibration
+        needed. Other QConfig fields go in ``kwargs``."""
+        block = check_block(block, "QConfig.fp8_block(block=...)")
+        return cls(weight=TensorQConfig(format=fmt, granularity="block", block=block),
+                   activation=TensorQConfig(format=fmt, granularity="group", group_size=block[1]), dynamic=True,
+                   **kwargs)
 
     def for_op(self, fqn: str, enclosing_types: tuple[type, ...]) -> OpQConfig:
         """Resolve the settings for one op: first matching override, unset fields from self."""
         for ov in self.overrides:
             if ov.matches(fqn, enclosing_types):
-                return OpQConfig(
-                    skip=ov.skip,
-                    activation=ov.activation or self.activation,
-                    weight=ov.weight or self.weight,
-                    dynamic=self.dynamic if ov.dynamic is None else ov.dynamic,
-                )
+                return self.for_op_override(ov)
         return OpQConfig(skip=False, activation=self.activation, weight=self.weight, dynamic=self.dynamic)
+
+    def for_op_override(self, ov: Override) -> OpQConfig:
+        """The settings of an op that ``ov`` matches: its fields, unset ones from self."""
+        return OpQConfig(skip=ov.skip, activation=ov.activation or self.activation, weight=ov.weight or self.weight,
+                         dynamic=self.dynamic if ov.dynamic is None else ov.dynamic)
+
+
+def check_combination(activation: TensorQConfig, weight: TensorQConfig, dynamic: bool, where: str) -> None:
+    """A ValueError naming ``where`` for weight/activation settings that no kernel computes.
+
+    Block weights work with every activation granularity: a per-tensor (static or dynamic) or per-token scale
+    is a special case of per-token-group scales (the same value in every group), so the block GEMM takes it
+    broadcast to the group layout — static per-tensor activations with block weights is transformers
+    FineGrainedFP8's ``activation_scheme: "static"``. Group activations need block weights: their scales vary
+    along K, which a per-channel/per-tensor GEMM cannot take out of its dot product.
+    """
+    wg, ag = weight.granularity, activation.granularity
+    if wg not in WEIGHT_GRANULARITIES:
+        raise ValueError(f"{where}: weights take granularity 'tensor', 'channel' or 'block', not {wg!r}")
+    if ag not in ACTIVATION_GRANULARITIES:
+        raise ValueError(f"{where}: activations take granularity 'tensor', 'token' (dynamic) or 'group' (dynamic), "
+                         f"not {ag!r}")
+    if ag in ("token", "group") and not dynamic:
+        raise ValueError(f"{where}: per-{ag} activation scales are computed at run time: set dynamic=True")
+    if ag == "group" and wg != "block":
+        raise ValueError(f"{where}: activation granularity 'group' needs weight granularity 'block' (group scales "
+                         f"vary along the GEMM's reduction dimension; only the block-scaled GEMM applies them); "
+                         f"got weight granularity {wg!r}")
+    if ag == "group" and activation.group_size != weight.block[1]:
+        raise ValueError(f"{where}: the activation group size ({activation.group_size}) must equal the weight "
+                         f"block's column count (block={weight.block}): the block GEMM applies one activation "
+                         "scale per K block")
 
 
 @dataclass(frozen=True)

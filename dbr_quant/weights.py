@@ -4,7 +4,9 @@
 original high-precision dtype, the original shape and the real device, so model code that reads
 ``module.weight.dtype`` / ``.shape`` / ``.device`` (Hugging Face T5, tied embeddings, PEFT, accelerate)
 keeps working, while its only storage is ``qdata`` (FP8, ``[out, in]``) and ``scale`` (fp32, ``[out]`` per
-channel or 0-d per tensor). Why a subclass rather than buffers beside a dropped ``weight``:
+channel, 0-d per tensor, or ``[⌈out/bn⌉, ⌈in/bk⌉]`` per ``block`` = (bn, bk) tile: the compressed-tensors
+FP8_BLOCK / FineGrainedFP8 layout, see kernels.reference_block). Why a subclass rather than buffers beside a
+dropped ``weight``:
 
 * ``Module.to(dtype)`` / ``.half()`` / ``.bfloat16()`` pass each parameter through ``_to_copy``; the subclass
   answers by changing only the dtype it reports (the compute/output dtype), never the FP8 bytes or the
@@ -36,31 +38,37 @@ class FP8Weight(torch.Tensor):
     """An FP8 weight (``qdata`` × ``scale``) that reports the high-precision ``dtype`` it replaces.
 
     ``transposed`` marks Hugging Face ``Conv1D`` (GPT-2), whose weight is ``[in, out]``: the logical tensor
-    is ``qdata.T`` while ``qdata`` stays ``[out, in]`` for the GEMM.
+    is ``qdata.T`` while ``qdata`` stays ``[out, in]`` for the GEMM (blocks tile ``qdata``). ``block`` is the
+    (rows, columns) tile of a block-scaled weight, None for per-tensor / per-channel scales.
     """
 
     qdata: torch.Tensor
     scale: torch.Tensor
     transposed: bool
+    block: tuple[int, int] | None
 
     @staticmethod
-    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transposed: bool = False):
+    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transposed: bool = False,
+                block: tuple[int, int] | None = None):
         shape = qdata.shape[::-1] if transposed else qdata.shape
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=qdata.device,
                                                    requires_grad=False)
 
-    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transposed: bool = False):
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transposed: bool = False,
+                 block: tuple[int, int] | None = None):
         self.qdata = qdata
         self.scale = scale
         self.transposed = transposed
+        self.block = None if block is None else (int(block[0]), int(block[1]))
 
     def __repr__(self) -> str:
-        gran = "per-tensor" if self.scale.dim() == 0 else "per-channel"
+        gran = ("per-tensor" if self.scale.dim() == 0 else "per-channel" if self.block is None
+                else f"{self.block[0]}x{self.block[1]} block")
         return (f"FP8Weight(shape={list(self.shape)}, dtype={self.dtype}, storage={self.qdata.dtype}, {gran} scale, "
                 f"device={self.device})")
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
-        return ["qdata", "scale"], (self.dtype, self.transposed)
+        return ["qdata", "scale"], (self.dtype, self.transposed, self.block)
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, ctx: Any, outer_size: Any, outer_stride: Any) -> FP8Weight:
@@ -68,27 +76,36 @@ class FP8Weight(torch.Tensor):
 
     def __deepcopy__(self, memo: dict) -> FP8Weight:
         # memo-aware copies keep a stacked [gate; up] pair sharing one storage after deepcopy
-        out = FP8Weight(copy.deepcopy(self.qdata, memo), copy.deepcopy(self.scale, memo), self.dtype, self.transposed)
+        out = FP8Weight(copy.deepcopy(self.qdata, memo), copy.deepcopy(self.scale, memo), self.dtype, self.transposed,
+                        self.block)
         if isinstance(self, nn.Parameter):
             out = nn.Parameter(out, requires_grad=False)
         memo[id(self)] = out
         return out
 
     def __reduce_ex__(self, protocol: int):  # torch.save(model) / pickle
-        return _rebuild, (self.qdata, self.scale, self.dtype, self.transposed, isinstance(self, nn.Parameter))
+        return _rebuild, (self.qdata, self.scale, self.dtype, self.transposed, isinstance(self, nn.Parameter),
+                          self.block)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The high-precision values ``qdata × scale`` in ``dtype`` (default: the reported dtype)."""
         from . import kernels
 
-        scale = self.scale.unsqueeze(-1) if self.scale.dim() else self.scale
-        w = kernels.dequantize(self.qdata, scale, dtype or self.dtype)
+        w = kernels.dequantize(self.qdata, self.elementwise_scale(), dtype or self.dtype)
         return w.t() if self.transposed else w
+
+    def elementwise_scale(self) -> torch.Tensor:
+        """``scale`` broadcastable against ``qdata`` [out, in]: 0-d, [out, 1], or one per element for blocks."""
+        if self.block is not None:
+            from .kernels.reference_block import expand_block_scale
+
+            return expand_block_scale(self.scale, tuple(self.qdata.shape), self.block)
+        return self.scale.unsqueeze(-1) if self.scale.dim() else self.scale
 
     def _like(self, qdata: torch.Tensor | None = None, scale: torch.Tensor | None = None,
               dtype: torch.dtype | None = None) -> FP8Weight:
         return FP8Weight(self.qdata if qdata is None else qdata, self.scale if scale is None else scale,
-                         self.dtype if dtype is None else dtype, self.transposed)
+                         self.dtype if dtype is None else dtype, self.transposed, self.block)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -103,8 +120,8 @@ class FP8Weight(torch.Tensor):
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
 
-def _rebuild(qdata, scale, dtype, transposed, is_param):
-    w = FP8Weight(qdata, scale, dtype, transposed)
+def _rebuild(qdata, scale, dtype, transposed, is_param, block=None):
+    w = FP8Weight(qdata, scale, dtype, transposed, block)
     return nn.Parameter(w, requires_grad=False) if is_param else w
 
 
@@ -124,6 +141,8 @@ def _copy_(dst: FP8Weight, src: torch.Tensor, non_blocking: bool = False) -> FP8
     if not isinstance(src, FP8Weight):
         raise TypeError("dbr_quant: copying high-precision values into an FP8 weight would re-quantize it "
                         "with stale scales; load a converted state_dict (weight + weight_scale) instead")
+    if src.block != dst.block:
+        raise RuntimeError(f"dbr_quant: FP8 weight block mismatch: {src.block} into {dst.block}")
     if src.qdata.shape != dst.qdata.shape or src.scale.shape != dst.scale.shape:
         raise RuntimeError(f"dbr_quant: FP8 weight shape/scale mismatch: {list(src.qdata.shape)} "
                            f"{list(src.scale.shape)} into {list(dst.qdata.shape)} {list(dst.scale.shape)}")
@@ -150,9 +169,11 @@ def fp8_weight_of(module: nn.Module) -> FP8Weight | None:
 
 
 def attach_fp8_weight(module: nn.Module, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                      transposed: bool = False) -> None:
-    """Make ``module.weight`` an FP8 weight; its state_dict entries become ``weight`` (FP8) + ``weight_scale``."""
-    module._parameters["weight"] = nn.Parameter(FP8Weight(qdata, scale, dtype, transposed), requires_grad=False)
+                      transposed: bool = False, block: tuple[int, int] | None = None) -> None:
+    """Make ``module.weight`` an FP8 weight; its state_dict entries become ``weight`` (FP8) + ``weight_scale``
+    (2-d [⌈out/bn⌉, ⌈in/bk⌉] for a block-scaled weight, as compressed-tensors FP8_BLOCK stores it)."""
+    module._parameters["weight"] = nn.Parameter(FP8Weight(qdata, scale, dtype, transposed, block),
+                                                requires_grad=False)
     if not module.__dict__.get("_dbr_fp8_hooks"):
         module._register_state_dict_hook(_state_dict_hook)
         module._register_load_state_dict_pre_hook(_load_hook, with_module=True)
@@ -188,7 +209,7 @@ def _load_hook(module, state_dict, prefix, local_metadata, strict, missing, unex
                       "convert the model with the same QConfig before loading")
         del state_dict[key]
         return
-    state_dict[key] = FP8Weight(q, s, w.dtype, w.transposed)
+    state_dict[key] = FP8Weight(q, s, w.dtype, w.transposed, w.block)
 
 
 def adjacent_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:

@@ -80,6 +80,9 @@ def test_02_debug_numerics():
     assert "line 8: unknown key 'frequency'" in text  # the YAML error names its line
     assert "sqnr_db" in text and "underflow_pct" in text  # the stats table
     assert images >= 2  # sensitivity bars, trade-off curve
+    block, token = float(_key(text, "block_cosine")), float(_key(text, "token_cosine"))
+    assert block >= 0.997 and abs(block - token) < 0.001  # measured 0.99782 and 0.99782
+    assert "'fp8_block_linear': 37" in text  # 36 encoder linears + the pooler, each a block GEMM
 
 
 @pytest.mark.slow

@@ -151,6 +151,68 @@ def _(q_q, q_scale, k_q, k_scale, v_q, v_scale, attn_mask, is_causal, softmax_sc
     return q_q.new_empty((*q_q.shape[:-1], v_q.shape[-1]), dtype=torch.float32)
 
 
+# ----------------------------------------------------------------------------- block-scaled FP8 (opaque ops:
+# no inductor decomposition yet, so under torch.compile they run the eager kernels as single graph nodes)
+@torch.library.custom_op("dbr_quant::block_quantize_weight", mutates_args=())
+def block_quantize_weight(w: Tensor, block: list[int], fmt: str) -> tuple[Tensor, Tensor]:
+    q, scale = kernels.block_quantize_weight(w, tuple(block), _fmt(fmt))
+    return q, scale
+
+
+@block_quantize_weight.register_fake
+def _(w, block, fmt):
+    _ensure_lowerings()
+    grid = (-(-w.shape[0] // block[0]), -(-w.shape[1] // block[1]))
+    return torch.empty_like(w, dtype=_fmt(fmt).dtype), w.new_empty(grid, dtype=torch.float32)
+
+
+def _group_scale_shape(x: Tensor, group: int) -> tuple:
+    return (*x.shape[:-1], -(-x.shape[-1] // group))
+
+
+@torch.library.custom_op("dbr_quant::group_quantize", mutates_args=())
+def group_quantize(x: Tensor, group: int, fmt: str) -> tuple[Tensor, Tensor]:
+    q, scale = kernels.group_quantize(x, group, _fmt(fmt))
+    return q, scale
+
+
+@group_quantize.register_fake
+def _(x, group, fmt):
+    _ensure_lowerings()
+    return torch.empty_like(x, dtype=_fmt(fmt).dtype), x.new_empty(_group_scale_shape(x, group), dtype=torch.float32)
+
+
+@torch.library.custom_op("dbr_quant::layer_norm_group_quantize", mutates_args=())
+def layer_norm_group_quantize(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, group: int,
+                              fmt: str, rms: bool) -> tuple[Tensor, Tensor, Tensor]:
+    y, q, scale = kernels.layer_norm_group_quantize(x, weight, bias, eps, group, _fmt(fmt), rms=rms)
+    return y, q, scale
+
+
+@layer_norm_group_quantize.register_fake
+def _(x, weight, bias, eps, group, fmt, rms):
+    _ensure_lowerings()
+    return (torch.empty_like(x), torch.empty_like(x, dtype=_fmt(fmt).dtype),
+            x.new_empty(_group_scale_shape(x, group), dtype=torch.float32))
+
+
+@torch.library.custom_op("dbr_quant::fp8_block_linear", mutates_args=())
+def fp8_block_linear(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, block: list[int],
+                     bias: Tensor | None, activation: str, residual: Tensor | None, out_dtype: torch.dtype,
+                     out_scale: Tensor | None, out_fmt: str) -> Tensor:
+    return kernels.fp8_block_linear(x_q, x_scale, w_q, w_scale, block=tuple(block), bias=bias,
+                                    activation=activation or None, residual=residual, out_dtype=out_dtype,
+                                    out_scale=out_scale, out_fmt=_fmt(out_fmt))
+
+
+@fp8_block_linear.register_fake
+def _(x_q, x_scale, w_q, w_scale, block, bias, activation, residual, out_dtype, out_scale, out_fmt):
+    _ensure_lowerings()
+    n = w_q.shape[0] // 2 if activation in ("swiglu", "geglu") else w_q.shape[0]
+    dtype = out_dtype if out_scale is None else _fmt(out_fmt).dtype
+    return x_q.new_empty((*x_q.shape[:-1], n), dtype=dtype)
+
+
 def _inference_only(name: str):
     """Autograd for an FP8 op: these ops are for inference, a backward through them is a clear error.
 
@@ -170,7 +232,8 @@ def _inference_only(name: str):
 
 
 for _op in (quantize, dequantize, fp8_to_bf16, dynamic_scale, dynamic_quantize, fp8_linear, fp8_mlp,
-            layer_norm_quantize, fp8_matmul, fp8_attention):
+            layer_norm_quantize, fp8_matmul, fp8_attention, block_quantize_weight, group_quantize,
+            layer_norm_group_quantize, fp8_block_linear):
     _backward, _setup = _inference_only(_op._name.split("::")[-1])
     _op.register_autograd(_backward, setup_context=_setup)
 
@@ -218,6 +281,24 @@ class GraphOps:
                       fmt):
         return torch.ops.dbr_quant.fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, attn_mask, is_causal,
                                                  softmax_scale, p_scale, fmt.value)
+
+    @staticmethod
+    def block_quantize_weight(w, block, fmt):
+        return torch.ops.dbr_quant.block_quantize_weight(w, list(block), fmt.value)
+
+    @staticmethod
+    def group_quantize(x, group, fmt):
+        return torch.ops.dbr_quant.group_quantize(x, group, fmt.value)
+
+    @staticmethod
+    def layer_norm_group_quantize(x, weight, bias, eps, group, fmt, *, rms):
+        return torch.ops.dbr_quant.layer_norm_group_quantize(x, weight, bias, eps, group, fmt.value, rms)
+
+    @staticmethod
+    def fp8_block_linear(x_q, x_scale, w_q, w_scale, *, block, bias, activation, residual, out_dtype, out_scale,
+                         out_fmt):
+        return torch.ops.dbr_quant.fp8_block_linear(x_q, x_scale, w_q, w_scale, list(block), bias, activation or "",
+                                                    residual, out_dtype, out_scale, FP8Format.parse(out_fmt).value)
 
 
 _lowerings_registered = False

@@ -112,6 +112,10 @@ class Inspector:
 
     # ------------------------------------------------------------------ the per-layer pipeline
     def _run(self, call: Call, env: Any, features: tuple[Feature, ...], layer: LayerInfo) -> torch.Tensor:
+        if call.op.qconfig.weight.granularity == "block" or call.op.qconfig.activation.granularity == "group":
+            raise NotImplementedError(
+                f"dbr_quant.inspect: layer {layer.name!r} is block-scaled (granularity 'block'/'group'), which "
+                "inspect features do not handle yet; select only other layers, or inspect a per-channel model")
         fp8 = all(f.use_fp8(layer) is not False for f in features)
         want_q = fp8 or any(f.overrides("log_quantized") for f in features)
         if call.kind == LINEAR:
