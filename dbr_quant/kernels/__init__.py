@@ -3,7 +3,8 @@
 Every quantized subgraph calls one of the entry points below. Each entry point counts a launch (see
 :func:`count_launches`) and runs the implementation of the current backend (:func:`current_backend`;
 ``$DBR_QUANT_BACKEND`` or :func:`use_backend`). This release ships the ``reference`` backend (plain
-torch, exact FP8 semantics, the CPU default); the Triton backends plug into the same entry points.
+torch, exact FP8 semantics, the CPU default; its GEMMs run in bf16 or fp32, see :mod:`.cpu` and
+:func:`use_cpu_gemm`); the Triton backends plug into the same entry points.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from ..formats import FP8Format
 from . import reference
+from .cpu import current_gemm_path, use_cpu_gemm
 from .dispatch import (
     BACKENDS,
     count_launches,
@@ -23,7 +25,8 @@ from .dispatch import (
 )
 
 __all__ = [
-    "BACKENDS", "count_launches", "current_backend", "resolve_backend", "use_backend",
+    "BACKENDS", "count_launches", "current_backend", "resolve_backend", "use_backend", "current_gemm_path",
+    "use_cpu_gemm",
     "quantize", "dynamic_quantize", "dequantize", "dynamic_scale", "fp8_linear", "fp8_mlp", "fp8_matmul",
     "fp8_attention", "layer_norm_quantize",
 ]
