@@ -76,7 +76,11 @@ def main() -> None:
     parser.add_argument("--cpu-gemm", choices=["auto", "bf16", "fp32", "both"], default=None,
                         help="CPU GEMM path of the FP8 rows (default: $DBR_QUANT_CPU_GEMM, else auto); both: each")
     parser.add_argument("--sentences", default="32,1", help="comma-separated batch sizes (sentences)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice); 1 is "
+                        "steadier on a loaded machine, where a straggling OpenMP thread stalls every op")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     paths = ["bf16", "fp32"] if args.cpu_gemm == "both" else [args.cpu_gemm or cpu.current_gemm_path()]
     if args.cpu_gemm == "auto":
         paths = [cpu.detected_gemm_path()]
@@ -120,13 +124,13 @@ def main() -> None:
     def group_times(label: str, k: str) -> dict[str, list[float]]:
         return times[(label, "compiled" if k in compiled else "eager")]
 
-    head = f"{'variant':<32}{'GEMM':>5}" + "".join(f"{label + ' /fp32':>18}{'/bf16':>7}{'ms':>8}" for label in batches)
+    head = f"{'variant':<32}{'GEMM':>5}" + "".join(f"{label + ' /fp32':>20}{'/bf16':>7}{'ms':>8}" for label in batches)
     print(head + f"   goal\n{'-' * (len(head) + 40)}")
     for k in models:
         row = f"{LABELS[k.split('@')[0]]:<32}{gemm.get(k, '-'):>5}"
         for label in batches:
             t = group_times(label, k)
-            row += f"{paired_ratio(t, k, 'fp32'):>18.2f}{paired_ratio(t, k, 'bf16'):>7.2f}{median(t[k]) * 1e3:>8.1f}"
+            row += f"{paired_ratio(t, k, 'fp32'):>20.2f}{paired_ratio(t, k, 'bf16'):>7.2f}{median(t[k]) * 1e3:>8.1f}"
         print(row + f"   {GOALS.get(k.split('@')[0], '')}")
     for path in paths:
         at = "" if len(paths) == 1 else f"@{path}"
