@@ -32,8 +32,10 @@ def main() -> None:
         q = (torch.randn(shape) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
         assert torch.equal(R.fp8_to_fp32(q), q.float()) and torch.equal(R.fp8_to_bf16(q), q.to(torch.bfloat16))
         inner = max(1, 200_000 // q.numel())
-        t = time_interleaved({"cast32": lambda: q.to(torch.float32), "bits32": lambda: R.fp8_to_fp32(q, reuse),
-                              "cast16": lambda: q.to(torch.bfloat16), "bits16": lambda: R.fp8_to_bf16(q, reuse)},
+        t = time_interleaved({"cast32": lambda q=q: q.to(torch.float32),
+                              "bits32": lambda q=q, reuse=reuse: R.fp8_to_fp32(q, reuse),
+                              "cast16": lambda q=q: q.to(torch.bfloat16),
+                              "bits16": lambda q=q, reuse=reuse: R.fp8_to_bf16(q, reuse)},
                              rounds=args.rounds, inner=inner)
         us = {k: median(v) * 1e6 for k, v in t.items()}
         print(f"{'×'.join(map(str, shape)):<12}{us['cast32']:>16.1f}{us['bits32']:>15.1f}"

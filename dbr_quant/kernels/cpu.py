@@ -9,8 +9,8 @@ bf16 and an fp32 value) and runs a GEMM with fp32 accumulation in one of two dty
 * ``fp32``: the GEMM result is fp32 (only the accumulation's own fp32 rounding).
 
 The choice: the innermost :func:`use_cpu_gemm` block (thread-local; tests), else ``$DBR_QUANT_CPU_GEMM``
-(``bf16`` | ``fp32`` | ``auto``), else auto: bf16 where the CPU has native BF16 dot products, fp32
-otherwise (detected once per process). Devices other than the CPU keep bf16 (the reference backend
+(``bf16`` | ``fp32`` | ``auto``; read once per process), else auto: bf16 where the CPU has native BF16
+dot products, fp32 otherwise (detected once per process). Devices other than the CPU keep bf16 (the reference backend
 on CUDA below compute capability 8.9).
 """
 
@@ -19,15 +19,25 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 from collections.abc import Iterator
 
 import torch
 
-from .dispatch import _thread_setting, _tls
-
 GEMM_PATHS = ("bf16", "fp32")  # plus "auto" (the default): chosen from the CPU's features
 ENV_VAR = "DBR_QUANT_CPU_GEMM"
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class _ThreadSettings(threading.local):
+    """This thread's ``use_cpu_gemm`` choice. A class default, not ``getattr(local, name, None)``: a miss on
+    a plain ``threading.local`` raises and catches AttributeError, ~5× the cost of a hit, on every GEMM."""
+
+    cpu_gemm: str | None = None
+
+
+_tls = _ThreadSettings()
+
 # /proc/cpuinfo flags worth printing next to a timing (the ones that decide how fast a GEMM can be)
 _SHOWN_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
                 "amx_fp16", "sve", "bf16", "i8mm")
@@ -74,7 +84,6 @@ def detected_gemm_path() -> str:
     return "bf16" if native_bf16_dot() else "fp32"
 
 
-@functools.lru_cache(maxsize=8)
 def _parse_env(value: str | None) -> str:
     if value is None or value == "" or value == "auto":
         return "auto"
@@ -83,21 +92,29 @@ def _parse_env(value: str | None) -> str:
     return value
 
 
-def requested_gemm_path() -> str:
-    """What was asked for: the innermost ``use_cpu_gemm`` block, else ``$DBR_QUANT_CPU_GEMM``, else "auto"."""
-    forced = getattr(_tls, "cpu_gemm", None)
-    return forced if forced is not None else _parse_env(os.environ.get(ENV_VAR))
+@functools.cache
+def _process_default() -> tuple[str, str]:
+    """(path, why) from ``$DBR_QUANT_CPU_GEMM`` or the CPU's features, read once per process (at the first
+    GEMM: every GEMM asks, so the lookup stays off the per-op path). Tests re-read with ``cache_clear()``."""
+    requested = _parse_env(os.environ.get(ENV_VAR))
+    if requested != "auto":
+        return requested, f"forced by {ENV_VAR}={requested}"
+    return detected_gemm_path(), "auto: " + ("native" if native_bf16_dot() else "no native") + " BF16 dot products"
 
 
 def current_gemm_path() -> str:
-    """The CPU GEMM path that runs now: "bf16" or "fp32" (``auto`` resolved for this CPU)."""
-    path = requested_gemm_path()
-    return detected_gemm_path() if path == "auto" else path
+    """The CPU GEMM path that runs now, "bf16" or "fp32": the innermost ``use_cpu_gemm`` block, else
+    ``$DBR_QUANT_CPU_GEMM`` (read once), else auto (bf16 with native BF16 dot products, else fp32)."""
+    forced = _tls.cpu_gemm
+    if forced is None:
+        return _process_default()[0]
+    return detected_gemm_path() if forced == "auto" else forced
 
 
-def gemm_dtype(device: torch.device) -> torch.dtype:
-    """The dtype the reference backend upcasts FP8 operands to for a GEMM on ``device``."""
-    if device.type != "cpu":
+def gemm_dtype(on: torch.Tensor | torch.device) -> torch.dtype:
+    """The dtype the reference backend upcasts FP8 operands to for a GEMM on the device of ``on`` (a
+    tensor, or a device)."""
+    if not (on.is_cpu if isinstance(on, torch.Tensor) else on.type == "cpu"):
         return torch.bfloat16
     return _DTYPES[current_gemm_path()]
 
@@ -108,19 +125,20 @@ def use_cpu_gemm(path: str) -> Iterator[None]:
     A compiled graph keeps the path it was compiled with (see fx_rewriter.compile_frozen)."""
     if path not in (*GEMM_PATHS, "auto"):
         raise ValueError(f"use_cpu_gemm: unknown CPU GEMM path {path!r}; use one of {(*GEMM_PATHS, 'auto')}")
-    with _thread_setting("cpu_gemm", path):
+    previous, _tls.cpu_gemm = _tls.cpu_gemm, path
+    try:
         yield
+    finally:
+        _tls.cpu_gemm = previous
 
 
 def describe() -> str:
     """One line for benchmark and demo output: the path that runs, why, and the CPU features seen."""
-    requested, path = requested_gemm_path(), current_gemm_path()
-    if requested == "auto":
-        why = "auto: " + ("native BF16 dot products" if native_bf16_dot() else "no native BF16 dot products")
-    elif getattr(_tls, "cpu_gemm", None) is not None:
-        why = "forced by use_cpu_gemm"
+    forced = _tls.cpu_gemm
+    if forced is None:
+        path, why = _process_default()
     else:
-        why = f"forced by {ENV_VAR}={requested}"
+        path, why = current_gemm_path(), f"use_cpu_gemm({forced!r})"
     f = cpu_features()
     yes = lambda b: "yes" if b else "no"  # noqa: E731
     flags = " ".join(f["cpuinfo_flags"]) or "n/a"

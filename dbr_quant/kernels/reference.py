@@ -192,7 +192,7 @@ def fp8_linear(
     so an MLP hands FP8 from fc1 to fc2 without a high-precision round trip.
     """
     scale = x_scale * w_scale  # (…×1)·(N,) broadcasts to the output's scale grid
-    dtype = torch.float32 if exact else cpu.gemm_dtype(x_q.device)
+    dtype = torch.float32 if exact else cpu.gemm_dtype(x_q)
     if exact:
         acc = F.linear(x_q.float(), w_q.float())
     elif activation in GATED and dtype == torch.bfloat16:  # two GEMMs: each half rounds as its own linear would
@@ -237,7 +237,7 @@ def fp8_matmul(
     if exact:
         acc = torch.matmul(a_q.float(), b_q.float())
     else:
-        dtype = cpu.gemm_dtype(a_q.device)
+        dtype = cpu.gemm_dtype(a_q)
         acc = torch.matmul(fp8_upcast(a_q, dtype), fp8_upcast(b_q, dtype)).float()
     return acc.mul_(a_scale * b_scale)
 

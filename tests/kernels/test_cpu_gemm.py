@@ -25,21 +25,35 @@ LIPSCHITZ = {None: 1.0, "relu": 1.0, "gelu": 1.13, "gelu_tanh": 1.13, "silu": 1.
 # ---------------------------------------------------------------- choosing the path
 
 
-def test_env_var_and_context_choose_the_path(monkeypatch):
+@pytest.fixture
+def reread_env():
+    """The environment variable is read once per process: re-read it in the test, and again after."""
+    cpu._process_default.cache_clear()
+    yield cpu._process_default.cache_clear
+    cpu._process_default.cache_clear()
+
+
+def test_env_var_and_context_choose_the_path(monkeypatch, reread_env):
     monkeypatch.setenv(cpu.ENV_VAR, "fp32")
     assert cpu.current_gemm_path() == "fp32" and cpu.gemm_dtype(torch.device("cpu")) == torch.float32
     monkeypatch.setenv(cpu.ENV_VAR, "bf16")
-    assert cpu.current_gemm_path() == "bf16" and cpu.gemm_dtype(torch.device("cpu")) == torch.bfloat16
+    assert cpu.current_gemm_path() == "fp32"  # read once: a later change does not apply
+    reread_env()
+    assert cpu.current_gemm_path() == "bf16" and cpu.gemm_dtype(torch.zeros(1)) == torch.bfloat16
+    assert cpu.describe().startswith(f"CPU GEMM path: bf16 (forced by {cpu.ENV_VAR}=bf16)")
     with use_cpu_gemm("fp32"):  # the block wins over the environment, and blocks nest
         assert cpu.current_gemm_path() == "fp32"
+        assert cpu.describe().startswith("CPU GEMM path: fp32 (use_cpu_gemm('fp32'))")
         with use_cpu_gemm("auto"):
             assert cpu.current_gemm_path() == cpu.detected_gemm_path()
         assert cpu.current_gemm_path() == "fp32"
     assert cpu.current_gemm_path() == "bf16"
     for unset in ("", "auto"):
         monkeypatch.setenv(cpu.ENV_VAR, unset)
+        reread_env()
         assert cpu.current_gemm_path() == cpu.detected_gemm_path()
     monkeypatch.setenv(cpu.ENV_VAR, "fp16")
+    reread_env()
     with pytest.raises(ValueError, match="DBR_QUANT_CPU_GEMM='fp16'"):
         cpu.current_gemm_path()
     with pytest.raises(ValueError, match="use_cpu_gemm"):
@@ -59,14 +73,14 @@ def test_context_is_thread_local():
 
 @pytest.mark.parametrize("avx512_bf16,amx,want", [(True, False, "bf16"), (False, True, "bf16"),
                                                   (False, False, "fp32")])
-def test_auto_picks_bf16_only_with_native_bf16_dot_products(monkeypatch, avx512_bf16, amx, want):
+def test_auto_picks_bf16_only_with_native_bf16_dot_products(monkeypatch, reread_env, avx512_bf16, amx, want):
     features = dict(cpu.cpu_features(), avx512_bf16=avx512_bf16, amx=amx)
     monkeypatch.setattr(cpu, "cpu_features", lambda: features)
     monkeypatch.delenv(cpu.ENV_VAR, raising=False)
+    reread_env()
     assert cpu.current_gemm_path() == want
-    assert cpu.describe().startswith(f"CPU GEMM path: {want} (auto: ")
-    with use_cpu_gemm("bf16" if want == "fp32" else "fp32"):
-        assert "forced by use_cpu_gemm" in cpu.describe()
+    native = "native" if want == "bf16" else "no native"
+    assert cpu.describe().startswith(f"CPU GEMM path: {want} (auto: {native} BF16 dot products)")
 
 
 def test_features_come_from_torch_and_other_devices_keep_bf16():
