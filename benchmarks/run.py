@@ -1,10 +1,13 @@
 """One command, one table: dbr_quant on the real all-MiniLM-L6-v2, measured side by side on this CPU.
 
     .venv/bin/python benchmarks/run.py        (or: make bench)
+    .venv/bin/python benchmarks/run.py --cpu-gemm both --sentences 1,8,32 --no-compile
 
-Rows: 32 sentences and batch 1. Each ratio is the median over rounds of the two times measured in the
-same round (lower is faster); fp32 ms is the median fp32 time. Plus weight bytes and the embedding
-cosine against fp32 on held-out sentences.
+Columns: 32 sentences and batch 1 (``--sentences``). ``--cpu-gemm bf16|fp32`` forces the CPU GEMM path of
+the FP8 rows (default: $DBR_QUANT_CPU_GEMM, else auto from the CPU's features); ``both`` times every FP8
+row once per path in the same rotation, so the two paths are compared on one machine. Each ratio is the
+median over rounds of the two times measured in the same round (lower is faster); fp32 ms is the median
+fp32 time. Plus weight bytes and the embedding cosine against fp32 on held-out sentences.
 """
 
 from __future__ import annotations
@@ -29,16 +32,42 @@ from dbr_quant.examples.minilm import (  # noqa: E402
     sentence_embeddings,
 )
 from dbr_quant.fx_rewriter import FrozenCompiled, compile_frozen, rewrite  # noqa: E402
+from dbr_quant.kernels import cpu, use_cpu_gemm  # noqa: E402
 
 LABELS = {"fp32": "fp32 eager", "bf16": "bf16 eager", "bf16+frozen": "bf16 + compile, frozen",
+          "fp32+frozen": "fp32 + compile, frozen",
           "calib": "calibration forward (prepared)", "fp8": "FP8 converted eager", "fx": "FP8 rewritten (FX) eager",
           "fx+compile": "FP8 rewritten + compile", "fx+frozen": "FP8 rewritten + compile, frozen"}
 GOALS = {"calib": "<= 1.3 x fp32 (32 sentences)", "fp8": "<= 1.0 x fp32 (32 sentences)",
          "fx": "< converted eager", "fx+compile": "<= 0.45 x fp32 and <= 1.1 x bf16",
-         "fx+frozen": "<= 0.45 x fp32 and <= 1.1 x bf16", "bf16+frozen": "(what bf16 reaches the same way)"}
+         "fx+frozen": "<= 0.45 x fp32 and <= 1.1 x bf16", "bf16+frozen": "(what bf16 reaches the same way)",
+         "fp32+frozen": "(what fp32 reaches the same way)"}
 # "frozen" = compiled with inductor's freezing (dbr_quant.fx_rewriter.compile_frozen): the weights are constants,
-# so the FP8→bf16 weight upcast is folded at compile time (the compiled artifact holds bf16 copies of the
-# weights) and oneDNN gets pre-packed weights. Without it the FP8 weights are upcast on every call.
+# so the FP8 weight upcast is folded at compile time (the compiled artifact holds bf16 or fp32 copies of the
+# weights, per the CPU GEMM path) and oneDNN/MKL get pre-packed weights. Without it the FP8 weights are upcast on
+# every call.
+
+
+class Pinned:
+    """A model called with one CPU GEMM path forced (a compiled one compiles with it at its first call)."""
+
+    def __init__(self, model, path: str) -> None:
+        self.model, self.path = model, path
+
+    def __call__(self, *args, **kwargs):
+        with use_cpu_gemm(self.path):
+            return self.model(*args, **kwargs)
+
+
+def fp8_models(converted, graph, path: str, compile: bool) -> dict[str, object]:
+    """The FP8 variants with ``path`` pinned; compiled ones get their own copy of the graph (dynamo caches
+    compiled code per code object and does not guard on the GEMM path)."""
+    models = {"fp8": converted, "fx": graph}
+    if compile:
+        models["fx+compile"] = torch.compile(torch.fx.GraphModule(graph, copy.deepcopy(graph.graph)), fullgraph=True)
+        with use_cpu_gemm(path):
+            models["fx+frozen"] = compile_frozen(copy.deepcopy(graph))
+    return {k: Pinned(m, path) for k, m in models.items()}
 
 
 def main() -> None:
@@ -48,7 +77,17 @@ def main() -> None:
     parser.add_argument("--no-accuracy", action="store_true", help="skip the accuracy-by-granularity rows (~20 s)")
     parser.add_argument("--only", default="", help="comma-separated variants to time besides the fp32 and bf16 "
                         f"anchors (of {','.join(LABELS)}); default all")
+    parser.add_argument("--cpu-gemm", choices=["auto", "bf16", "fp32", "both"], default=None,
+                        help="CPU GEMM path of the FP8 rows (default: $DBR_QUANT_CPU_GEMM, else auto); both: each")
+    parser.add_argument("--sentences", default="32,1", help="comma-separated batch sizes (sentences)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice); 1 is "
+                        "steadier on a loaded machine, where a straggling OpenMP thread stalls every op")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    paths = ["bf16", "fp32"] if args.cpu_gemm == "both" else [args.cpu_gemm or cpu.current_gemm_path()]
+    if args.cpu_gemm == "auto":
+        paths = [cpu.detected_gemm_path()]
     torch.manual_seed(0)
     model, tok = load_minilm()
     calib = [encode(tok, CALIBRATION_SENTENCES[i:i + 8]) for i in range(0, len(CALIBRATION_SENTENCES), 8)]
@@ -57,20 +96,27 @@ def main() -> None:
     converted = dq.convert(prepared)
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     graph = rewrite(converted)
-    models = {"fp32": model, "bf16": bf16, "calib": prepared, "fp8": converted, "fx": graph}
+    models = {"fp32": model, "bf16": bf16, "calib": prepared}
+    gemm = {}  # variant → its CPU GEMM path
+    for path in paths:
+        for k, m in fp8_models(converted, graph, path, not args.no_compile).items():
+            key = k if len(paths) == 1 else f"{k}@{path}"
+            models[key], gemm[key] = m, path
     if not args.no_compile:
         models["bf16+frozen"] = FrozenCompiled(copy.deepcopy(bf16))
-        models["fx+compile"] = torch.compile(graph, fullgraph=True)
-        models["fx+frozen"] = compile_frozen(copy.deepcopy(graph))
+        models["fp32+frozen"] = FrozenCompiled(copy.deepcopy(model))
+    models = {k: models[k] for k in sorted(models, key=lambda k: list(LABELS).index(k.split("@")[0]))}
 
     if args.only:
         keep = {"fp32", "bf16", *args.only.split(",")}
-        models = {k: m for k, m in models.items() if k in keep}
+        models = {k: m for k, m in models.items() if k.split("@")[0] in keep}
     print(f"dbr_quant benchmark: all-MiniLM-L6-v2 on CPU, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}, {args.rounds} interleaved rounds; ratio = median over rounds of the two "
           "times measured in the same round; compiled rows are timed in their own rotation with the fp32 and bf16 "
           "anchors")
-    batches = {"32 sentences": encode(tok, EVAL_SENTENCES[:32]), "batch 1": encode(tok, EVAL_SENTENCES[:1])}
+    print(cpu.describe() + ("" if args.cpu_gemm is None else f"; FP8 rows run: {', '.join(paths)} (--cpu-gemm)"))
+    sizes = [int(n) for n in args.sentences.split(",")]
+    batches = {(f"{n} sentences" if n > 1 else "batch 1"): encode(tok, EVAL_SENTENCES[:n]) for n in sizes}
     # Two interleaved groups, each with the fp32 and bf16 anchors: eager variants, then compiled ones.
     # Mixed into one rotation, the compiled variants disturbed the eager rows (converted/fp32 read 1.00
     # mixed vs 0.88 alone in back-to-back runs), so each row is paired only with anchors of its own group.
@@ -81,22 +127,31 @@ def main() -> None:
              for label, b in batches.items() for name, group in groups.items() if len(group) > 2}
 
     def group_times(label: str, k: str) -> dict[str, list[float]]:
-        return times[(label, "compiled" if k in compiled else "eager")]
+        group = "compiled" if k in compiled or (label, "eager") not in times else "eager"  # anchors: either
+        return times[(label, group)]
 
-    head = f"{'variant':<32}" + "".join(f"{label + ' /fp32':>18}{'/bf16':>7}{'ms':>8}" for label in batches)
+    head = f"{'variant':<32}{'GEMM':>5}" + "".join(f"{label + ' /fp32':>20}{'/bf16':>7}{'ms':>8}" for label in batches)
     print(head + f"   goal\n{'-' * (len(head) + 40)}")
     for k in models:
-        row = f"{LABELS[k]:<32}"
+        row = f"{LABELS[k.split('@')[0]]:<32}{gemm.get(k, '-'):>5}"
         for label in batches:
             t = group_times(label, k)
-            row += f"{paired_ratio(t, k, 'fp32'):>18.2f}{paired_ratio(t, k, 'bf16'):>7.2f}{median(t[k]) * 1e3:>8.1f}"
-        print(row + f"   {GOALS.get(k, '')}")
-    if {"fx", "fp8"} <= set(models):
-        print("\nrewritten (FX) / converted eager: " + ", ".join(
-            f"{label} {paired_ratio(group_times(label, 'fx'), 'fx', 'fp8'):.2f}" for label in batches))
-    print("embedding cosine vs fp32 (held-out sentences):", ", ".join(
-        f"{label} {(sentence_embeddings(model, b) * sentence_embeddings(converted, b)).sum(-1).mean():.4f}"
-        for label, b in batches.items()))
+            row += f"{paired_ratio(t, k, 'fp32'):>20.2f}{paired_ratio(t, k, 'bf16'):>7.2f}{median(t[k]) * 1e3:>8.1f}"
+        print(row + f"   {GOALS.get(k.split('@')[0], '')}")
+    for path in paths:
+        at = "" if len(paths) == 1 else f"@{path}"
+        if {"fx" + at, "fp8" + at} <= set(models):
+            print(f"\nrewritten (FX) / converted eager [{path} GEMMs]: " + ", ".join(
+                f"{label} {paired_ratio(group_times(label, 'fx' + at), 'fx' + at, 'fp8' + at):.2f}"
+                for label in batches))
+    if len(paths) == 2 and {"fp8@fp32", "fp8@bf16"} <= set(models):
+        print("converted eager, fp32 GEMMs / bf16 GEMMs: " + ", ".join(
+            f"{label} {paired_ratio(group_times(label, 'fp8@fp32'), 'fp8@fp32', 'fp8@bf16'):.2f}" for label in batches))
+    for path in paths:
+        with use_cpu_gemm(path):
+            print(f"embedding cosine vs fp32 (held-out sentences) [{path} GEMMs]:", ", ".join(
+                f"{label} {(sentence_embeddings(model, b) * sentence_embeddings(converted, b)).sum(-1).mean():.4f}"
+                for label, b in batches.items()))
     wb, wq = linear_weight_bytes(model), linear_weight_bytes(converted)
     sb, sq = state_dict_bytes(model), state_dict_bytes(converted)
     print(f"linear weight bytes: fp32 {wb / 2**20:.2f} MiB -> fp8 {wq / 2**20:.2f} MiB "

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
 import torch
 
 
-def demo(rounds: int = 7) -> None:
+def demo(rounds: int = 7, cpu_gemm: str | None = None) -> None:
+    """``cpu_gemm``: force the CPU GEMM path ("bf16" / "fp32" / "auto"); None: $DBR_QUANT_CPU_GEMM or auto."""
+    from dbr_quant.kernels import use_cpu_gemm
+
+    with use_cpu_gemm(cpu_gemm) if cpu_gemm else contextlib.nullcontext():
+        _demo(rounds)
+
+
+def _demo(rounds: int) -> None:
     import dbr_quant as dq
     from dbr_quant.examples.minilm import (
         CALIBRATION_SENTENCES,
@@ -18,10 +27,12 @@ def demo(rounds: int = 7) -> None:
         load_minilm,
         sentence_embeddings,
     )
+    from dbr_quant.kernels import cpu
     from dbr_quant.weights import fp8_weight_bytes
 
     torch.manual_seed(0)
-    print("dbr_quant demo: all-MiniLM-L6-v2 (real pretrained weights) → FP8 (E4M3), CPU reference backend\n")
+    print("dbr_quant demo: all-MiniLM-L6-v2 (real pretrained weights) → FP8 (E4M3), CPU reference backend")
+    print(f"{cpu.describe()}\n")
     model, tok = load_minilm()
     calib = [encode(tok, CALIBRATION_SENTENCES[i:i + 4]) for i in range(0, len(CALIBRATION_SENTENCES), 4)]
     prepared = dq.prepare(model, example_kwargs=calib[0])
@@ -52,7 +63,8 @@ def demo(rounds: int = 7) -> None:
         ("linear weight bytes", f"{fp32_bytes / 2**20:.2f} MiB fp32 → {fp8_bytes / 2**20:.2f} MiB fp8 "
                                 f"({fp8_bytes / fp32_bytes:.3f}×)"),
         ("embedding cosine vs fp32 (8 held-out sentences)", f"mean {cos.mean():.4f}, min {cos.min():.4f}"),
-        ("forward time, 8 sentences (median)", f"fp32 {t32:.1f} ms, fp8 {t8:.1f} ms ({t8 / t32:.2f}×)"),
+        ("forward time, 8 sentences (median)", f"fp32 {t32:.1f} ms, fp8 {t8:.1f} ms ({t8 / t32:.2f}×; "
+                                               f"{cpu.current_gemm_path()} GEMMs)"),
     ]
     width = max(len(k) for k, _ in table)
     for k, v in table:
@@ -69,9 +81,11 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="quantize the real all-MiniLM-L6-v2 on CPU and print a summary")
     d.add_argument("--rounds", type=int, default=7, help="timing rounds")
+    d.add_argument("--cpu-gemm", choices=["auto", "bf16", "fp32"], default=None,
+                   help="force the CPU GEMM path (default: $DBR_QUANT_CPU_GEMM, else auto from the CPU's features)")
     args = parser.parse_args(argv)
     if args.command == "demo":
-        demo(args.rounds)
+        demo(args.rounds, args.cpu_gemm)
 
 
 if __name__ == "__main__":

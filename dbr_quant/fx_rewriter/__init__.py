@@ -18,6 +18,7 @@ from torch import nn
 from torch.export import Dim
 from torch.utils._pytree import tree_flatten, tree_map, tree_structure
 
+from ..kernels.cpu import current_gemm_path, use_cpu_gemm
 from ..kernels.dispatch import capture_with
 from .ops import GraphOps
 
@@ -146,13 +147,15 @@ def _named(model: nn.Module, dyn_args: tuple) -> dict[str, Any]:
 class FrozenCompiled(nn.Module):
     """``torch.compile(gm, fullgraph=True)`` with inductor's freezing on, for inference.
 
-    Freezing makes the weights compile-time constants, so inductor folds the FP8 → bf16 weight upcast
-    (on CPU, where no FP8 GEMM exists) and hands oneDNN pre-packed weights: the fastest CPU path, at the
-    cost of bf16 copies of the linear weights inside the compiled artifact (the FP8 buffers stay in
-    ``gm``). Dynamo reads the setting while it traces, which happens at the first call (and again for a
-    new input shape), not at ``torch.compile()`` — so ``torch.compile(options={"freezing": True})``
-    does not freeze; this wrapper sets it around every call. Calls run under ``torch.no_grad()``
-    (freezing is inference-only).
+    Freezing makes the weights compile-time constants, so inductor folds the FP8 weight upcast (on CPU,
+    where no FP8 GEMM exists) and hands oneDNN/MKL pre-packed weights: the fastest CPU path, at the
+    cost of bf16 (or, on the fp32 CPU GEMM path, fp32) copies of the linear weights inside the compiled
+    artifact (the FP8 buffers stay in ``gm``). Dynamo reads the setting while it traces, which happens
+    at the first call (and again for a new input shape), not at ``torch.compile()`` — so
+    ``torch.compile(options={"freezing": True})`` does not freeze; this wrapper sets it around every
+    call. Likewise the CPU GEMM path (``kernels.cpu``) current when this wrapper is made is pinned for
+    its calls, so every (re)compile uses that choice. Calls run under ``torch.no_grad()`` (freezing is
+    inference-only).
     """
 
     def __init__(self, gm: nn.Module) -> None:
@@ -163,11 +166,12 @@ class FrozenCompiled(nn.Module):
             # (or later hand out) a non-frozen compile of the same graph
             gm = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
         self.compiled = torch.compile(gm, fullgraph=True)
+        self.cpu_gemm = current_gemm_path()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         from torch._inductor import config as inductor_config
 
-        with inductor_config.patch(freezing=True), torch.no_grad():
+        with inductor_config.patch(freezing=True), torch.no_grad(), use_cpu_gemm(self.cpu_gemm):
             return self.compiled(*args, **kwargs)
 
 

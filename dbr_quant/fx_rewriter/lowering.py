@@ -11,9 +11,11 @@ arithmetic only — round to the FP8 grid with ``torch.round`` (half to even) at
 value's binade, then build the byte from the fp32 bits — and decoded back the same way. Both are
 bit-identical to ``Tensor.to(float8)`` / the reference upcast (tests compare every byte value).
 
-Numerics under compile: the GEMMs are the reference's (exact FP8 operands in bf16, fp32 accumulate,
-bf16 result); inductor may contract ``acc·scale + bias`` into an FMA and reorders LayerNorm's sums, so
-the compiled model is close to eager, not bit-equal — the same contract as compiling any model.
+Numerics under compile: the GEMMs are the reference's, in the dtype of the CPU GEMM path
+(``kernels.cpu``: exact FP8 operands in bf16 or fp32, fp32 accumulate, a bf16 or fp32 result) that is
+current when inductor compiles the graph (at the first call: the choice is baked into the compiled code,
+dynamo does not guard on it). inductor may contract ``acc·scale + bias`` into an FMA and reorders
+LayerNorm's sums, so the compiled model is close to eager, not bit-equal — the same contract as compiling any model.
 On CUDA (the Triton backend) nothing is decomposed: the ops stay calls to the Triton kernels.
 """
 
@@ -28,6 +30,7 @@ from torch import Tensor
 
 from ..formats import FP8Format
 from ..kernels import reference
+from ..kernels.cpu import gemm_dtype
 from ..kernels.dispatch import resolve_backend
 
 
@@ -123,17 +126,22 @@ def quantize(x: Tensor, scale: Tensor, fmt: FP8Format) -> Tensor:
     return q
 
 
-def _bf16(q: Tensor) -> Tensor:
-    """The exact bf16 operand for a GEMM: the grid values if a lowering made ``q``, else the fast upcast
-    (weights: graph inputs, which inductor would decode an order of magnitude slower than eager)."""
+_UPCAST_OPS = {torch.bfloat16: "fp8_to_bf16", torch.float32: "fp8_to_fp32"}
+
+
+def _gemm_operand(q: Tensor, dtype: torch.dtype) -> Tensor:
+    """The exact GEMM operand in ``dtype`` (the CPU GEMM path's): the grid values if a lowering made ``q``,
+    else the fast upcast (weights: graph inputs, which inductor would decode an order of magnitude slower
+    than eager)."""
     values = _grid_values(q)
     if values is not None:
-        return values.to(torch.bfloat16)  # exact: every FP8 value is a bf16 value
-    return torch.ops.dbr_quant.fp8_to_bf16(q)
+        return values.to(dtype)  # exact: every FP8 value is a bf16 and an fp32 value
+    return getattr(torch.ops.dbr_quant, _UPCAST_OPS[dtype])(q)
 
 
 def fp8_linear(x_q, x_scale, w_q, w_scale, bias, activation, residual, out_dtype, out_scale, out_fmt) -> Tensor:
-    acc = F.linear(_bf16(x_q), _bf16(w_q))  # bf16 GEMM with fp32 accumulation, as reference.fp8_linear
+    dtype = gemm_dtype(x_q.device)
+    acc = F.linear(_gemm_operand(x_q, dtype), _gemm_operand(w_q, dtype))  # fp32 accumulation, as the reference
     y = reference.dequantize_accumulator(acc, x_scale * w_scale, bias)
     return reference.linear_epilogue(y, activation or None, residual, out_dtype, out_scale,
                                      FP8Format.parse(out_fmt), quantize=quantize, inplace=False)
@@ -146,7 +154,8 @@ def fp8_mlp(x_q, x_scale, w1_q, w1_scale, b1, activation, h_scale, h_fmt, w2_q, 
 
 
 def fp8_matmul(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor) -> Tensor:
-    return torch.matmul(_bf16(a_q), _bf16(b_q)).float() * (a_scale * b_scale)
+    dtype = gemm_dtype(a_q.device)
+    return torch.matmul(_gemm_operand(a_q, dtype), _gemm_operand(b_q, dtype)).float() * (a_scale * b_scale)
 
 
 def layer_norm_quantize(x, weight, bias, eps, scale, fmt, rms) -> tuple[Tensor, Tensor]:

@@ -56,6 +56,20 @@ def _(q):
     return torch.empty_like(q, dtype=torch.bfloat16)
 
 
+@torch.library.custom_op("dbr_quant::fp8_to_fp32", mutates_args=())
+def fp8_to_fp32(q: Tensor) -> Tensor:
+    """Exact FP8 → fp32 upcast (bit moves), for the fp32 CPU GEMM path; used like ``fp8_to_bf16``."""
+    from ..kernels import reference
+
+    return reference.fp8_to_fp32(q)
+
+
+@fp8_to_fp32.register_fake
+def _(q):
+    _ensure_lowerings()
+    return torch.empty_like(q, dtype=torch.float32)
+
+
 @torch.library.custom_op("dbr_quant::dynamic_scale", mutates_args=())
 def dynamic_scale(x: Tensor, fmt: str, per_token: bool) -> Tensor:
     return kernels.dynamic_scale(x, _fmt(fmt), per_token)

@@ -3,7 +3,8 @@
 Every quantized subgraph calls one of the entry points below. Each entry point counts a launch (see
 :func:`count_launches`) and runs the implementation of the current backend (:func:`current_backend`;
 ``$DBR_QUANT_BACKEND`` or :func:`use_backend`). This release ships the ``reference`` backend (plain
-torch, exact FP8 semantics, the CPU default); the Triton backends plug into the same entry points.
+torch, exact FP8 semantics, the CPU default; its GEMMs run in bf16 or fp32, see :mod:`.cpu` and
+:func:`use_cpu_gemm`); the Triton backends plug into the same entry points.
 Block-scaled FP8 (128×128 weight blocks, per-token 128-channel activation groups) has its own entry points
 at the end, with :mod:`reference_block` as their reference implementation.
 """
@@ -14,6 +15,7 @@ import torch
 
 from ..formats import FP8Format
 from . import reference, reference_block, reference_grouped
+from .cpu import current_gemm_path, use_cpu_gemm
 from .dispatch import (
     BACKENDS,
     count_launches,
@@ -26,7 +28,8 @@ from .dispatch import (
 from .moe_routing import MoeRouting, moe_route
 
 __all__ = [
-    "BACKENDS", "count_launches", "current_backend", "resolve_backend", "use_backend",
+    "BACKENDS", "count_launches", "current_backend", "resolve_backend", "use_backend", "current_gemm_path",
+    "use_cpu_gemm",
     "quantize", "dynamic_quantize", "dequantize", "dynamic_scale", "fp8_linear", "fp8_mlp", "fp8_matmul",
     "fp8_attention", "layer_norm_quantize", "MoeRouting", "moe_route", "moe_quantize", "fp8_grouped_linear",
     "fp8_moe_block", "block_quantize_weight", "group_quantize", "layer_norm_group_quantize", "fp8_block_linear",

@@ -6,11 +6,14 @@ Semantics (DESIGN.md, "Ground rules for numerics"):
 * GEMMs: operands are exact FP8 values, products accumulate in fp32, scales are applied afterwards in
   the epilogue (bias, activation, residual, optional FP8 output for the next op).
 
-Speed on CPU: torch's FP8→bf16 cast is scalar code (≈1 ms per 0.6 M elements here), and it, not the
-GEMM, dominated a naive path. Every E4M3 value is exactly representable in bf16, so we upcast with
-integer bit moves instead (:func:`e4m3_to_bf16`) and run a bf16 GEMM (AVX512-BF16 accumulates in fp32;
-the result is rounded once to bf16, a relative error ≤ 2⁻⁹ — 16× below E4M3's own rounding step).
-``exact=True`` computes the same products in fp32 with fp32 output instead; tests bound the gap.
+Speed on CPU: torch's FP8→bf16/fp32 casts are scalar code (≈1 ms per 0.6 M elements here), and they, not
+the GEMM, dominated a naive path. Every FP8 value is exactly representable in bf16 and in fp32, so we
+upcast with integer bit moves instead (:func:`fp8_upcast`) and run the GEMM in the dtype of the CPU GEMM
+path (:mod:`.cpu`: bf16 where the CPU has BF16 dot products, else fp32). Both accumulate in fp32; the
+bf16 path rounds the GEMM result once to bf16 (relative error ≤ 2⁻⁸, 16× below E4M3's own 2⁻⁴), the
+fp32 path keeps it in fp32. Both upcasts turn E4M3's NaN code into ±480 (NaN input is unsupported on the
+fast paths). ``exact=True`` is the slow ground truth other backends are tested against: torch's own
+casts (NaN propagates) and an fp32 GEMM.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import FP8Format
+from . import cpu
 
 # 2**120 re-biases the exponent after the bit move (bf16 bias 127 vs E4M3 bias 7). Multiplying in bf16
 # is exact and lifts E4M3 subnormals out of bf16's subnormal range, which AVX512-BF16 dot products flush.
@@ -50,17 +54,35 @@ def e4m3_to_bf16(q: torch.Tensor, reuse_buffer: bool = False) -> torch.Tensor:
     NaN from finite input, and NaN input is documented as unsupported on the fast path.
     """
     # int8 × a 1-d int16 tensor promotes to int16: the sign-extending widen and the shift by 4 in one pass
-    out = _scratch(q.shape, q.device) if reuse_buffer else None
-    bits = torch.mul(q.view(torch.int8), _sixteen(q.device), out=out)
+    out = _scratch(q.shape, q.device, torch.int16) if reuse_buffer else None
+    bits = torch.mul(q.view(torch.int8), _const(16, q.device), out=out)
     bits.bitwise_and_(0x87F0)  # sign bit to 15; clear the copies sign-extension left in bits 11..14
     return bits.view(torch.bfloat16).mul_(_E4M3_REBIAS)
+
+
+# E4M3's bits moved up by 7 sit where fp16 keeps them (mantissa 7..9, exponent 10..13, sign 15 after the
+# sign-extending widen): keep those, clear the copy of the sign in bit 14 (0xBF80 as a signed int16)
+_E4M3_FP16_MASK = 0xBF80 - (1 << 16)
+
+
+def e4m3_to_fp32(q: torch.Tensor, reuse_buffer: bool = False) -> torch.Tensor:
+    """Exact E4M3 → fp32: bits moved into fp16 (a value 2⁻⁸ times too small: biases 15 vs 7), fp16 → fp32
+    (a vectorized, exact hardware conversion), ×2**8. Via fp16, not straight into fp32 bits, so E4M3
+    subnormals never become fp32 subnormals: the conversion takes fp16 subnormals in hardware, and the
+    ×2**8 sees normal numbers only (no denormal-operand assists, no dependence on denormals-are-zero).
+    NaN (0x7F/0xFF) comes out as ±480, as in :func:`e4m3_to_bf16`. ``reuse_buffer``: as fp8_to_bf16's."""
+    bits = torch.mul(q.view(torch.int8), _const(128, q.device),  # widen and shift by 7 in one pass
+                     out=_scratch(q.shape, q.device, torch.int16) if reuse_buffer else None)
+    halves = bits.bitwise_and_(_E4M3_FP16_MASK).view(torch.float16)
+    out = _scratch(q.shape, q.device, torch.float32) if reuse_buffer else None
+    return (halves.float() if out is None else out.copy_(halves)).mul_(256.0)
 
 
 _tls = threading.local()
 
 
-def _scratch(shape: torch.Size, device: torch.device) -> torch.Tensor | None:
-    """A reusable int16 buffer for upcasting weights, so each GEMM does not allocate (and page-fault in)
+def _scratch(shape: torch.Size, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+    """A reusable buffer for upcasting weights, so each GEMM does not allocate (and page-fault in)
     a fresh weight-sized temporary. Only without autograd: a GEMM recorded for backward keeps its input.
     The buffer is handed out again at the next call, after the GEMM that read it has finished."""
     if torch.is_grad_enabled() or len(shape) != 2:
@@ -68,23 +90,24 @@ def _scratch(shape: torch.Size, device: torch.device) -> torch.Tensor | None:
     cache = getattr(_tls, "scratch", None)
     if cache is None:
         cache = _tls.scratch = {}
-    key = (tuple(shape), device)
+    key = (tuple(shape), device, dtype)
     buf = cache.get(key)
     if buf is None:
         if len(cache) >= 16:  # bounded: a model has a handful of distinct weight shapes
             cache.clear()
         with torch.inference_mode(False):  # an inference tensor could not be written outside that mode
-            buf = cache[key] = torch.empty(shape, dtype=torch.int16, device=device)
+            buf = cache[key] = torch.empty(shape, dtype=dtype, device=device)
     return buf
 
 
-_SIXTEEN: dict[torch.device, torch.Tensor] = {}
+_CONSTS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
-def _sixteen(device: torch.device) -> torch.Tensor:
-    t = _SIXTEEN.get(device)
+def _const(value: int, device: torch.device) -> torch.Tensor:
+    """A 1-d int16 tensor: int8 × it promotes to int16 (the widen and the multiply in one pass)."""
+    t = _CONSTS.get((value, device))
     if t is None:
-        t = _SIXTEEN[device] = torch.tensor([16], dtype=torch.int16, device=device)
+        t = _CONSTS[(value, device)] = torch.tensor([value], dtype=torch.int16, device=device)
     return t
 
 
@@ -94,6 +117,24 @@ def fp8_to_bf16(q: torch.Tensor, reuse_buffer: bool = False) -> torch.Tensor:
     if q.dtype == torch.float8_e4m3fn:
         return e4m3_to_bf16(q, reuse_buffer)
     return q.to(torch.bfloat16)  # E5M2 is the top byte of fp16; torch's cast is exact
+
+
+def fp8_to_fp32(q: torch.Tensor, reuse_buffer: bool = False) -> torch.Tensor:
+    """Exact upcast to fp32 (``reuse_buffer`` as in :func:`fp8_to_bf16`)."""
+    if q.dtype == torch.float8_e4m3fn:
+        return e4m3_to_fp32(q, reuse_buffer)
+    # E5M2 is the top byte of fp16 (inf and NaN included): ×256 after the widen puts it there, and
+    # fp16 → fp32 is an exact, vectorized cast
+    return q.view(torch.int8).to(torch.int16).mul_(256).view(torch.float16).float()
+
+
+def fp8_upcast(q: torch.Tensor, dtype: torch.dtype, reuse_buffer: bool = False) -> torch.Tensor:
+    """Exact FP8 → ``dtype`` (bf16 or fp32), the GEMM operand of the CPU GEMM path."""
+    if dtype == torch.bfloat16:
+        return fp8_to_bf16(q, reuse_buffer)
+    if dtype == torch.float32:
+        return fp8_to_fp32(q, reuse_buffer)
+    raise ValueError(f"reference.fp8_upcast: no exact upcast to {dtype}; use torch.bfloat16 or torch.float32")
 
 
 def amax(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -153,23 +194,22 @@ def fp8_linear(
     so an MLP hands FP8 from fc1 to fc2 without a high-precision round trip.
     """
     scale = x_scale * w_scale  # (…×1)·(N,) broadcasts to the output's scale grid
+    dtype = torch.float32 if exact else cpu.gemm_dtype(x_q)
     if exact:
         acc = F.linear(x_q.float(), w_q.float())
-        y = acc.mul_(scale) if bias is None else acc.mul_(scale).add_(bias.float())
+    elif activation in GATED and dtype == torch.bfloat16:  # two GEMMs: each half rounds as its own linear would
+        n = w_q.shape[0] // 2
+        x_u = fp8_upcast(x_q, dtype)
+        acc = torch.cat([F.linear(x_u, fp8_upcast(w_q[:n], dtype, reuse_buffer=True)),
+                         F.linear(x_u, fp8_upcast(w_q[n:], dtype, reuse_buffer=True))], dim=-1)
     else:
-        x_b = fp8_to_bf16(x_q)
-        if activation in GATED:  # two GEMMs, so each half rounds exactly as its own linear would
-            n = w_q.shape[0] // 2
-            acc = torch.cat([F.linear(x_b, fp8_to_bf16(w_q[:n], reuse_buffer=True)),
-                             F.linear(x_b, fp8_to_bf16(w_q[n:], reuse_buffer=True))], dim=-1)
-        else:
-            acc = F.linear(x_b, fp8_to_bf16(w_q, reuse_buffer=True))
-        y = dequantize_accumulator(acc, scale, bias)
+        acc = F.linear(fp8_upcast(x_q, dtype), fp8_upcast(w_q, dtype, reuse_buffer=True))
+    y = dequantize_accumulator(acc, scale, bias)
     return linear_epilogue(y, activation, residual, out_dtype, out_scale, out_fmt)
 
 
 def dequantize_accumulator(acc: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``bias + acc·scale`` in fp32, one pass (the bf16 GEMM result times the combined x·w scale)."""
+    """``bias + acc·scale`` in fp32, one pass (the GEMM result times the combined x·w scale)."""
     base = bias.float() if bias is not None else torch.zeros((), device=acc.device)
     return torch.addcmul(base, acc, scale.float() if scale.dim() else scale.float().expand(1))
 
@@ -199,7 +239,8 @@ def fp8_matmul(
     if exact:
         acc = torch.matmul(a_q.float(), b_q.float())
     else:
-        acc = torch.matmul(fp8_to_bf16(a_q), fp8_to_bf16(b_q)).float()
+        dtype = cpu.gemm_dtype(a_q)
+        acc = torch.matmul(fp8_upcast(a_q, dtype), fp8_upcast(b_q, dtype)).float()
     return acc.mul_(a_scale * b_scale)
 
 

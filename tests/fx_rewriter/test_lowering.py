@@ -16,7 +16,8 @@ from torch._inductor.utils import run_and_get_code
 import dbr_quant.fx_rewriter.ops  # noqa: F401  (defines the ops and registers their lowerings)
 from dbr_quant.formats import FP8Format
 from dbr_quant.fx_rewriter import lowering
-from dbr_quant.kernels import reference, use_backend
+from dbr_quant.kernels import reference, use_backend, use_cpu_gemm
+from dbr_quant.kernels.cpu import GEMM_PATHS
 
 FORMATS = list(FP8Format)
 
@@ -92,15 +93,17 @@ LINEAR_CASES = [
 
 @pytest.mark.parametrize("case", LINEAR_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 @pytest.mark.parametrize("per_channel", [False, True])
-def test_fp8_linear_lowering_equals_the_op(case, per_channel):
+@pytest.mark.parametrize("path", GEMM_PATHS)
+def test_fp8_linear_lowering_equals_the_op(case, per_channel, path):
     x_q, x_s = _fp8((3, 7, 48))
     w_q, _ = _fp8((40, 48))
     w_s = torch.rand(40) * 0.01 + 0.001 if per_channel else torch.tensor(0.003)
     args = (x_q, x_s, w_q, w_s, torch.randn(40) if case["bias"] else None, case["activation"],
             torch.randn(3, 7, 40) if case["residual"] else None, torch.float32,
             torch.tensor(0.02) if case["out_scale"] else None, "e4m3")
-    want = torch.ops.dbr_quant.fp8_linear(*args)
-    got = lowering.fp8_linear(*args)
+    with use_cpu_gemm(path):  # the lowering follows the CPU GEMM path as the op does
+        want = torch.ops.dbr_quant.fp8_linear(*args)
+        got = lowering.fp8_linear(*args)
     assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8) if got.dtype.itemsize == 1 else got,
                                                    want.view(torch.uint8) if want.dtype.itemsize == 1 else want)
 
@@ -129,8 +132,8 @@ def test_gated_linear_lowering_matches_the_op():
                                    rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("rms", [False, True])
-def test_norm_quantize_matmul_attention_and_dynamic_lowerings_equal_the_ops(rms):
+@pytest.mark.parametrize("rms,path", [(False, "bf16"), (True, "fp32")])
+def test_norm_quantize_matmul_attention_and_dynamic_lowerings_equal_the_ops(rms, path):
     x = torch.randn(4, 9, 32)
     w, b, s = torch.rand(32) + 0.5, torch.randn(32), torch.tensor(0.02)
     for got, want in zip(lowering.layer_norm_quantize(x, w, b, 1e-5, s, "e4m3", rms),
@@ -139,12 +142,14 @@ def test_norm_quantize_matmul_attention_and_dynamic_lowerings_equal_the_ops(rms)
                            want.view(torch.uint8) if want.dtype.itemsize == 1 else want)
     a_q, a_s = _fp8((2, 3, 9, 16))
     b_q, b_s = _fp8((2, 3, 16, 9))
-    assert torch.equal(lowering.fp8_matmul(a_q, a_s, b_q, b_s), torch.ops.dbr_quant.fp8_matmul(a_q, a_s, b_q, b_s))
     q_q, k_q, v_q = (_fp8((2, 4, 9, 16))[0] for _ in range(3))
     mask = torch.rand(9, 9) > 0.3
-    for causal, m in [(False, mask), (True, None)]:
-        args = (q_q, s, k_q, s, v_q, s, m, causal, None, None, "e4m3")
-        assert torch.equal(lowering.fp8_attention(*args), torch.ops.dbr_quant.fp8_attention(*args))
+    with use_cpu_gemm(path):
+        assert torch.equal(lowering.fp8_matmul(a_q, a_s, b_q, b_s),
+                           torch.ops.dbr_quant.fp8_matmul(a_q, a_s, b_q, b_s))
+        for causal, m in [(False, mask), (True, None)]:
+            args = (q_q, s, k_q, s, v_q, s, m, causal, None, None, "e4m3")
+            assert torch.equal(lowering.fp8_attention(*args), torch.ops.dbr_quant.fp8_attention(*args))
     for per_token in (False, True):
         got, want = lowering.dynamic_quantize(x, "e5m2", per_token), torch.ops.dbr_quant.dynamic_quantize(
             x, "e5m2", per_token)
@@ -154,16 +159,19 @@ def test_norm_quantize_matmul_attention_and_dynamic_lowerings_equal_the_ops(rms)
                        torch.ops.dbr_quant.dequantize(q, s, torch.bfloat16))
 
 
-def test_fp8_to_bf16_op_is_exact():
+def test_upcast_ops_are_exact():
     for fmt in FORMATS:
         codes = torch.arange(256, dtype=torch.uint8).view(fmt.dtype)
         finite = torch.isfinite(codes.float())
         assert torch.equal(torch.ops.dbr_quant.fp8_to_bf16(codes)[finite].float(), codes.float()[finite])
+        assert torch.equal(torch.ops.dbr_quant.fp8_to_fp32(codes)[finite], codes.float()[finite])
 
 
-def test_compiled_ops_are_inlined_and_close_to_eager():
+@pytest.mark.parametrize("path", GEMM_PATHS)
+def test_compiled_ops_are_inlined_and_close_to_eager(path):
     """Under torch.compile the FP8 ops become inductor code fused with their neighbours (only the weight
-    upcast stays a call), and the result is close to the eager graph's."""
+    upcast stays a call), and the result is close to the eager graph's. The GEMMs run in the CPU GEMM
+    path's dtype: forcing fp32 leaves no bf16 tensor in the generated code."""
     x_q, x_s = _fp8((6, 32))
     w1, w1_s = _fp8((64, 32), scale=0.01)
     w2, w2_s = _fp8((32, 64), scale=0.01)
@@ -175,14 +183,15 @@ def test_compiled_ops_are_inlined_and_close_to_eager():
         return torch.ops.dbr_quant.fp8_linear(y, mid_s, w2, w2_s, None, "", h, torch.float32, None, "e4m3")
 
     x, ln_w = torch.randn(6, 32), torch.rand(32) + 0.5
-    with torch.no_grad():
+    with torch.no_grad(), use_cpu_gemm(path):
         out, (code,) = run_and_get_code(torch.compile(mlp, fullgraph=True), x, ln_w)
         want = mlp(x, ln_w)
     calls = [line.split("torch.ops.dbr_quant.")[1].split(".")[0] for line in code.splitlines()
              if "= torch.ops.dbr_quant." in line]
     # the two weight upcasts; everything else became inductor's own code, and the FP8 activations went
     # from producer to GEMM as grid values (no byte round trip, no upcast call for them)
-    assert calls == ["fp8_to_bf16", "fp8_to_bf16"]
+    assert calls == [f"fp8_to_{path}"] * 2
+    assert ("bfloat16" in code) == (path == "bf16")
     assert "Original ATen: [dbr_quant.layer_norm_quantize, dbr_quant.fp8_linear]" in code  # fused together
     assert F.cosine_similarity(out.flatten(), want.flatten(), dim=0) > 0.999
 
@@ -197,20 +206,26 @@ def test_ops_stay_calls_on_the_triton_backend():
         assert decomposition(a_q, a_s, b_q, b_s) is NotImplemented
 
 
-def test_compile_frozen_folds_the_weight_upcast():
-    """With freezing the weights are constants: the upcast runs once at compile time, not per call."""
+@pytest.mark.parametrize("path", GEMM_PATHS)
+def test_compile_frozen_folds_the_weight_upcast(path):
+    """With freezing the weights are constants: the upcast runs once at compile time, not per call. The
+    CPU GEMM path current at compile_frozen() is the one compiled in, wherever the call happens."""
     from test_rewrite import converted_block
 
     from dbr_quant.fx_rewriter import RewriteError, compile_frozen, rewrite
 
     _, c, x = converted_block()
     gm = rewrite(c)
-    with torch.no_grad():
-        torch.compile(gm, fullgraph=True)(x)  # a plain compile of the same graph first must not be reused
-    frozen = compile_frozen(gm)
-    out, codes = run_and_get_code(frozen, x)
+    if path == "bf16":  # once is enough (a compile costs seconds)
+        with torch.no_grad():
+            torch.compile(gm, fullgraph=True)(x)  # a plain compile of the same graph first must not be reused
+    with use_cpu_gemm(path):
+        frozen = compile_frozen(gm)
+    with use_cpu_gemm("bf16" if path == "fp32" else "fp32"):  # the other path at the call: not used
+        out, codes = run_and_get_code(frozen, x)
     assert codes, "compile_frozen did not compile"
     assert not any("= torch.ops.dbr_quant." in line for code in codes for line in code.splitlines())
+    assert any("bfloat16" in code for code in codes) == (path == "bf16")
     with torch.no_grad():
         want = c(x)["out"]
     assert F.cosine_similarity(out["out"].flatten(), want.flatten(), dim=0) > 0.999
