@@ -74,6 +74,11 @@ def intercepting(run: Any) -> Iterator[None]:
                 nn.Module.__call__ = _outer_call
 
 
+def active_run() -> Any:
+    """The run this thread is inside (suspended or not), or None."""
+    return getattr(_tls, "run", None)
+
+
 def is_patched() -> bool:
     """True while some thread is inside a run (tests use it to check global state is restored)."""
     return nn.Module.__call__ is _intercepting_call
