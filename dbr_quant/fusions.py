@@ -305,7 +305,7 @@ class NormLinear(Fusion):
         return _mlp(fc1, linears[1], env, y, act, residual, x_fp8)
 
 
-_GATED_KERNELS = {"silu": "swiglu", "gelu": "geglu"}
+_GATED_KERNELS = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh"}  # Gemma: gelu_tanh
 
 
 def _gated_mlp(gate: Call, up: Call, down: Call | None, env: Env, x: torch.Tensor, act: str | None,

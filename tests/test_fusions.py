@@ -346,3 +346,17 @@ def test_a_pattern_whose_optional_tail_is_taken_still_fuses_without_it():
     assert dict(counts) == {"quantize": 1, "norm_quantize": 1, "fp8_linear": 3}  # was 3 quantize + 3 GEMMs
     with torch.no_grad():
         assert torch.equal(out, single(new))
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])  # SwiGLU (Llama), GEGLU, GEGLU-tanh (Gemma)
+def test_gated_mlp_hands_fp8_from_the_stacked_gemm_to_down(act):
+    m = Gated(8, act).eval()
+    x = torch.randn(2, 3, 8)
+    calib = [(torch.randn(2, 3, 8),) for _ in range(2)]
+    c, single = convert_with(m, (x,), calib, True), convert_with(m, (x,), calib, False)
+    assert {r["fusion"] for r in dq.report(c)} == {"gated_mlp"}
+    with dq.kernels.count_launches() as counts, torch.no_grad():
+        out = c(x)
+    assert dict(counts) == {"quantize": 1, "fp8_linear": 2}  # not 3 quantize + 3 GEMMs
+    with torch.no_grad():
+        assert torch.equal(out, single(x))
