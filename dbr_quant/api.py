@@ -14,7 +14,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from . import kernels
-from .auto_trace import disabled, intercepting, is_disabled
+from .auto_trace import current_run, disabled, intercepting, is_disabled
 from .mappings import LINEAR, QUANTIZEABLE, is_container, is_linear_module, is_transposed_linear, linear_weight
 from .qconfig import QConfig
 from .quantization_state import AutoQuantizationState, UncalibratedError
@@ -29,44 +29,52 @@ class PrepareError(RuntimeError):
     """The model's forward failed while prepare() traced it."""
 
 
-def _root_forward(m: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """Installed (via functools.partial) as the root module's ``forward``: runs the original forward
-    inside a run of the model's current phase.
+def _entry_forward(root: nn.Module, m: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Installed (via functools.partial) as ``forward`` of the root module and of every submodule that has
+    children: a call from outside a run of this model runs inside a run of the model's current phase —
+    the root's forward, or a submodule called on its own (``generate()`` calls an encoder-decoder's
+    encoder directly). Inside a run of this model a submodule's wrapper is just its own forward.
 
     An instance attribute rather than a hook, so that one ``try/finally`` encloses the whole forward and
     global state is restored on every exit path, KeyboardInterrupt included. A partial, not a class,
     because torch.export reads ``forward.func.__code__``.
     """
-    record: ModelRecord = m.__dict__["_dbr_record"]
+    record: ModelRecord = root.__dict__["_dbr_record"]
     forward = type(m).forward.__get__(m)
+    if m is not root:
+        active = current_run()
+        if record.phase == "tracing" or (active is not None and active.record is record):
+            return forward(*args, **kwargs)
     if record.phase == "tracing":
         run = record.trace_run
     elif is_disabled():
         if record.phase == "prepared":
             return forward(*args, **kwargs)
-        run = HighPrecisionRun(m, record)
+        run = HighPrecisionRun(root, record)
     elif record.inspector is not None:
-        run = InspectRun(m, record, record.inspector)
+        run = InspectRun(root, record, record.inspector)
     elif record.phase == "prepared":
         # observers are state shared by every caller: concurrent calibration forwards take turns
-        run = CalibrateRun(m, record)
+        run = CalibrateRun(root, record)
         with record.calibration_lock, intercepting(run, functions=record.observes_functions):
-            return run.finish(forward(*args, **kwargs))
+            return run.finish(forward(*args, **kwargs) if m is root else run.module_call(m, args, kwargs))
     else:
-        run = ConvertRun(m, record)
+        run = ConvertRun(root, record)
     run.begin()
     with intercepting(run):
-        return run.finish(forward(*args, **kwargs))
+        if m is root:
+            return run.finish(forward(*args, **kwargs))
+        return run.finish(run.module_call(m, args, kwargs))  # m owns its records: no need of its parents
 
 
-def _install_root_forward(m: nn.Module) -> None:
-    wrapper = functools.partial(_root_forward, m)
+def _install_entry_forward(root: nn.Module, m: nn.Module) -> None:
+    wrapper = functools.partial(_entry_forward, root, m)
     wrapper.__signature__ = inspect.signature(type(m).forward.__get__(m))  # what users and HF introspect
     m.__dict__["forward"] = wrapper
 
 
-def _is_root_forward(obj: Any) -> bool:
-    return isinstance(obj, functools.partial) and obj.func is _root_forward
+def _is_entry_forward(obj: Any) -> bool:
+    return isinstance(obj, functools.partial) and obj.func is _entry_forward
 
 
 def _as_args(example_inputs: Any) -> tuple:
@@ -114,7 +122,9 @@ def prepare(
     record = ModelRecord(qconfig, example=(args, kwargs))
     record.trace_run = run = TraceRun(m, record)
     m.__dict__["_dbr_record"] = record
-    _install_root_forward(m)
+    for mod in m.modules():
+        if mod is m or mod._modules:
+            _install_entry_forward(m, mod)
     try:
         with torch.no_grad():
             m(*args, **kwargs)
@@ -153,7 +163,7 @@ def prepare(
 def _undo_prepare(m: nn.Module) -> None:
     for mod in m.modules():
         for key in ("_dbr_fqn", "_dbr_owner", "_dbr_record", "forward"):
-            if key == "forward" and not _is_root_forward(mod.__dict__.get("forward")):
+            if key == "forward" and not _is_entry_forward(mod.__dict__.get("forward")):
                 continue
             mod.__dict__.pop(key, None)
 

@@ -72,12 +72,15 @@ class TraceGraph:
     events: list[Event]
     consumers: dict[int, list[int]]
     escaped: set[int]  # returned to the caller, or seen by a module that has hooks
+    taken: set[int] = field(default_factory=set)  # events already in a subgraph
 
     def sole_consumer(self, tid: int | None) -> Event | None:
+        """The one event that reads ``tid``, if it is free: a consumer taken by an earlier subgraph ends a
+        pattern there (an optional tail step is then skipped) instead of failing the whole match."""
         if tid is None or tid in self.escaped:
             return None
         users = self.consumers.get(tid, ())
-        return self.events[users[0]] if len(users) == 1 else None
+        return self.events[users[0]] if len(users) == 1 and users[0] not in self.taken else None
 
 
 @dataclass(frozen=True)
@@ -155,7 +158,7 @@ def register_fusion(cls: type[Fusion]) -> type[Fusion]:
 
 def find_subgraphs(graph: TraceGraph) -> list[tuple[Fusion, list[Event]]]:
     """Greedy left-to-right matching over the trace: each event joins at most one subgraph."""
-    taken: set[int] = set()
+    taken = graph.taken
     found = []
     for head in graph.events:
         if head.index in taken or head.op is None:
@@ -326,7 +329,7 @@ class NormLinear(Fusion):
         return _mlp(fc1, linears[1], env, y, act, residual, x_fp8)
 
 
-_GATED_KERNELS = {"silu": "swiglu", "gelu": "geglu"}
+_GATED_KERNELS = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh"}  # Gemma: gelu_tanh
 
 
 def _gated_mlp(gate: Call, up: Call, down: Call | None, env: Env, x: torch.Tensor, act: str | None,
@@ -374,8 +377,8 @@ class GatedMLP(Fusion):
         if mul is None or mul.kind != MUL or act.output not in mul.arg_ids[:2]:
             return None
         other = [i for i in mul.arg_ids[:2] if i != act.output]
-        ups = [ev for ev in graph.events[act.index + 1: mul.index]
-               if ev.quantized(LINEAR) and ev.output in other and ev.arg_ids[:1] == head.arg_ids[:1]]
+        ups = [ev for ev in graph.events[act.index + 1: mul.index] if ev.quantized(LINEAR) and
+               ev.index not in graph.taken and ev.output in other and ev.arg_ids[:1] == head.arg_ids[:1]]
         if len(ups) != 1 or graph.sole_consumer(ups[0].output) is not mul:
             return None
         matched = [head, act, ups[0], mul]

@@ -214,3 +214,42 @@ def test_weight_observer_from_the_qconfig_is_used():
         scales[name] = dq.convert(p)[0].weight.scale
     assert torch.allclose(scales["max"], torch.full((64,), 50.0 / 448))
     assert (scales["pct"] < scales["max"] / 10).all()
+
+
+class EncoderDecoder(nn.Module):
+    """generate() of an encoder-decoder (T5, Whisper, BART) calls ``model.get_encoder()(...)`` on its own,
+    then the root with ``encoder_out=``: a submodule called from outside the root's forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+        self.decoder = nn.Linear(16, 4)
+
+    def forward(self, x, encoder_out=None):
+        if encoder_out is None:
+            encoder_out = self.encoder(x)
+        return self.decoder(encoder_out), encoder_out
+
+
+def test_a_submodule_called_on_its_own_runs_in_its_phase():
+    m = EncoderDecoder().eval()
+    x = torch.randn(8, 16)
+    p = dq.prepare(m, (x,))
+    enc_observers = [o for st in (dq.quant_state(p.encoder),) for o in st.observers.values()]
+    before = [o.amax.clone() for o in enc_observers]
+    with torch.no_grad():
+        p.encoder(torch.randn(8, 16) * 10)  # a direct call of a prepared submodule calibrates too
+    assert all(not torch.equal(o.amax, b) for o, b in zip(enc_observers, before))
+    dq.calibrate(p, [torch.randn(8, 16) for _ in range(3)], progress=False)
+    c = dq.convert(p)
+    with torch.no_grad():
+        want_logits, want_enc = c(x)
+        with dq.kernels.count_launches() as counts:
+            enc = c.encoder(x)  # FP8, not the stock forward on missing (or dequantized) weights
+        assert dict(counts) == {"quantize": 1, "fp8_linear": 2}
+        assert torch.equal(enc, want_enc)
+        assert torch.equal(c(x, encoder_out=enc)[0], want_logits)
+        with dq.disabled():
+            hp = c.encoder(x)
+    assert not torch.equal(hp, enc) and torch.allclose(hp, m.encoder(x), atol=0.1)
+    assert not any("forward" in mod.__dict__ for mod in m.modules()), "the original model was touched"

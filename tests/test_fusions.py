@@ -316,3 +316,48 @@ def test_hf_style_rms_norm_modules_head_the_mlp_fusion_only_when_they_compute_rm
     else:
         assert fusions == {"norm_gated_mlp"} and dict(counts) == {"norm_quantize": 1, "fp8_linear": 2}
     assert F.cosine_similarity(out.flatten(), m(x).flatten(), dim=0) > 0.999
+
+
+class ParallelResidual(nn.Module):
+    """GPT-NeoX's block: ``mlp(norm(x)) + attn_out(x) + x``. The earlier linear (attention's output
+    projection) takes the ``mlp + attn`` add as its residual, so that add is gone when the MLP's
+    pattern reaches it: the MLP must still fuse, without its optional residual step."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.dense, self.norm = nn.Linear(d, d), nn.LayerNorm(d)
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        attn = self.dense(x)
+        mlp = self.fc2(F.gelu(self.fc1(self.norm(x))))
+        return mlp + attn + x
+
+
+def test_a_pattern_whose_optional_tail_is_taken_still_fuses_without_it():
+    m = ParallelResidual().eval()
+    x = torch.randn(3, 5, 8)
+    calib = [(torch.randn(3, 5, 8),) for _ in range(3)]
+    fused, single = convert_with(m, (x,), calib, True), convert_with(m, (x,), calib, False)
+    assert {r["fqn"]: r["fusion"] for r in dq.report(fused)} == {
+        "dense": "linear_residual", "fc1": "norm_linear", "fc2": "norm_linear"}
+    new = torch.randn(2, 7, 8)
+    with dq.kernels.count_launches() as counts, torch.no_grad():
+        out = fused(new)
+    assert dict(counts) == {"quantize": 1, "norm_quantize": 1, "fp8_linear": 3}  # was 3 quantize + 3 GEMMs
+    with torch.no_grad():
+        assert torch.equal(out, single(new))
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])  # SwiGLU (Llama), GEGLU, GEGLU-tanh (Gemma)
+def test_gated_mlp_hands_fp8_from_the_stacked_gemm_to_down(act):
+    m = Gated(8, act).eval()
+    x = torch.randn(2, 3, 8)
+    calib = [(torch.randn(2, 3, 8),) for _ in range(2)]
+    c, single = convert_with(m, (x,), calib, True), convert_with(m, (x,), calib, False)
+    assert {r["fusion"] for r in dq.report(c)} == {"gated_mlp"}
+    with dq.kernels.count_launches() as counts, torch.no_grad():
+        out = c(x)
+    assert dict(counts) == {"quantize": 1, "fp8_linear": 2}  # not 3 quantize + 3 GEMMs
+    with torch.no_grad():
+        assert torch.equal(out, single(x))

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from .. import kernels
 from ..formats import FP8Format
+from ..kernels.reference import GATED
 
 
 def _fmt(name: str) -> FP8Format:
@@ -106,7 +107,7 @@ def fp8_linear(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, bias:
 @fp8_linear.register_fake
 def _(x_q, x_scale, w_q, w_scale, bias, activation, residual, out_dtype, out_scale, out_fmt):
     _ensure_lowerings()
-    n = w_q.shape[0] // 2 if activation in ("swiglu", "geglu") else w_q.shape[0]
+    n = w_q.shape[0] // 2 if activation in GATED else w_q.shape[0]
     dtype = out_dtype if out_scale is None else _fmt(out_fmt).dtype
     return x_q.new_empty((*x_q.shape[:-1], n), dtype=dtype)
 

@@ -33,7 +33,8 @@ from . import cpu
 _E4M3_REBIAS = 2.0**120
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
-GATED = ("swiglu", "geglu")
+GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh"}  # gated kind → act(gate)
+GATED = tuple(GATED_ACTIVATIONS)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
@@ -223,7 +224,7 @@ def linear_epilogue(y: torch.Tensor, activation: str | None, residual: torch.Ten
     ``inplace=False`` (its decompositions run below functionalization, where in-place ops are refused)."""
     if activation in GATED:
         gate, up = y.chunk(2, dim=-1)
-        y = apply_activation(gate, "silu" if activation == "swiglu" else "gelu") * up
+        y = apply_activation(gate, GATED_ACTIVATIONS[activation]) * up
     else:
         y = apply_activation(y, activation)
     if residual is not None:

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..formats import FP8Format
-from .reference import ACTIVATIONS, GATED
+from .reference import ACTIVATIONS, GATED, GATED_ACTIVATIONS
 from .triton_common import Kernel, check_device, device_function, fp8_bits, fp8_constants, round_to_fp8
 
 __all__ = [
@@ -256,7 +256,7 @@ _MAX_GRID_Z = 65535
 
 def _activation_kind(activation: str | None) -> str:
     """The ACTIVATION constexpr: gated kinds name the activation applied to the gate half."""
-    return {"swiglu": "silu", "geglu": "gelu", None: "none"}.get(activation, activation)
+    return {**GATED_ACTIVATIONS, None: "none"}.get(activation, activation)
 
 
 def _fp8_format(t: torch.Tensor, what: str) -> FP8Format:

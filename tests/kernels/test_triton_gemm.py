@@ -112,7 +112,7 @@ def test_fp8_linear_matches_reference(m, n, k, lead, fmt_x, fmt_w, per_row, per_
     MAX_ERR[kind] = max(MAX_ERR.get(kind, 0.0), ((err - step).clamp(min=0).max() / tol).item())
 
 
-@pytest.mark.parametrize("activation", [None, "gelu", "swiglu"])
+@pytest.mark.parametrize("activation", [None, "gelu", "swiglu", "geglu_tanh"])
 def test_decode_and_default_configs(activation):
     """M = 1 (decode) through the config the wrapper picks itself (one 64-row tile, mostly masked)."""
     gen = torch.Generator().manual_seed(1)
