@@ -11,9 +11,14 @@ GEMM/attention kernel lacks FP8 tensor-core instructions.
 
 The kernel modules are every ``dbr_quant/kernels/triton_*.py`` with an ``AOT_CONFIGS`` table (a new
 module is picked up by defining one). Compiles run in worker processes started with "spawn", one compile
-at a time per process: nothing is shared with the calling process (a pytest run where Triton's
-interpreter has patched ``triton.language``) nor between concurrent compiles (Triton's front end is
-not made for several compiles at once in one process).
+at a time per process, sharing nothing with the calling process (e.g. a long pytest run) nor with each
+other. Compiling in threads of one process failed now and then: Triton's front end calls ``ast.parse``
+for the kernel and every @jit function it calls, and CPython before 3.11.8 / 3.12.2 (python/cpython#106905)
+keeps one recursion counter per interpreter for turning the parsed tree into Python objects; when a
+garbage collection during that runs Python finalizers, the other thread's ``ast.parse`` moves the
+counter and one of them fails with "SystemError: AST constructor recursion depth mismatch" (reported
+as "CompilationError: at <line>:<col>" when it hits a called function). Finalizers are plentiful after
+hundreds of tests, rare in a fresh process, hence failures only inside the test suite.
 """
 
 from __future__ import annotations
