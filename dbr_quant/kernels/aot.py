@@ -174,8 +174,15 @@ def compile_all(configs: list[Config], arch: int, jobs: int = 2) -> list[Result]
     if not configs:
         return []
     context = multiprocessing.get_context("spawn")
+    results = []
     with ProcessPoolExecutor(max_workers=max(1, min(jobs, len(configs))), mp_context=context) as pool:
-        return list(pool.map(compile_config, configs, [arch] * len(configs)))
+        futures = [pool.submit(compile_config, c, arch) for c in configs]
+        for config, future in zip(configs, futures):
+            try:
+                results.append(future.result())
+            except Exception as e:  # a worker that died (BrokenProcessPool) fails its configs, not the table
+                results.append(Result(config.kernel, config.description, error=error_chain(e)))
+    return results
 
 
 def covering_subset(configs: list[Config]) -> list[Config]:
