@@ -1,8 +1,12 @@
 # Two commands set everything up on a fresh machine: `make demo` and `make test`.
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
+# A second venv with the newest Triton release (requirements-triton-next.txt): only the AOT tool runs
+# there, from tests/kernels/test_aot.py, so that the kernels are checked on what an unpinned install gets.
+NEXT_PY := .venv-triton-next/bin/python
+NEXT_STAMP := .venv-triton-next/.installed
 
-.PHONY: demo test lint bench venv clean
+.PHONY: demo test lint bench venv venv-triton-next clean
 
 $(VENV_STAMP): requirements-dev.txt setup.cfg
 	test -x $(PY) || python3 -m venv .venv
@@ -11,17 +15,24 @@ $(VENV_STAMP): requirements-dev.txt setup.cfg
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(VENV_STAMP)
 
+$(NEXT_STAMP): requirements-triton-next.txt
+	test -x $(NEXT_PY) || python3 -m venv .venv-triton-next
+	$(NEXT_PY) -m pip install -q -r requirements-triton-next.txt
+	touch $(NEXT_STAMP)
+
 venv: $(VENV_STAMP)
+
+venv-triton-next: $(NEXT_STAMP)
 
 demo: $(VENV_STAMP)
 	$(PY) -m dbr_quant demo
 
-test: $(VENV_STAMP)
+test: $(VENV_STAMP) $(NEXT_STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -ra
+	DBR_TRITON_NEXT_PYTHON=$(CURDIR)/$(NEXT_PY) $(PY) -m pytest -q -ra
 
 bench: $(VENV_STAMP)
 	$(PY) benchmarks/run.py --rounds 25
 
 clean:
-	rm -rf .venv .pytest_cache build *.egg-info
+	rm -rf .venv .venv-triton-next .pytest_cache build *.egg-info

@@ -8,23 +8,36 @@ value of every kernel; ``--all`` for the full product): ``triton.compile`` for
 and a search of the PTX for FP8 tensor-core instructions (``wgmma … e4m3``/``e5m2`` on sm_90,
 ``mma … e4m3``/``e5m2`` on sm_89). Exits non-zero if a kernel fails to compile, spills registers, or a
 GEMM/attention kernel lacks FP8 tensor-core instructions.
+
+The kernel modules are every ``dbr_quant/kernels/triton_*.py`` with an ``AOT_CONFIGS`` table (a new
+module is picked up by defining one). Compiles run in worker processes started with "spawn", one compile
+at a time per process, sharing nothing with the calling process (e.g. a long pytest run) nor with each
+other. Compiling in threads of one process failed now and then: Triton's front end calls ``ast.parse``
+for the kernel and every @jit function it calls, and CPython before 3.11.8 / 3.12.2 (python/cpython#106905)
+keeps one recursion counter per interpreter for turning the parsed tree into Python objects; when a
+garbage collection during that runs Python finalizers, the other thread's ``ast.parse`` moves the
+counter and one of them fails with "SystemError: AST constructor recursion depth mismatch" (reported
+as "CompilationError: at <line>:<col>" when it hits a called function). Finalizers are plentiful after
+hundreds of tests, rare in a fresh process, hence failures only inside the test suite.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import multiprocessing
+import pkgutil
 import re
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from types import ModuleType
 
-MODULES = ("triton_quantize", "triton_norm", "triton_gemm", "triton_attention", "triton_grouped_gemm",
-           "triton_group_quantize", "triton_block_gemm")
 # kernels that multiply matrices must use FP8 tensor cores; elementwise ones have nothing to find
-NEEDS_FP8_MMA = ("gemm", "linear", "matmul", "attention")
+NEEDS_FP8_MMA = ("gemm", "linear", "matmul", "attention", "attn")
 
 
 @dataclass
@@ -83,7 +96,8 @@ def launch_options(mod, entry: tuple) -> dict[str, int]:
     return options
 
 
-def compile_one(mod, entry: tuple, arch: int) -> Result:
+def compile_one(mod: ModuleType, entry: tuple, arch: int) -> Result:
+    """Compile one AOT_CONFIGS entry for sm_``arch`` in this process and measure it."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -98,71 +112,148 @@ def compile_one(mod, entry: tuple, arch: int) -> Result:
         result.fp8_mma = fp8_mma_count(ptx, arch)
         result.registers, result.spill_bytes = ptxas_stats(ptx, arch)
     except Exception as e:  # report every failure in the table, do not stop at the first
-        result.error = f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+        result.error = error_chain(e)
     return result
 
 
-def all_configs(only: str | None = None) -> list[tuple]:
-    """(module, entry) for every configuration the wrappers can launch."""
-    entries = []
-    for mod_name in MODULES:
-        mod = importlib.import_module(f"dbr_quant.kernels.{mod_name}")
-        entries += [(mod, e) for e in mod.AOT_CONFIGS if only is None or only in e[0]]
-    return entries
+def error_chain(e: BaseException) -> str:
+    """Every exception in the chain, outermost first. Triton wraps an error inside a called @jit function
+    in a CompilationError that only names the call site ("at 77:14"); the cause says what failed."""
+    parts = []
+    while e is not None and len(parts) < 8:
+        text = str(e).strip()
+        first = text.splitlines()[0][:160] if text else ""
+        parts.append(f"{type(e).__name__}: {first}")
+        e = e.__cause__ or e.__context__
+    return " <- ".join(parts)
 
 
-def covering_subset(entries: list[tuple]) -> list[tuple]:
+@dataclass(frozen=True)
+class Config:
+    """One AOT_CONFIGS entry, by module and position: small and picklable, for the worker processes."""
+
+    module: str
+    index: int
+    kernel: str
+    description: str
+
+    def entry(self) -> tuple:
+        entry = importlib.import_module(f"dbr_quant.kernels.{self.module}").AOT_CONFIGS[self.index]
+        if entry[:2] != (self.kernel, self.description):  # tables are built deterministically at import
+            raise RuntimeError(f"{self.module}.AOT_CONFIGS[{self.index}] is {entry[:2]}, expected "
+                               f"{(self.kernel, self.description)}: the table changed between processes")
+        return entry
+
+
+def kernel_modules() -> list[str]:
+    """The ``triton_*`` modules of dbr_quant.kernels that define ``AOT_CONFIGS``, sorted by name."""
+    from dbr_quant import kernels
+
+    names = sorted(m.name for m in pkgutil.iter_modules(kernels.__path__) if m.name.startswith("triton_"))
+    return [n for n in names if hasattr(importlib.import_module(f"dbr_quant.kernels.{n}"), "AOT_CONFIGS")]
+
+
+def all_configs(only: str | None = None) -> list[Config]:
+    """Every configuration the wrappers can launch (kernel name containing ``only``, if given)."""
+    configs = []
+    for name in kernel_modules():
+        table = importlib.import_module(f"dbr_quant.kernels.{name}").AOT_CONFIGS
+        configs += [Config(name, i, e[0], e[1]) for i, e in enumerate(table) if only is None or only in e[0]]
+    return configs
+
+
+def compile_config(config: Config, arch: int) -> Result:
+    """Worker-process entry point: import the config's module and compile the entry."""
+    mod = importlib.import_module(f"dbr_quant.kernels.{config.module}")
+    return compile_one(mod, config.entry(), arch)
+
+
+def compile_all(configs: list[Config], arch: int, jobs: int = 2) -> list[Result]:
+    """Compile in ``jobs`` fresh "spawn" worker processes (never in this process, never two compiles in
+    one process at once); results in the order of ``configs``."""
+    if not configs:
+        return []
+    context = multiprocessing.get_context("spawn")
+    results = []
+    with ProcessPoolExecutor(max_workers=max(1, min(jobs, len(configs))), mp_context=context) as pool:
+        futures = [pool.submit(compile_config, c, arch) for c in configs]
+        for config, future in zip(configs, futures):
+            try:
+                results.append(future.result())
+            except Exception as e:  # a worker that died (BrokenProcessPool) fails its configs, not the table
+                results.append(Result(config.kernel, config.description, error=error_chain(e)))
+    return results
+
+
+def covering_subset(configs: list[Config]) -> list[Config]:
     """The fewest configurations (greedy) in which every kernel meets every value of every option in the
     descriptions at least once (each block config, format, activation, bias, residual, output kind, …).
     The GEMM alone has thousands of combinations (hours to compile); options change code locally, so
     this subset, plus the heaviest epilogue of each block config, is what the default run checks."""
-    def tokens(entry):
-        return {(entry[0], t) for t in re.split(r"[\s|]+", entry[1]) if t}
+    def tokens(c: Config) -> set[tuple[str, str]]:
+        return {(c.kernel, t) for t in re.split(r"[\s|]+", c.description) if t}
 
-    heaviest = {}
-    for mod, e in entries:  # per kernel and block config (first token): the description with most features
-        key = (e[0], e[1].split()[0])
-        score = sum(t not in ("act=None", "bias=0", "residual=None", "mask=none") for t in e[1].split())
+    heaviest: dict[tuple[str, str], tuple[int, Config]] = {}
+    for c in configs:  # per kernel and block config (first token): the description with most features
+        key = (c.kernel, c.description.split()[0])
+        score = sum(t not in ("act=None", "bias=0", "residual=None", "mask=none") for t in c.description.split())
         if key not in heaviest or score > heaviest[key][0]:
-            heaviest[key] = (score, (mod, e))
-    chosen = [me for _, me in heaviest.values()]
-    missing = set().union(*(tokens(e) for _, e in entries)) - set().union(*(tokens(e) for _, e in chosen))
+            heaviest[key] = (score, c)
+    chosen = [c for _, c in heaviest.values()]
+    missing = set().union(*(tokens(c) for c in configs)) - set().union(*(tokens(c) for c in chosen))
     while missing:
-        best = max(entries, key=lambda me: len(tokens(me[1]) & missing))
+        best = max(configs, key=lambda c: len(tokens(c) & missing))
         chosen.append(best)
-        missing -= tokens(best[1])
+        missing -= tokens(best)
     return chosen
+
+
+def for_arch(configs: list[Config], arch: int) -> list[Config]:
+    """Entries tuned for one architecture say so ("sm_89"): keep those only for it."""
+    return [c for c in configs if not re.search(r"\bsm_\d+", c.description) or f"sm_{arch}" in c.description]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dbr_quant.kernels.aot", description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, choices=(89, 90), default=90)
     parser.add_argument("--only", help="only kernels whose name contains this")
-    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
     parser.add_argument("--all", action="store_true",
                         help="every configuration (thousands: hours) instead of the covering subset")
     args = parser.parse_args(argv)
-    # entries tuned for one architecture say so ("sm_89"): compile them only for it
-    every = [(m, e) for m, e in all_configs(args.only)
-             if not re.search(r"\bsm_\d+", e[1]) or f"sm_{args.arch}" in e[1]]
-    entries = every if args.all else covering_subset(every)
-    print(f"{len(entries)} of {len(every)} launchable configurations"
+    import triton
+
+    every = for_arch(all_configs(args.only), args.arch)
+    configs = every if args.all else covering_subset(every)
+    print(f"{len(configs)} of {len(every)} launchable configurations"
           + ("" if args.all else " (covering subset: every option value of every kernel, and the heaviest "
                                  "epilogue per block config; --all for all)"))
-    with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda me: compile_one(me[0], me[1], args.arch), entries))
+    start = time.perf_counter()
+    results = compile_all(configs, args.arch, args.jobs)
+    seconds = time.perf_counter() - start
     width = max([len(r.config) for r in results] + [6])
-    print(f"AOT compile for sm_{args.arch} ({len(results)} configurations): registers and spills from ptxas -v")
+    print(f"AOT compile for sm_{args.arch} with triton {triton.__version__} ({len(results)} configurations): "
+          "registers and spills from ptxas -v")
     print(f"{'kernel':<22} {'config':<{width}} {'regs':>5} {'spill B':>8} {'smem B':>8} {'fp8 mma':>8}  status")
     for r in results:
-        status = "ok" if r.ok else (r.error or ("SPILLS" if r.spill_bytes else "NO FP8 MMA"))
+        status = "ok" if r.ok else r.error.split(" <- ")[0] if r.error else "SPILLS" if r.spill_bytes else "NO FP8 MMA"
         spill, smem = ("-" if v is None else v for v in (r.spill_bytes, r.shared_bytes))
         print(f"{r.kernel:<22} {r.config:<{width}} {r.registers or '-':>5} {spill:>8} {smem:>8} {r.fp8_mma:>8}  "
               f"{status}")
     failed = [r for r in results if not r.ok]
-    print(f"{len(results) - len(failed)} ok, {len(failed)} failed")
+    for r in failed:
+        if r.error:
+            print(f"error in {r.kernel} {r.config}: {r.error}")
+    most = max(results, key=lambda r: r.registers or 0, default=None)
+    print(f"{len(results) - len(failed)} ok, {len(failed)} failed in {seconds:.0f} s (sm_{args.arch}, triton "
+          f"{triton.__version__}; most registers: {most.registers if most else '-'}, "
+          f"most spill bytes: {max((r.spill_bytes or 0 for r in results), default=0)})")
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the imported module's main, so that what the workers pickle (Config, Result, compile_config)
+    # names dbr_quant.kernels.aot, not __main__ (spawned workers import it under another name)
+    from dbr_quant.kernels import aot
+
+    sys.exit(aot.main())

@@ -1,8 +1,31 @@
-"""The ahead-of-time tool compiles the kernels for Hopper and Ada without a GPU, and fails when it should."""
+"""The ahead-of-time tool compiles the kernels for Hopper and Ada without a GPU, and fails when it should.
+
+It runs under two Tritons: the pinned one (this venv) and the newest release (`.venv-triton-next`, made by
+`make venv-triton-next`; `make test` makes it and sets $DBR_TRITON_NEXT_PYTHON, so there a missing venv
+fails instead of skipping), because an unpinned `pip install triton` next to our torch gets that one.
+"""
+
+import importlib
+import os
+import pkgutil
+import re
+import subprocess
+from pathlib import Path
 
 import pytest
+import triton
+import triton.language as tl
 
+from dbr_quant import kernels
 from dbr_quant.kernels import aot
+from dbr_quant.kernels.triton_common import Kernel
+
+REPO = Path(__file__).resolve().parents[2]
+NEXT_PYTHON_VAR = "DBR_TRITON_NEXT_PYTHON"
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.match(r"(\d+)\.(\d+)\.(\d+)", text).groups())
 
 
 @pytest.mark.slow
@@ -19,6 +42,69 @@ def test_every_attention_configuration_compiles_without_spills(arch, capsys):
     assert aot.main(["--arch", str(arch), "--all", "--only", "attn"]) == 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", [90, 89])
+def test_aot_tool_passes_on_the_newest_triton(arch):
+    """The covering subset, compiled by the newest Triton release, in its own venv."""
+    python = Path(os.environ.get(NEXT_PYTHON_VAR) or REPO / ".venv-triton-next" / "bin" / "python")
+    if not python.exists():
+        if os.environ.get(NEXT_PYTHON_VAR):
+            pytest.fail(f"${NEXT_PYTHON_VAR}={python} does not exist: run `make venv-triton-next`")
+        pytest.skip(f"{python} is missing: `make venv-triton-next` creates it (`make test` does)")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run([str(python), "-m", "dbr_quant.kernels.aot", "--arch", str(arch)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=1800)
+    summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
+    print(summary)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    assert re.search(r"^0 failed|, 0 failed in", summary), summary
+    next_version = re.search(r"with triton (\S+) ", run.stdout).group(1)
+    assert _version(next_version) > _version(triton.__version__), (next_version, triton.__version__)
+
+
+def test_compiles_run_in_fresh_processes_untouched_by_this_one(monkeypatch, tmp_path):
+    """While Triton's interpreter runs a kernel it replaces triton.language's builtins in this process;
+    the tool's compiles must not see that (nor any other state of the process that calls it)."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # a cache hit would skip the front end
+
+    def patched(*args, **kwargs):
+        raise RuntimeError("a patched triton.language reached the compiler")
+
+    monkeypatch.setattr(tl, "program_id", patched)
+    [config] = [c for c in aot.all_configs("amax") if c.kernel == "amax"][:1]
+    in_process = aot.compile_one(importlib.import_module(f"dbr_quant.kernels.{config.module}"), config.entry(), 90)
+    assert "patched triton.language" in in_process.error  # the check below can fail
+    [isolated] = aot.compile_all([config], 90, jobs=1)
+    assert isolated.ok and isolated.registers > 0, isolated.error
+
+
+def test_every_kernel_of_every_triton_module_is_in_its_aot_table():
+    """A new kernels/triton_*.py module is picked up by the tool once it lists its kernels in AOT_CONFIGS."""
+    listed = set(aot.kernel_modules())
+    for info in pkgutil.iter_modules(kernels.__path__):
+        if not info.name.startswith("triton_"):
+            continue
+        mod = importlib.import_module(f"dbr_quant.kernels.{info.name}")
+        own = {id(v): v for v in vars(mod).values() if isinstance(v, Kernel) and v.fn.__module__ == mod.__name__}
+        if own:
+            assert info.name in listed, f"{info.name} defines Triton kernels but no AOT_CONFIGS"
+            in_table = {id(e[2]) for e in mod.AOT_CONFIGS}
+            missing = [k.fn.__name__ for i, k in own.items() if i not in in_table]
+            assert not missing, f"{info.name}: kernels missing from AOT_CONFIGS: {missing}"
+    assert {"triton_quantize", "triton_norm", "triton_gemm", "triton_attention"} <= listed
+
+
+def test_error_chain_names_the_failure_inside_a_called_function():
+    try:
+        try:
+            raise ValueError("unsupported cast\ndetails")
+        except ValueError as inner:
+            raise RuntimeError("at 77:14:\n    p_q = round_to_fp8(...)") from inner
+    except RuntimeError as outer:
+        text = aot.error_chain(outer)
+    assert text == "RuntimeError: at 77:14: <- ValueError: unsupported cast"
+
+
 def test_fp8_mma_detection_and_failure_rules():
     hopper = "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {...};"
     ada = "mma.sync.aligned.m16n8k32.row.col.f32.e5m2.e5m2.f32 {...};"
@@ -28,6 +114,7 @@ def test_fp8_mma_detection_and_failure_rules():
     ok = aot.Result("_fp8_linear_kernel", "cfg", registers=100, spill_bytes=0, shared_bytes=0, fp8_mma=2)
     assert ok.ok
     assert not aot.Result("_fp8_linear_kernel", "cfg", 100, 0, 0, fp8_mma=0).ok  # a GEMM without FP8 MMA
+    assert not aot.Result("_attn_fwd", "cfg", 100, 0, 0, fp8_mma=0).ok  # attention too
     assert aot.Result("quantize", "cfg", 40, 0, 0, fp8_mma=0).ok  # elementwise kernels have none to find
     assert not aot.Result("quantize", "cfg", 40, 8, 0, 0).ok  # spills fail
     assert not aot.Result("quantize", "cfg", error="CompilationError").ok
@@ -36,5 +123,6 @@ def test_fp8_mma_detection_and_failure_rules():
 def test_covering_subset_meets_every_option_of_every_kernel():
     every = aot.all_configs()
     subset = aot.covering_subset(every)
-    tokens = lambda entries: {(e[0], t) for _, e in entries for t in e[1].replace("|", " ").split()}  # noqa: E731
+    tokens = lambda configs: {(c.kernel, t) for c in configs for t in c.description.replace("|", " ").split()}  # noqa: E731
     assert tokens(subset) == tokens(every) and len(subset) < len(every) / 10
+    assert all(c.entry()[:2] == (c.kernel, c.description) for c in subset)
