@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import moe
 from .auto_trace import has_hooks, original_call, suspended
 from .fusions import Event, TraceGraph, find_subgraphs
 from .mappings import (
@@ -163,6 +164,8 @@ class TraceRun(Run):
                 if has_hooks(module):
                     self._escape((x, out))
             return out
+        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe.py
+            return moe.experts_call(self, module, args, kwargs, "trace")
         if rms_norm_module_eps(module) is not None and not has_hooks(module) and len(args) == 1 and not kwargs:
             return self._norm_module_call(module, args[0])
         hooked = has_hooks(module)

@@ -36,7 +36,9 @@ class FP8Weight(torch.Tensor):
     """An FP8 weight (``qdata`` × ``scale``) that reports the high-precision ``dtype`` it replaces.
 
     ``transposed`` marks Hugging Face ``Conv1D`` (GPT-2), whose weight is ``[in, out]``: the logical tensor
-    is ``qdata.T`` while ``qdata`` stays ``[out, in]`` for the GEMM.
+    is ``qdata.T`` while ``qdata`` stays ``[out, in]`` for the GEMM. A 3-D ``qdata`` ``[E, out, in]`` is the
+    stacked weights of an MoE experts module (``dbr_quant.moe``; ``scale`` ``[E, out]`` or ``[E, 1]``);
+    ``transposed`` then swaps the last two dims (experts stored ``[E, in, out]``).
     """
 
     qdata: torch.Tensor
@@ -45,7 +47,7 @@ class FP8Weight(torch.Tensor):
 
     @staticmethod
     def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transposed: bool = False):
-        shape = qdata.shape[::-1] if transposed else qdata.shape
+        shape = (*qdata.shape[:-2], qdata.shape[-1], qdata.shape[-2]) if transposed else qdata.shape
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=qdata.device,
                                                    requires_grad=False)
 
@@ -83,7 +85,7 @@ class FP8Weight(torch.Tensor):
 
         scale = self.scale.unsqueeze(-1) if self.scale.dim() else self.scale
         w = kernels.dequantize(self.qdata, scale, dtype or self.dtype)
-        return w.t() if self.transposed else w
+        return w.transpose(-2, -1) if self.transposed else w
 
     def _like(self, qdata: torch.Tensor | None = None, scale: torch.Tensor | None = None,
               dtype: torch.dtype | None = None) -> FP8Weight:
