@@ -275,9 +275,50 @@ def _trace_call(run: Any, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         run._record(None, module, args, kwargs, out)  # an opaque op: its inputs have a consumer
         if has_hooks(module):
             run._escape((args, kwargs, out))
+        bound = _bind(args, kwargs)
         if module not in run.states:
-            run.states[module] = _new_state(run, module, _bind(args, kwargs))
+            run.states[module] = _new_state(run, module, bound)
+        if bound is not None:
+            keep_router_high_precision(run, bound[1:])
     return out
+
+
+# Measured on the test suite's small Mixtral (3 seeds, logits vs fp32): router in FP8 0.078 relative error,
+# min cosine 0.9953; router in high precision 0.068, 0.9972. It is 0.1 % of the weights, and as a functional
+# F.linear its weight would be quantized on every call (two extra launches per layer).
+ROUTER_REASON = ("MoE router: its logits pick the experts, so it stays high precision (as vLLM and llm-compressor "
+                 "keep it)")
+
+
+def keep_router_high_precision(run: Any, routing: tuple[torch.Tensor, ...], max_steps: int = 16) -> None:
+    """Walk the trace's dataflow back from the top-k ids and weights an experts module receives (topk ←
+    softmax ← …) to the linear ops that computed the router logits, and keep those in high precision."""
+    todo = [run.tids[id(t)] for t in routing if id(t) in run.tids]
+    seen: set[int] = set()
+    for _ in range(max_steps):
+        if not todo:
+            return
+        tid = todo.pop()
+        ev_index = run.producers.get(tid)
+        if ev_index is None or ev_index in seen:
+            continue
+        seen.add(ev_index)
+        ev = run.events[ev_index]
+        if ev.op is not None and ev.op.kind == "linear":
+            _keep_high_precision(run, ev.op)
+            continue  # the router's input is the block's input: stop there
+        todo.extend(i for i in (*ev.arg_ids, *ev.kwarg_ids) if i is not None)
+
+
+def _keep_high_precision(run: Any, op: SeenOp) -> None:
+    if not op.quantize:
+        return
+    for st in run.states.values():
+        if any(o is op for o in st.seen_ops):
+            for key in (observer_key(op.index, slot) for slot in op.slots):
+                if key in st.observers:
+                    del st.observers[key]
+    op.quantize, op.reason, op.slots = False, ROUTER_REASON, ()
 
 
 def _new_state(run: Any, module: nn.Module, bound: tuple | None) -> MoeState:

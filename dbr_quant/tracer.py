@@ -61,6 +61,7 @@ class TraceRun(Run):
         self.param_ids = {id(t) for t in (*root.parameters(), *root.buffers())}
         self.activations: set[int] = set()
         self.data_ints: set[int] = set()
+        self.producers: dict[int, int] = {}  # tensor id → index of the event that wrote it (moe.py walks it)
 
     # ------------------------------------------------------------------ ids
     def tid(self, t: torch.Tensor, new: bool = False, activation: bool = False, data_int: bool = False) -> int:
@@ -106,6 +107,7 @@ class TraceRun(Run):
         output = out_ids[0] if isinstance(out, torch.Tensor) else None
         ev = Event(len(self.events), kind, func, arg_ids, kwarg_ids, output, detail=_detail(kind, func, args,
                                                                                             kwargs))
+        self.producers.update((i, ev.index) for i in out_ids)
         if inplace:
             ev.kind = None  # an in-place op mutates its input: never part of a subgraph
         if kind in INDEXED:

@@ -52,10 +52,13 @@ def _qwen2_moe(impl: str) -> nn.Module:
 
 
 HF_MODELS = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe}
-# measured logits cosine vs fp32 on the eval batch (same for the three implementations: one FP8 path):
-#   mixtral 0.99xxx, qwen2_moe 0.99xxx; toys: gated 0.99xxx, switch 0.99xxx
-MIN_COS = {"mixtral": 0.99, "qwen2_moe": 0.99, "gated": 0.99, "switch": 0.99, "gated_few": 0.98,
-           "switch_few": 0.98}
+# Measured logits cosine vs fp32 (eval batches [4,16] [3,11] [1,5] [2,24]; identical for the three experts
+# implementations, which take one FP8 path): mixtral ≥ 0.99514, qwen2_moe ≥ 0.99773 (dynamic per-token
+# 0.99836), toys gated ≥ 0.99885, switch ≥ 0.99913; calibrated on 2 × 3 tokens ("_few"): gated 0.9956,
+# switch 0.99446, mixtral on 2 tokens 0.99622. Thresholds leave ≥ 2× margin on 1 − cos; norm ratios
+# measured within 1 ± 0.0064.
+MIN_COS = {"mixtral": 0.99, "qwen2_moe": 0.995, "gated": 0.997, "switch": 0.998, "gated_few": 0.99,
+           "switch_few": 0.988}
 
 
 # ----------------------------------------------------------------------------------------- toys
@@ -219,7 +222,17 @@ def test_every_expert_weight_is_fp8_and_outputs_stay_close_to_fp32(pipelines, na
     with torch.no_grad(), no_warnings():
         out, ref = logits(converted(**ev)), logits(model(**ev))
     assert cosine(out, ref) >= MIN_COS[name], cosine(out, ref)
-    assert abs((out.norm() / ref.norm()).item() - 1) < 0.03
+    assert abs((out.norm() / ref.norm()).item() - 1) < 0.02
+
+
+@pytest.mark.parametrize("name", list(HF_MODELS))
+def test_the_router_stays_high_precision(pipelines, name):
+    """The linear whose logits pick the experts (found through the dataflow into the experts call)."""
+    _, _, converted = pipelines(name, "grouped_mm")
+    routers = [r for r in dq.report(converted) if r["fqn"].endswith("mlp.gate.linear")]
+    assert len(routers) == LAYERS and all(not r["fp8"] and r["reason"].startswith("MoE router") for r in routers)
+    others = [r for r in dq.report(converted) if r["kind"] == "linear" and r not in routers]
+    assert others and all(r["fp8"] for r in others)
 
 
 def _experts_modules(model: nn.Module) -> list[nn.Module]:
