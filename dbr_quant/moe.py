@@ -390,6 +390,9 @@ def _fp8_experts(module: nn.Module, st: MoeState, x: torch.Tensor, ids: torch.Te
                  weights: torch.Tensor) -> torch.Tensor:
     """The converted experts: static scales → ``kernels.fp8_moe_block`` (3 launches after routing);
     dynamic → quantize, gate_up (high-precision out), quantize, down + scatter-add (4 launches)."""
+    if kernels.graph_ops() is not None:
+        raise NotImplementedError(f"dbr_quant.fx_rewriter: the MoE experts module '{st.fqn}' has no graph op yet "
+                                  "(rewrite / torch.export of MoE models); run the converted model eagerly")
     spec = st.spec
     x2, ids2, w2 = _flat(x, ids, weights)
     routing = kernels.moe_route(ids2, spec.num_experts)
@@ -516,7 +519,7 @@ def expert_weight_bytes(model: nn.Module) -> tuple[int, int]:
     """(bytes of the 3-D expert weights now — FP8 data + scales, or high precision —, number of them)."""
     total = count = 0
     for mod in model.modules():
-        spec = mod.__dict__.get("_dbr_experts")
+        spec = mod.__dict__.get("_dbr_experts") or experts_spec(mod)
         if spec is None:
             continue
         for name in spec.names:

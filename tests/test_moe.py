@@ -239,32 +239,36 @@ def _experts_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if "_dbr_experts" in m.__dict__]
 
 
+@contextlib.contextmanager
+def launches_per_experts_call(model: nn.Module):
+    """Yields a list that receives, per experts module call, the kernel launches inside it."""
+    per_call: list = []
+    stack = contextlib.ExitStack()
+
+    def pre(mod, args):
+        per_call.append(stack.enter_context(kernels.count_launches()))
+
+    handles = [h for m in _experts_modules(model)
+               for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(lambda m, a, o: stack.close()))]
+    try:
+        yield per_call
+    finally:
+        stack.close()
+        for h in handles:
+            h.remove()
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name", list(HF_MODELS))
 def test_rerouted_forwards_and_generate_run_each_moe_block_in_three_launches(pipelines, name, impl):
     """The trace saw ≤ 4 experts per layer; other batches route tokens everywhere: no warning, and every
     experts call is quantize + gate_up grouped GEMM + down grouped GEMM, whatever the implementation."""
     _, _, converted = pipelines(name, impl)
-    per_call: list[dict] = []
-    stack = contextlib.ExitStack()
-
-    def pre(mod, args):
-        per_call.append(stack.enter_context(kernels.count_launches()))
-
-    def post(mod, args, out):
-        stack.close()
-
-    mods = _experts_modules(converted)
-    handles = [h for m in mods for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
-    try:
-        with torch.no_grad(), no_warnings():
-            for b in batches(2, (3, 11), 4) + batches(1, (1, 1), 5):
-                converted(**b)
-            gen = converted.generate(batches(1, (2, 5), 6)[0]["input_ids"], max_new_tokens=3, do_sample=False,
-                                     pad_token_id=0)
-    finally:
-        for h in handles:
-            h.remove()
+    with launches_per_experts_call(converted) as per_call, torch.no_grad(), no_warnings():
+        for b in batches(2, (3, 11), 4) + batches(1, (1, 1), 5):
+            converted(**b)
+        gen = converted.generate(batches(1, (2, 5), 6)[0]["input_ids"], max_new_tokens=3, do_sample=False,
+                                 pad_token_id=0)
     assert gen.shape == (2, 8)
     assert len(per_call) == LAYERS * (3 + 3)  # 3 forwards + prefill and 2 decode steps of generate()
     for counts in per_call:
@@ -322,9 +326,10 @@ def test_dynamic_per_token_activations():
     st = _experts_modules(converted)[0]._auto_quant_state
     assert len(st.observers) == 0 and st.quantized
     ev = batches(1, (4, 16), 3)[0]
-    with torch.no_grad(), no_warnings(), kernels.count_launches() as n:
+    with launches_per_experts_call(converted) as per_call, torch.no_grad(), no_warnings():
         out = converted(**ev).logits
-    assert n["fp8_grouped_linear"] == 2 * LAYERS
+    assert len(per_call) == LAYERS
+    assert all(dict(c) == {"dynamic_quantize": 2, "fp8_grouped_linear": 2} for c in per_call), per_call
     assert cosine(out, model(**ev).logits) >= MIN_COS["qwen2_moe"]
     assert all(r["reason"] == "dynamic activation scales" for r in dq.report(converted) if r["kind"] == EXPERTS)
 
