@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import kernels, moe, moe_siblings
+from . import kernels, moe, moe_siblings, moe_weights
 from .auto_trace import disabled, intercepting, is_disabled
 from .mappings import LINEAR, QUANTIZEABLE, is_container, is_linear_module, is_transposed_linear, linear_weight
 from .qconfig import QConfig
@@ -225,7 +225,7 @@ def convert(prepared: nn.Module, *, inplace: bool = False) -> nn.Module:
     for st in record.states:
         st.freeze_scales()
     _quantize_linear_weights(m, record)
-    moe.quantize_expert_weights(m, record)  # 3-D expert weights (moe.py)
+    moe_weights.quantize_expert_weights(m, record)  # 3-D expert weights (moe_weights.py)
     _stack_gate_up_weights(m, record)
     record.phase = "converted"
     _warn_high_precision(m, record, "convert")

@@ -20,9 +20,10 @@ its *call*, whole, in every phase — the three implementations take the same pa
 Activation scales: one for the gate_up input (the same hidden states go to every expert: quantized once
 per token), one per expert for the down input (produced by each expert's own weights). An expert that
 received no calibration rows takes the largest down-input scale of the experts that did (reported) —
-never an uncalibrated scale. benchmarks/moe_calibration.py measures the choice. An experts module this path cannot
-run (custom gating such as GPT-OSS's clamp, gate/up rows interleaved, an activation without an FP8
-epilogue) runs as written in high precision, and the report says why.
+never an uncalibrated scale (benchmarks/moe_calibration.py measures the choice). The router, the linear
+whose logits reach the top-k ids, stays high precision. An experts module this path cannot run (custom
+gating such as GPT-OSS's clamp, gate/up rows interleaved, an activation without an FP8 epilogue) runs as
+written in high precision, and the report says why. FP8 storage of the weights: moe_weights.py.
 """
 
 from __future__ import annotations
@@ -134,7 +135,6 @@ class MoeState(AutoQuantizationState):
         self.spec = spec
         self.seen_ops = ops
         self.register_buffer("rows", torch.zeros(spec.num_experts, dtype=torch.int64))
-        self.fallback: list[int] = []  # experts whose down-input scale is the fallback (set by freeze_scales)
         if self.static:
             for op in ops:
                 cfg = op.qconfig.activation
@@ -150,6 +150,11 @@ class MoeState(AutoQuantizationState):
     @property
     def static(self) -> bool:
         return self.quantized and not self.seen_ops[0].qconfig.dynamic
+
+    @property
+    def fallback(self) -> list[int]:
+        """Experts without calibration rows: their down-input scale is the max over the others'."""
+        return (self.rows == 0).nonzero().flatten().tolist()
 
     def observe(self, x: torch.Tensor) -> None:  # the gate_up input, all tokens
         self.observers[observer_key(0, "input")](x)
@@ -170,7 +175,7 @@ class MoeState(AutoQuantizationState):
             self.register_buffer(f"scale_{observer_key(0, 'input')}",
                                  self.observers[observer_key(0, "input")].scale().detach().clone())
             obs = [self.observers[_expert_key(1, e)] for e in range(self.spec.num_experts)]
-            scale, self.fallback = expert_scales(obs, self.rows > 0)
+            scale, _ = expert_scales(obs, self.rows > 0)
             self.register_buffer(f"scale_{observer_key(1, 'input')}", scale)
         self.converted = True
 
@@ -420,73 +425,6 @@ def _fp8_experts(module: nn.Module, st: MoeState, x: torch.Tensor, ids: torch.Te
     return out.reshape(x.shape)
 
 
-# ------------------------------------------------------------------------------------------- convert
-def quantize_expert_weights(model: nn.Module, record: Any) -> None:
-    """``convert``: each quantized experts module's 3-D weights become FP8 with one scale per expert and
-    output channel (weight granularity "channel"; "tensor" = one per expert)."""
-    for st in record.states:
-        if not isinstance(st, MoeState) or not st.quantized:
-            continue
-        module = model.get_submodule(st.fqn)
-        for op, name in zip(st.seen_ops, st.spec.names):
-            w = module._parameters[name].detach()
-            if type(w) is FP8Weight:
-                continue
-            if not torch.isfinite(w).all():
-                raise ValueError(f"convert(): the expert weight '{op.fqn}' has NaN/inf values; fix the weights or "
-                                 f"skip it with QConfig(overrides=(Override(pattern=..., skip=True),))")
-            w3 = w.transpose(-2, -1).contiguous() if st.spec.transposed else w  # [E, N, K]
-            num_e, n, k = w3.shape
-            cfg = op.qconfig.weight
-            observer = cfg.observer.create(cfg.format, 0)
-            if cfg.granularity == "channel":
-                observer(w3.reshape(num_e * n, k))
-                scale = observer.scale().reshape(num_e, n)
-            else:
-                observer(w3.reshape(num_e, n * k))
-                scale = observer.scale().reshape(num_e, 1)
-            q = kernels.quantize(w3, scale.unsqueeze(-1), cfg.format).contiguous()
-            attach_fp8_param(module, name, q, scale, w.dtype, st.spec.transposed)
-
-
-def attach_fp8_param(module: nn.Module, name: str, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                     transposed: bool) -> None:
-    """``module.<name>`` becomes an FP8Weight parameter; its state_dict entries ``<name>`` (FP8) and
-    ``<name>_scale`` (fp32)."""
-    module._parameters[name] = nn.Parameter(FP8Weight(qdata, scale, dtype, transposed), requires_grad=False)
-    if not module.__dict__.get("_dbr_fp8_param_hooks"):
-        module._register_state_dict_hook(_state_dict_hook)
-        module._register_load_state_dict_pre_hook(_load_hook, with_module=True)
-        module.__dict__["_dbr_fp8_param_hooks"] = True
-
-
-def _fp8_params(module: nn.Module) -> list[tuple[str, FP8Weight]]:
-    return [(n, p) for n, p in module._parameters.items() if type(p) is FP8Weight]
-
-
-def _state_dict_hook(module, state_dict, prefix, local_metadata):
-    for name, w in _fp8_params(module):
-        state_dict[prefix + name] = w.qdata
-        state_dict[prefix + name + "_scale"] = w.scale
-
-
-def _load_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-    for name, w in _fp8_params(module):
-        key = prefix + name
-        if key not in state_dict or isinstance(state_dict[key], FP8Weight):
-            continue
-        q, s = state_dict[key], state_dict.pop(key + "_scale", None)
-        if s is None:
-            missing.append(key + "_scale")
-            del state_dict[key]
-        elif q.dtype != w.qdata.dtype or q.shape != w.qdata.shape or s.shape != w.scale.shape:
-            errors.append(f"{key}: the checkpoint holds {q.dtype} {list(q.shape)} with scale {list(s.shape)}, the "
-                          f"converted model {w.qdata.dtype} {list(w.qdata.shape)} with scale {list(w.scale.shape)}")
-            del state_dict[key]
-        else:
-            state_dict[key] = FP8Weight(q, s, w.dtype, w.transposed)
-
-
 # ------------------------------------------------------------------------------------------- report
 def report_rows(st: MoeState) -> list[dict[str, Any]]:
     """``dbr_quant.report`` rows of an experts module: one per 3-D expert tensor, FP8 or not and why (or
@@ -513,18 +451,3 @@ def high_precision_tensors(model: nn.Module, record: Any) -> dict[str, tuple[str
                 w = module._parameters[name]
                 out[op.fqn] = (op.reason, w.numel() * w.element_size())
     return out
-
-
-def expert_weight_bytes(model: nn.Module) -> tuple[int, int]:
-    """(bytes of the 3-D expert weights now — FP8 data + scales, or high precision —, number of them)."""
-    total = count = 0
-    for mod in model.modules():
-        spec = mod.__dict__.get("_dbr_experts") or experts_spec(mod)
-        if spec is None:
-            continue
-        for name in spec.names:
-            w = mod._parameters[name]
-            total += (w.qdata.numel() * w.qdata.element_size() + w.scale.numel() * w.scale.element_size()
-                      if type(w) is FP8Weight else w.numel() * w.element_size())
-            count += 1
-    return total, count
