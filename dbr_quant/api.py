@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import kernels
+from . import kernels, moe, moe_siblings, moe_weights
 from .auto_trace import current_run, disabled, intercepting, is_disabled
 from .mappings import LINEAR, QUANTIZEABLE, is_container, is_linear_module, is_transposed_linear, linear_weight
 from .qconfig import QConfig
@@ -119,6 +119,7 @@ def prepare(
     for name, mod in m.named_modules():
         mod.__dict__["_dbr_fqn"] = name
         mod.__dict__["_dbr_owner"] = mod is m or bool(mod._modules)
+    moe.mark_experts(m)  # MoE experts modules with 3-D weights run as one op (moe.py)
     record = ModelRecord(qconfig, example=(args, kwargs))
     record.trace_run = run = TraceRun(m, record)
     m.__dict__["_dbr_record"] = record
@@ -143,6 +144,7 @@ def prepare(
         _undo_prepare(m)
         raise
     run.build()
+    moe_siblings.adopt_untraced_experts(m, run, record)  # experts the example did not reach (moe_siblings.py)
     for module, st in run.states.items():
         _attach_state(module, st, record)
     record.states = list(run.states.values())
@@ -162,7 +164,7 @@ def prepare(
 
 def _undo_prepare(m: nn.Module) -> None:
     for mod in m.modules():
-        for key in ("_dbr_fqn", "_dbr_owner", "_dbr_record", "forward"):
+        for key in ("_dbr_fqn", "_dbr_owner", "_dbr_record", "_dbr_experts", "forward"):
             if key == "forward" and not _is_entry_forward(mod.__dict__.get("forward")):
                 continue
             mod.__dict__.pop(key, None)
@@ -238,6 +240,7 @@ def convert(prepared: nn.Module, *, inplace: bool = False) -> nn.Module:
     for st in record.states:
         st.freeze_scales()
     _quantize_linear_weights(m, record)
+    moe_weights.quantize_expert_weights(m, record)  # 3-D expert weights (moe_weights.py)
     _stack_gate_up_weights(m, record)
     record.phase = "converted"
     _warn_high_precision(m, record, "convert")
@@ -352,11 +355,14 @@ def _warn_high_precision(model: nn.Module, record: ModelRecord, fn: str) -> None
               if op.weight_owner is not None and op.kind == LINEAR and not op.quantize}
     reasons = {r["fqn"]: r["reason"] for r in _unreached_rows(model, record)}
     reasons.update({fqn: why for fqn, why in hp_ops.items()})
+    experts_hp = moe.high_precision_tensors(model, record)  # 3-D expert weights that stay high precision
+    reasons.update({fqn: why for fqn, (why, _) in experts_hp.items()})
     if not reasons:
         return
     mods = dict(_linear_modules(model))
     nbytes = sum(w.numel() * w.element_size() for fqn in reasons if fqn in mods
                  for w in [mods[fqn]._parameters.get("weight")] if w is not None and fqn not in fp8)
+    nbytes += sum(b for _, b in experts_hp.values())
     shown = "; ".join(f"{fqn}: {why}" for fqn, why in list(reasons.items())[:5])
     more = f"; … and {len(reasons) - 5} more" if len(reasons) > 5 else ""
     warnings.warn(f"dbr_quant.{fn}(): {len(reasons)} linear module(s) stay high precision "
@@ -372,6 +378,9 @@ def report(model: nn.Module) -> list[dict[str, Any]]:
         raise TypeError("dbr_quant.report() needs a model returned by prepare() or convert()")
     rows = []
     for st in record.states:
+        if isinstance(st, moe.MoeState):  # an experts module: one row per 3-D expert tensor
+            rows += moe.report_rows(st)
+            continue
         for op in st.seen_ops:
             if op.kind not in QUANTIZEABLE:
                 continue

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.modules import module as _module_globals
 from torch.utils._pytree import tree_flatten, tree_map
 
-from . import kernels
+from . import kernels, moe
 from .auto_trace import current_run, has_hooks, original_call, suspended
 from .basic_ops import PER_TOKEN_SLOTS, Call, linear_hp_weight, run_basic, stored_fp8_weight
 from .fusions import Fusion
@@ -208,6 +208,8 @@ class CalibrateRun(Run):
             with suspended(self):
                 self._observe(LINEAR, args, kwargs, module)
                 return original_call(module, *args, **kwargs)
+        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe.py
+            return moe.experts_call(self, module, args, kwargs, "calibrate")
         return self.call_module(module, args, kwargs)
 
 
@@ -367,6 +369,8 @@ class ConvertRun(Run):
                 return self._hooked_linear_call(module, args, kwargs)
             with suspended(self):  # our own torch calls below are not the model's
                 return self._linear_call(module, args, kwargs)
+        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe.py
+            return moe.experts_call(self, module, args, kwargs, "convert")
         act = ACTIVATION_MODULES.get(type(module))
         if act is not None and len(args) == 1 and not kwargs and not has_hooks(module) and not _global_hooks():
             # an activation module's forward is one F.relu / F.gelu / F.silu: take the step it would take
@@ -493,6 +497,9 @@ class InspectRun(Run):
         return func(*args, **kwargs)
 
     def module_call(self, module, args, kwargs):
+        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe.py
+            return moe.experts_call(self, module, args, kwargs,
+                                    "convert" if self.record.phase == "converted" else "hp")
         if not is_linear_module(module):
             return self.call_module(module, args, kwargs)
         with suspended(self):

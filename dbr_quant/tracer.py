@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import moe
 from .auto_trace import has_hooks, original_call, suspended
 from .fusions import Event, TraceGraph, find_subgraphs
 from .mappings import (
@@ -60,6 +61,7 @@ class TraceRun(Run):
         self.param_ids = {id(t) for t in (*root.parameters(), *root.buffers())}
         self.activations: set[int] = set()
         self.data_ints: set[int] = set()
+        self.producers: dict[int, int] = {}  # tensor id → index of the event that wrote it (moe.py walks it)
 
     # ------------------------------------------------------------------ ids
     def tid(self, t: torch.Tensor, new: bool = False, activation: bool = False, data_int: bool = False) -> int:
@@ -105,6 +107,7 @@ class TraceRun(Run):
         output = out_ids[0] if isinstance(out, torch.Tensor) else None
         ev = Event(len(self.events), kind, func, arg_ids, kwarg_ids, output, detail=_detail(kind, func, args,
                                                                                             kwargs))
+        self.producers.update((i, ev.index) for i in out_ids)
         if inplace:
             ev.kind = None  # an in-place op mutates its input: never part of a subgraph
         if kind in INDEXED:
@@ -163,6 +166,8 @@ class TraceRun(Run):
                 if has_hooks(module):
                     self._escape((x, out))
             return out
+        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe.py
+            return moe.experts_call(self, module, args, kwargs, "trace")
         if rms_norm_module_eps(module) is not None and not has_hooks(module) and len(args) == 1 and not kwargs:
             return self._norm_module_call(module, args[0])
         hooked = has_hooks(module)

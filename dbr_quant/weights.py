@@ -39,7 +39,9 @@ class FP8Weight(torch.Tensor):
 
     ``transposed`` marks Hugging Face ``Conv1D`` (GPT-2), whose weight is ``[in, out]``: the logical tensor
     is ``qdata.T`` while ``qdata`` stays ``[out, in]`` for the GEMM (blocks tile ``qdata``). ``block`` is the
-    (rows, columns) tile of a block-scaled weight, None for per-tensor / per-channel scales.
+    (rows, columns) tile of a block-scaled weight, None for per-tensor / per-channel scales. A 3-D ``qdata``
+    ``[E, out, in]`` is the stacked weights of an MoE experts module (``dbr_quant.moe``; ``scale`` ``[E, out]``
+    or ``[E, 1]``); ``transposed`` then swaps the last two dims (experts stored ``[E, in, out]``).
     """
 
     qdata: torch.Tensor
@@ -50,7 +52,7 @@ class FP8Weight(torch.Tensor):
     @staticmethod
     def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transposed: bool = False,
                 block: tuple[int, int] | None = None):
-        shape = qdata.shape[::-1] if transposed else qdata.shape
+        shape = (*qdata.shape[:-2], qdata.shape[-1], qdata.shape[-2]) if transposed else qdata.shape
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=qdata.device,
                                                    requires_grad=False)
 
@@ -92,7 +94,7 @@ class FP8Weight(torch.Tensor):
         from . import kernels
 
         w = kernels.dequantize(self.qdata, self.elementwise_scale(), dtype or self.dtype)
-        return w.t() if self.transposed else w
+        return w.transpose(-2, -1) if self.transposed else w
 
     def elementwise_scale(self) -> torch.Tensor:
         """``scale`` broadcastable against ``qdata`` [out, in]: 0-d, [out, 1], or one per element for blocks."""

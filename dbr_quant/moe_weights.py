@@ -1,0 +1,101 @@
+"""The 3-D weights of MoE experts modules in FP8 (``convert``), and their state_dict form.
+
+Each quantized experts module's parameters (``gate_up_proj`` / ``up_proj``, ``down_proj``) become an
+``FP8Weight`` parameter: ``qdata`` [E, N, K] (transposed once when the module stores [E, in, out]), one
+fp32 scale per expert and output channel (weight granularity "channel") or per expert ("tensor", [E, 1]).
+It reports the original dtype and shape, so model code reading ``experts.gate_up_proj`` keeps working and
+``Module.to(dtype)`` changes the compute dtype only. In ``state_dict()`` a parameter is two entries:
+``<name>`` (FP8) and ``<name>_scale`` (fp32).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import kernels
+from .moe import MoeState, experts_spec
+from .weights import FP8Weight
+
+
+def quantize_expert_weights(model: nn.Module, record: Any) -> None:
+    """``convert``: each quantized experts module's 3-D weights become FP8 with one scale per expert and
+    output channel (weight granularity "channel"; "tensor" = one per expert)."""
+    for st in record.states:
+        if not isinstance(st, MoeState) or not st.quantized:
+            continue
+        module = model.get_submodule(st.fqn)
+        for op, name in zip(st.seen_ops, st.spec.names):
+            w = module._parameters[name].detach()
+            if type(w) is FP8Weight:
+                continue
+            if not torch.isfinite(w).all():
+                raise ValueError(f"convert(): the expert weight '{op.fqn}' has NaN/inf values; fix the weights or "
+                                 f"skip it with QConfig(overrides=(Override(pattern=..., skip=True),))")
+            w3 = w.transpose(-2, -1).contiguous() if st.spec.transposed else w  # [E, N, K]
+            num_e, n, k = w3.shape
+            cfg = op.qconfig.weight
+            observer = cfg.observer.create(cfg.format, 0)
+            if cfg.granularity == "channel":
+                observer(w3.reshape(num_e * n, k))
+                scale = observer.scale().reshape(num_e, n)
+            else:
+                observer(w3.reshape(num_e, n * k))
+                scale = observer.scale().reshape(num_e, 1)
+            q = kernels.quantize(w3, scale.unsqueeze(-1), cfg.format).contiguous()
+            attach_fp8_param(module, name, q, scale, w.dtype, st.spec.transposed)
+
+
+def attach_fp8_param(module: nn.Module, name: str, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                     transposed: bool) -> None:
+    """``module.<name>`` becomes an FP8Weight parameter; its state_dict entries ``<name>`` (FP8) and
+    ``<name>_scale`` (fp32)."""
+    module._parameters[name] = nn.Parameter(FP8Weight(qdata, scale, dtype, transposed), requires_grad=False)
+    if not module.__dict__.get("_dbr_fp8_param_hooks"):
+        module._register_state_dict_hook(_state_dict_hook)
+        module._register_load_state_dict_pre_hook(_load_hook, with_module=True)
+        module.__dict__["_dbr_fp8_param_hooks"] = True
+
+
+def _fp8_params(module: nn.Module) -> list[tuple[str, FP8Weight]]:
+    return [(n, p) for n, p in module._parameters.items() if type(p) is FP8Weight]
+
+
+def _state_dict_hook(module, state_dict, prefix, local_metadata):
+    for name, w in _fp8_params(module):
+        state_dict[prefix + name] = w.qdata
+        state_dict[prefix + name + "_scale"] = w.scale
+
+
+def _load_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    for name, w in _fp8_params(module):
+        key = prefix + name
+        if key not in state_dict or isinstance(state_dict[key], FP8Weight):
+            continue
+        q, s = state_dict[key], state_dict.pop(key + "_scale", None)
+        if s is None:
+            missing.append(key + "_scale")
+            del state_dict[key]
+        elif q.dtype != w.qdata.dtype or q.shape != w.qdata.shape or s.shape != w.scale.shape:
+            errors.append(f"{key}: the checkpoint holds {q.dtype} {list(q.shape)} with scale {list(s.shape)}, the "
+                          f"converted model {w.qdata.dtype} {list(w.qdata.shape)} with scale {list(w.scale.shape)}")
+            del state_dict[key]
+        else:
+            state_dict[key] = FP8Weight(q, s, w.dtype, w.transposed)
+
+
+def expert_weight_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes of the 3-D expert weights now — FP8 data + scales, or high precision —, number of them)."""
+    total = count = 0
+    for mod in model.modules():
+        spec = mod.__dict__.get("_dbr_experts") or experts_spec(mod)
+        if spec is None:
+            continue
+        for name in spec.names:
+            w = mod._parameters[name]
+            total += (w.qdata.numel() * w.qdata.element_size() + w.scale.numel() * w.scale.element_size()
+                      if type(w) is FP8Weight else w.numel() * w.element_size())
+            count += 1
+    return total, count
