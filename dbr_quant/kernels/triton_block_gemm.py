@@ -46,15 +46,18 @@ from .triton_gemm import (
 
 __all__ = ["AOT_CONFIGS", "BLOCK_CONFIGS", "aot_attrs", "aot_options", "fp8_block_linear", "pick_block_config"]
 
-# As triton_gemm.CONFIGS, with BLOCK_K = 128 everywhere: one scale pair per K step for 128-wide blocks
-# (a 64-wide step would double the CUDA-core scaling work). Each step's dot needs a second fp32 tile next to
-# the accumulator, so medium uses 8 warps (with 4: 255 registers and a 16-byte spill on sm_89).
-# smem per stage = (BLOCK_M + BLOCK_N)·128 B: decode 4 × 16 KB, medium 3 × 24 KB, large 3 × 32 KB = 96 KB
+# As triton_gemm.CONFIGS, with BLOCK_K = 128 for decode and medium: one scale pair per K step for 128-wide
+# blocks (a 64-wide step doubles the CUDA-core scaling work; large takes it to fit its registers). Each
+# step's dot needs a second fp32 tile next to the accumulator, so medium uses 8 warps (with 4: 255
+# registers and a 16-byte spill on sm_89).
+# smem per stage = (BLOCK_M + BLOCK_N)·128 B: decode 4 × 16 KB, medium 3 × 24 KB, large 4 × 16 KB = 64 KB
 # (under Ada's 99 KB per block).
 BLOCK_CONFIGS: dict[str, GemmConfig] = {
     "decode": GemmConfig("decode", 64, 64, 128, GROUP_M=8, num_warps=4, num_stages=4),
     "medium": GemmConfig("medium", 64, 128, 128, GROUP_M=8, num_warps=8, num_stages=3),
-    "large": GemmConfig("large", 128, 128, 128, GROUP_M=8, num_warps=8, num_stages=3),
+    # BLOCK_K 64 (two K steps per 128-wide scale block): at 128 the relu+bias+fp32-residual epilogue needed
+    # 255 registers and spilled 4 B on sm_89 under triton 3.9
+    "large": GemmConfig("large", 128, 128, 64, GROUP_M=8, num_warps=8, num_stages=4),
 }
 MIN_BLOCK_K = 32  # an FP8 MMA consumes K in steps of 32
 

@@ -36,7 +36,8 @@ def fp8(shape, gen, fmt=E4M3, scale=4.0):
 def act64(y, activation):
     if activation in R.GATED:
         gate, up = y.chunk(2, dim=-1)
-        return (F.silu(gate) if activation == "swiglu" else F.gelu(gate)) * up
+        gated = {"swiglu": F.silu, "geglu": F.gelu, "geglu_tanh": lambda v: F.gelu(v, approximate="tanh")}
+        return gated[activation](gate) * up
     return {None: lambda v: v, "relu": F.relu, "gelu": F.gelu, "silu": F.silu,
             "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}[activation](y)
 
