@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from . import kernels
 from .auto_trace import disabled, intercepting, is_disabled
+from .distributed import sync_observers
 from .mappings import LINEAR, QUANTIZEABLE, is_container, is_linear_module, is_transposed_linear, linear_weight
 from .qconfig import QConfig
 from .quantization_state import AutoQuantizationState, UncalibratedError
@@ -208,8 +209,16 @@ def calibrate(prepared: nn.Module, batches: Iterable[Any], *, num_batches: int |
     return prepared
 
 
-def convert(prepared: nn.Module, *, inplace: bool = False) -> nn.Module:
-    """Freeze scales, store nn.Linear weights in FP8 and bind recorded subgraphs to FP8 kernels."""
+def convert(prepared: nn.Module, *, inplace: bool = False, sync: Any = True) -> nn.Module:
+    """Freeze scales, store nn.Linear weights in FP8 and bind recorded subgraphs to FP8 kernels.
+
+    With torch.distributed initialized, the observers are first merged across the ranks (every rank must
+    call convert; see :func:`dbr_quant.sync_observers`): ``sync`` is True (the default group), a process
+    group, or False (each rank keeps its own scales). ``inplace=True`` quantizes the prepared model one
+    layer at a time without copying it (peak memory: the model plus about one layer).
+    """
+    if sync is not False:  # data-parallel calibration; a no-op without torch.distributed
+        sync_observers(prepared, None if sync is True else sync)
     record = _record(prepared, "prepared", "convert")
     missing = [entry for st in record.states for entry in st.uncalibrated()]
     if missing:
