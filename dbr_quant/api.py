@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import kernels
+from . import kernels, offload
 from .auto_trace import disabled, intercepting, is_disabled
 from .distributed import sync_observers
 from .mappings import LINEAR, QUANTIZEABLE, is_container, is_linear_module, is_transposed_linear, linear_weight
@@ -39,7 +39,8 @@ def _root_forward(m: nn.Module, *args: Any, **kwargs: Any) -> Any:
     because torch.export reads ``forward.func.__code__``.
     """
     record: ModelRecord = m.__dict__["_dbr_record"]
-    forward = type(m).forward.__get__(m)
+    # an instance forward that was there before prepare (accelerate's device/offload wrapper) keeps running
+    forward = m.__dict__.get("_dbr_inner_forward") or type(m).forward.__get__(m)
     if record.phase == "tracing":
         run = record.trace_run
     elif is_disabled():
@@ -60,6 +61,8 @@ def _root_forward(m: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _install_root_forward(m: nn.Module) -> None:
+    if "forward" in m.__dict__:
+        m.__dict__["_dbr_inner_forward"] = m.__dict__["forward"]
     wrapper = functools.partial(_root_forward, m)
     wrapper.__signature__ = inspect.signature(type(m).forward.__get__(m))  # what users and HF introspect
     m.__dict__["forward"] = wrapper
@@ -152,6 +155,8 @@ def _undo_prepare(m: nn.Module) -> None:
             if key == "forward" and not _is_root_forward(mod.__dict__.get("forward")):
                 continue
             mod.__dict__.pop(key, None)
+        if "_dbr_inner_forward" in mod.__dict__:
+            mod.__dict__["forward"] = mod.__dict__.pop("_dbr_inner_forward")
 
 
 # ---------------------------------------------------------------------- state attachment
@@ -270,6 +275,10 @@ def _stack_gate_up_weights(m: nn.Module, record: ModelRecord) -> None:
         if gw is None or uw is None or gw.transposed or uw.transposed or gw.qdata.dtype != uw.qdata.dtype \
                 or gw.qdata.shape[1] != uw.qdata.shape[1]:
             continue
+        if gw.qdata.is_meta or uw.qdata.is_meta:  # offloaded (offload.py): accelerate loads each separately,
+            if gw.scale.dim() == uw.scale.dim() == 1:  # the fused GEMM concatenates the pair per call
+                up.__dict__["_dbr_stacked_after"] = gate
+            continue
         n_gate, n_up = gw.qdata.shape[0], uw.qdata.shape[0]
         q = torch.cat([gw.qdata, uw.qdata])
         s = torch.cat([sc.expand(n) if sc.dim() == 0 else sc for sc, n in ((gw.scale, n_gate), (uw.scale, n_up))])
@@ -288,7 +297,8 @@ def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
         if not all(op.quantize for op in ops):
             continue  # some call runs in high precision: it needs the original weight
         module = m.get_submodule(fqn)
-        w = linear_weight(module).detach()
+        home = offload.weight_home(m, fqn)  # accelerate keeps an offloaded weight in its weights map (meta here)
+        w = linear_weight(module).detach() if home is None else _loaded_weight(module, home)
         if not torch.isfinite(w).all():
             raise ValueError(f"convert(): the weight of '{fqn}' ({type(module).__name__}) has NaN/inf values; "
                              "fix the weights or skip this module with QConfig(overrides=(Override(pattern=...,"
@@ -300,6 +310,14 @@ def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
         scale = observer.scale()
         q = kernels.quantize(w, scale.unsqueeze(1) if per_channel else scale, cfg.format).contiguous()
         attach_fp8_weight(module, q, scale, w.dtype, transposed=is_transposed_linear(module))
+        if home is not None:
+            home.store(module)  # FP8 goes back where accelerate kept the weight; the module keeps meta
+        del w, q  # one layer at a time: the high-precision weight can go before the next one is read
+
+
+def _loaded_weight(module: nn.Module, home: offload.WeightHome) -> torch.Tensor:
+    w = home.load().to(module._parameters["weight"].dtype)
+    return w.t() if is_transposed_linear(module) else w
 
 
 # ---------------------------------------------------------------------- report

@@ -15,11 +15,22 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from . import kernels
+from . import kernels, offload
 from .auto_trace import has_hooks, original_call, suspended
 from .basic_ops import PER_TOKEN_SLOTS, Call, linear_hp_weight, run_basic, stored_fp8_weight
 from .fusions import Fusion
-from .mappings import FUNC_KINDS, INDEXED, LINEAR, MATMUL, NORM, PASSTHROUGH, SDPA, is_linear_module, is_passthrough
+from .mappings import (
+    FUNC_KINDS,
+    INDEXED,
+    LINEAR,
+    MATMUL,
+    NORM,
+    PASSTHROUGH,
+    SDPA,
+    is_device_move,
+    is_linear_module,
+    is_passthrough,
+)
 from .quantization_state import AutoQuantizationState, SeenOp, observer_key
 
 
@@ -222,6 +233,7 @@ class ConvertRun(Run):
         self.placeholders: dict[int, _Pending] = {}
         self.resolved: dict[int, torch.Tensor] = {}
         self.done: list[_Pending] = []  # keeps placeholder objects alive so their ids stay unique
+        self.onloaded: dict[int, nn.Module] = {}  # accelerate-offloaded modules whose weights we loaded
 
     # ------------------------------------------------------------------ placeholders
     def _scan(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, _Pending | None]:
@@ -317,6 +329,8 @@ class ConvertRun(Run):
             out = self.hooked_body(func, args, kwargs)
             if out is not NotImplemented:
                 return out
+        if func is torch.Tensor.to and id(args[0]) in self.placeholders and is_device_move(args, kwargs):
+            return args[0]  # the trace saw this move move nothing (TraceRun.function_call)
         hit = None
         if self.placeholders or self.resolved:
             args, kwargs, hit = self._scan(args, kwargs)
@@ -336,6 +350,24 @@ class ConvertRun(Run):
         return func(*args, **kwargs)
 
     def module_call(self, module, args, kwargs):
+        if "_hf_hook" in module.__dict__ and (is_linear_module(module) or module.__dict__.get("_dbr_norm")) \
+                and not has_hooks(module):
+            # accelerate (offload.py) loads weights in the forward wrapper that the FP8 path bypasses: load
+            # them here and keep them until no pending fused subgraph can still read them
+            args, kwargs = offload.onload(module, args, kwargs)
+            self.onloaded[id(module)] = module
+            try:
+                return self._module_call(module, args, kwargs)
+            finally:
+                if not self.pending:
+                    self._offload()
+        return self._module_call(module, args, kwargs)
+
+    def _offload(self) -> None:
+        while self.onloaded:
+            offload.offload(self.onloaded.popitem()[1])
+
+    def _module_call(self, module, args, kwargs):
         if is_linear_module(module):
             if has_hooks(module):
                 return self._hooked_linear_call(module, args, kwargs)
@@ -383,6 +415,7 @@ class ConvertRun(Run):
     def finish(self, out: Any) -> Any:
         for p in list(self.pending.values()):
             self.materialize(p)
+        self._offload()
         if self.resolved:
             out = tree_map(lambda t: self.resolved.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
         return out
@@ -428,7 +461,7 @@ class InspectRun(Run):
                 body = lambda x: Call(LINEAR, module, (x,), {}).run_original()  # noqa: E731
             else:
                 return original_call(module, *args, **kwargs)
-            if not has_hooks(module):
+            if not has_hooks(module) and not offload.has_device_hook(module):  # accelerate loads weights in forward
                 return body(*args, **kwargs)
         return self.call_hooked(module, body, args, kwargs)
 
@@ -446,7 +479,7 @@ class HighPrecisionRun(Run):
     def module_call(self, module, args, kwargs):
         if is_linear_module(module) and stored_fp8_weight(module) is not None:
             body = lambda x: torch.nn.functional.linear(x, *linear_hp_weight(module))  # noqa: E731
-            if not has_hooks(module):
+            if not has_hooks(module) and not offload.has_device_hook(module):  # accelerate loads weights in forward
                 with suspended(self):
                     return body(*args, **kwargs)
             return self.call_hooked(module, body, args, kwargs)

@@ -44,15 +44,30 @@ class FP8Weight(torch.Tensor):
     transposed: bool
 
     @staticmethod
-    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transposed: bool = False):
+    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                transposed: bool = False, *, requires_grad: bool = False):
+        if isinstance(qdata, FP8Weight) and scale is None:
+            # ``type(param)(value, requires_grad=...)``: how accelerate's set_module_tensor_to_device rebuilds a
+            # parameter it moves (offloaded models, see offload.py). A parameter, like nn.Parameter(value).
+            if requires_grad:
+                raise RuntimeError("dbr_quant: an FP8 weight is inference-only; it cannot require grad")
+            return nn.Parameter(qdata._like(), requires_grad=False)
         shape = qdata.shape[::-1] if transposed else qdata.shape
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=qdata.device,
                                                    requires_grad=False)
 
-    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transposed: bool = False):
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                 transposed: bool = False, *, requires_grad: bool = False):
+        if scale is None:  # the copy form above: __new__ returned a complete FP8Weight
+            return
         self.qdata = qdata
         self.scale = scale
         self.transposed = transposed
+
+    def data_ptr(self) -> int:
+        """The FP8 data's address (a wrapper has no storage of its own; accelerate tells tied weights apart
+        by ``data_ptr()``, and every wrapper would otherwise answer 0)."""
+        return self.qdata.data_ptr()
 
     def __repr__(self) -> str:
         gran = "per-tensor" if self.scale.dim() == 0 else "per-channel"

@@ -174,10 +174,7 @@ def test_scales_equal_one_process_on_all_batches(ranks, kind):
             torch.testing.assert_close(merged[k], single[k], rtol=1e-5, atol=0)
     else:
         # EMA: both are convex combinations of per-batch amaxes → within their spread (scale = amax / 448)
-        p = _prepared("running_max")
-        per_batch = [_scales(dq.convert(dq.calibrate(_prepared("running_max"), [b], progress=False)))
-                     for b in batches]
-        del p
+        per_batch = [_scales(_single("running_max", [b])) for b in batches]
         for k in single:
             values = torch.stack([pb[k] for pb in per_batch])
             spread = values.max() - values.min()
