@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import kernels, offload
+from . import offload
 from .auto_trace import disabled, intercepting, is_disabled
 from .distributed import sync_observers
 from .mappings import LINEAR, QUANTIZEABLE, is_container, is_linear_module, is_transposed_linear, linear_weight
@@ -21,6 +21,7 @@ from .qconfig import QConfig
 from .quantization_state import AutoQuantizationState, UncalibratedError
 from .runs import CalibrateRun, ConvertRun, HighPrecisionRun, InspectRun, ModelRecord, state_of
 from .tracer import TraceRun
+from .weight_quantization import quantize_weight
 from .weights import attach_fp8_weight, fp8_weight_of
 
 __all__ = ["prepare", "calibrate", "convert", "disabled", "report", "PrepareError"]
@@ -303,12 +304,7 @@ def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
             raise ValueError(f"convert(): the weight of '{fqn}' ({type(module).__name__}) has NaN/inf values; "
                              "fix the weights or skip this module with QConfig(overrides=(Override(pattern=...,"
                              " skip=True),))")
-        cfg = ops[0].qconfig.weight
-        per_channel = cfg.granularity == "channel"
-        observer = cfg.observer.create(cfg.format, 0 if per_channel else None)  # e.g. MSE clipping for weights
-        observer(w)
-        scale = observer.scale()
-        q = kernels.quantize(w, scale.unsqueeze(1) if per_channel else scale, cfg.format).contiguous()
+        q, scale = quantize_weight(w, ops[0].qconfig.weight)  # in row blocks: temporaries of a block, not a layer
         attach_fp8_weight(module, q, scale, w.dtype, transposed=is_transposed_linear(module))
         if home is not None:
             home.store(module)  # FP8 goes back where accelerate kept the weight; the module keeps meta
