@@ -329,8 +329,8 @@ class ConvertRun(Run):
             out = self.hooked_body(func, args, kwargs)
             if out is not NotImplemented:
                 return out
-        if func is torch.Tensor.to and id(args[0]) in self.placeholders and is_device_move(args, kwargs):
-            return args[0]  # the trace saw this move move nothing (TraceRun.function_call)
+        if func is torch.Tensor.to and id(args[0]) in self.placeholders and self._moves_nothing(args, kwargs):
+            return args[0]
         hit = None
         if self.placeholders or self.resolved:
             args, kwargs, hit = self._scan(args, kwargs)
@@ -348,6 +348,15 @@ class ConvertRun(Run):
         if hit is not None:
             args, kwargs = self._resolve_all(args, kwargs, hit)
         return func(*args, **kwargs)
+
+    def _moves_nothing(self, args: tuple, kwargs: dict) -> bool:
+        """A placeholder moved to the device its subgraph computes on (accelerate's hooks do it at module
+        boundaries; the trace saw such moves move nothing and did not record them): it stays a placeholder."""
+        if not is_device_move(args, kwargs):
+            return False
+        first = self.placeholders[id(args[0])].calls[0].args[0]
+        target = args[1] if len(args) > 1 else kwargs["device"]
+        return isinstance(first, torch.Tensor) and first.device == torch.device(target)
 
     def module_call(self, module, args, kwargs):
         if "_hf_hook" in module.__dict__ and (is_linear_module(module) or module.__dict__.get("_dbr_norm")) \

@@ -156,3 +156,26 @@ def test_only_device_hooks_are_transparent():
         torch.testing.assert_close(converted(x), hp)
     expected, unhooked = ref.fc2(-torch.relu(ref.fc1(x))), ref(x)
     assert (converted(x) - expected).norm() < 0.1 * (unhooked - expected).norm()
+
+
+def test_device_moves_that_move_nothing_do_not_split_fusions():
+    """``x.to(x.device)`` (what accelerate's hooks do at module boundaries) is not an op: fc1 → move → relu
+    → fc2 stays one fused MLP, with the same output as without the move."""
+
+    class Moving(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, x):
+            h = self.fc1(x).to("cpu", non_blocking=True)
+            return self.fc2(torch.relu(h).to(device=x.device))
+
+    torch.manual_seed(0)
+    model = Moving().eval()
+    x = torch.randn(3, 8)
+    converted = dq.convert(dq.calibrate(dq.prepare(model, x), [x], progress=False))
+    assert {r["fqn"]: r["fusion"] for r in dq.report(converted)} == {"fc1": "mlp", "fc2": "mlp"}
+    plain = nn.Sequential(model.fc1, nn.ReLU(), model.fc2)
+    expected = dq.convert(dq.calibrate(dq.prepare(plain, x), [x], progress=False))
+    assert torch.equal(converted(x), expected(x))
