@@ -3,11 +3,17 @@
     .venv/bin/python benchmarks/convert_memory.py            (all variants, one fresh process each)
     .venv/bin/python benchmarks/convert_memory.py --variant inplace
 
+Every variant runs twice: with glibc's default malloc (RSS then includes freed memory malloc keeps for
+reuse) and with ``MALLOC_MMAP_THRESHOLD_=1048576`` (blocks over 1 MiB are mapped and unmapped on their own,
+so RSS follows live memory).
+
 Each variant builds the model (fp32, random weights), prepares it in place, calibrates two batches, then
 resets the kernel's peak-RSS counter (``/proc/self/clear_refs``, Linux) and runs convert. Reported (MiB):
 ``base`` the process before the model exists (Python, torch, transformers), ``before`` RSS just before
-convert (freed heap handed back to the OS with ``malloc_trim`` first, so RSS is live memory), ``peak`` the highest RSS during convert, ``after`` RSS after it. The streaming claim is
-``peak - base <= fp32 model + largest layer`` and, for convert's own overhead, ``peak - before``.
+convert (freed heap handed back to the OS with ``malloc_trim`` first, so it is live memory), ``peak`` the
+highest RSS during convert, ``after`` RSS after it (trimmed too). ``peak - before`` is convert's own
+overhead, to compare with the largest layer; ``bound`` = fp32 model + largest layer, to compare with
+``peak - base`` (which also holds the first forward's runtime allocations, a few tens of MiB).
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ def measure(variant: str) -> dict:
 
     hf_logging.set_verbosity_error()
     warnings.simplefilter("ignore")
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # CPU seconds without OpenMP spin-waits on a shared machine
     _trim()
     base = _status("VmRSS")
     torch.manual_seed(0)
@@ -106,19 +112,24 @@ def main() -> None:
         print(json.dumps(measure(args.variant)))
         return
     rows = []
-    for variant in VARIANTS:  # a fresh process each: peaks and allocator state do not carry over
-        out = subprocess.run([sys.executable, __file__, "--variant", variant], check=True, capture_output=True,
-                             text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    for malloc in ("default", "mmap>1MiB"):
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        if malloc != "default":
+            env["MALLOC_MMAP_THRESHOLD_"] = str(MIB)
+        for variant in VARIANTS:  # a fresh process each: peaks and allocator state do not carry over
+            out = subprocess.run([sys.executable, __file__, "--variant", variant], check=True, capture_output=True,
+                                 text=True, env=env)
+            rows.append({**json.loads(out.stdout.strip().splitlines()[-1]), "malloc": malloc})
     r0 = rows[0]
     print(f"Llama {CONFIG['num_hidden_layers']} layers, hidden {CONFIG['hidden_size']}: fp32 weights "
           f"{r0['fp32']:.0f} MiB, largest linear {r0['largest']:.1f} MiB (fp32). RSS in MiB; base = before the model.")
-    print(f"{'variant':<46} {'base':>6} {'before':>7} {'peak':>7} {'after':>7} {'peak-base':>10} "
+    print(f"{'variant':<46} {'malloc':<10} {'base':>6} {'before':>7} {'peak':>7} {'after':>7} {'peak-base':>10} "
           f"{'peak-before':>12} {'bound':>7} {'cpu s':>6}")
     for r in rows:
         bound = r["fp32"] + r["largest"]
-        print(f"{VARIANTS[r['variant']]:<46} {r['base']:>6.0f} {r['before']:>7.0f} {r['peak']:>7.0f} {r['after']:>7.0f} "
-              f"{r['peak'] - r['base']:>10.0f} {r['peak'] - r['before']:>12.1f} {bound:>7.0f} {r['cpu_seconds']:>6.1f}")
+        print(f"{VARIANTS[r['variant']]:<46} {r['malloc']:<10} {r['base']:>6.0f} {r['before']:>7.0f} "
+              f"{r['peak']:>7.0f} {r['after']:>7.0f} {r['peak'] - r['base']:>10.0f} "
+              f"{r['peak'] - r['before']:>12.1f} {bound:>7.0f} {r['cpu_seconds']:>6.1f}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from .qconfig import QConfig
 from .quantization_state import AutoQuantizationState, UncalibratedError
 from .runs import CalibrateRun, ConvertRun, HighPrecisionRun, InspectRun, ModelRecord, state_of
 from .tracer import TraceRun
-from .weight_quantization import quantize_weight
+from .weight_quantization import all_finite, quantize_weight
 from .weights import attach_fp8_weight, fp8_weight_of
 
 __all__ = ["prepare", "calibrate", "convert", "disabled", "report", "PrepareError"]
@@ -300,7 +300,7 @@ def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
         module = m.get_submodule(fqn)
         home = offload.weight_home(m, fqn)  # accelerate keeps an offloaded weight in its weights map (meta here)
         w = linear_weight(module).detach() if home is None else _loaded_weight(module, home)
-        if not torch.isfinite(w).all():
+        if not all_finite(w):
             raise ValueError(f"convert(): the weight of '{fqn}' ({type(module).__name__}) has NaN/inf values; "
                              "fix the weights or skip this module with QConfig(overrides=(Override(pattern=...,"
                              " skip=True),))")

@@ -18,10 +18,16 @@ from . import kernels
 from .observers import AmaxHistoryObserver, MovingAverageObserver, MSEObserver, RunningMaxObserver
 from .qconfig import TensorQConfig
 
-__all__ = ["quantize_weight"]
+__all__ = ["quantize_weight", "all_finite"]
 
 BLOCK_ELEMENTS = 2**18  # 1 MiB of fp32 per block
 _MAX_BASED = (RunningMaxObserver, MovingAverageObserver, AmaxHistoryObserver)  # one batch: amax = max |w|
+
+
+def all_finite(w: torch.Tensor, block_elements: int = BLOCK_ELEMENTS) -> bool:
+    """No NaN/inf in ``w`` (checked per block: no layer-sized mask)."""
+    rows = max(1, block_elements // max(1, w.shape[1] if w.dim() > 1 else 1))
+    return all(bool(torch.isfinite(block).all()) for block in w.split(rows))
 
 
 def quantize_weight(w: torch.Tensor, cfg: TensorQConfig, block_elements: int = BLOCK_ELEMENTS
