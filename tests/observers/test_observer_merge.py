@@ -129,3 +129,17 @@ def test_merge_rejects_states_of_another_shape():
     b(torch.ones(3, 2))
     with pytest.raises(ValueError, match="same kind, settings and channel count"):
         a.merge([a.state_dict(), b.state_dict()])
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("axis", [None, 0])
+def test_state_is_fixed_size(kind, axis):
+    """Calibration memory does not grow with the number of batches (what sync_observers sends, too)."""
+    def nbytes(obs) -> int:
+        return sum(t.numel() * t.element_size() for t in obs.state_dict().values())
+
+    one = _calibrated(kind, axis, _batches(0, 1, False))
+    many = _calibrated(kind, axis, _batches(0, 12, False))
+    assert nbytes(one) == nbytes(many)
+    per_channel_bytes = {"running_max": 4, "history_max": 4 + 4 * 3, "history_recent": 4 + 4 * 3}.get(kind, 4 + 8)
+    assert nbytes(many) == 16 + per_channel_bytes * (1 if axis is None else 3)
