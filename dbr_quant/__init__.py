@@ -9,6 +9,7 @@
 from . import kernels
 from .api import PrepareError, calibrate, convert, disabled, format_report, prepare, quant_state, report
 from .checkpoints import CheckpointError, load_pretrained, save_pretrained
+from .distributed import SyncError, sync_observers
 from .formats import FP8Format
 from .fusions import Fusion, register_fusion
 from .fx_rewriter import ops as _ops  # noqa: F401  (defines the dbr_quant:: ops, so saved ExportedPrograms load)
@@ -17,11 +18,11 @@ from .qconfig import Override, QConfig, TensorQConfig
 from .quantization_state import AutoQuantizationState, UncalibratedError, UnseenOpError
 
 __all__ = [
-    "prepare", "calibrate", "convert", "disabled", "report", "format_report", "quant_state",
+    "prepare", "calibrate", "convert", "sync_observers", "disabled", "report", "format_report", "quant_state",
     "QConfig", "TensorQConfig", "Override", "FP8Format",
     "RunningMax", "MovingAverage", "AmaxHistory", "Percentile", "MSE",
     "AutoQuantizationState", "Fusion", "register_fusion", "kernels",
-    "PrepareError", "UncalibratedError", "UnseenOpError",
+    "PrepareError", "UncalibratedError", "UnseenOpError", "SyncError",
     "save_pretrained", "load_pretrained", "CheckpointError",
 ]
 __version__ = "0.1.0"

@@ -13,13 +13,15 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import kernels, moe, moe_siblings, moe_weights
+from . import kernels, moe, moe_siblings, moe_weights, offload
 from .auto_trace import current_run, disabled, intercepting, is_disabled
+from .distributed import sync_observers
 from .mappings import LINEAR, QUANTIZEABLE, is_container, is_linear_module, is_transposed_linear, linear_weight
 from .qconfig import QConfig
 from .quantization_state import AutoQuantizationState, UncalibratedError
 from .runs import CalibrateRun, ConvertRun, HighPrecisionRun, InspectRun, ModelRecord, state_of
 from .tracer import TraceRun
+from .weight_quantization import all_finite, quantize_weight
 from .weights import attach_fp8_weight, fp8_weight_of
 
 __all__ = ["prepare", "calibrate", "convert", "disabled", "report", "PrepareError"]
@@ -40,7 +42,8 @@ def _entry_forward(root: nn.Module, m: nn.Module, *args: Any, **kwargs: Any) -> 
     because torch.export reads ``forward.func.__code__``.
     """
     record: ModelRecord = root.__dict__["_dbr_record"]
-    forward = type(m).forward.__get__(m)
+    # an instance forward that was there before prepare (accelerate's device/offload wrapper) keeps running
+    forward = m.__dict__.get("_dbr_inner_forward") or type(m).forward.__get__(m)
     if m is not root:
         active = current_run()
         if record.phase == "tracing" or (active is not None and active.record is record):
@@ -68,6 +71,8 @@ def _entry_forward(root: nn.Module, m: nn.Module, *args: Any, **kwargs: Any) -> 
 
 
 def _install_entry_forward(root: nn.Module, m: nn.Module) -> None:
+    if "forward" in m.__dict__:
+        m.__dict__["_dbr_inner_forward"] = m.__dict__["forward"]
     wrapper = functools.partial(_entry_forward, root, m)
     wrapper.__signature__ = inspect.signature(type(m).forward.__get__(m))  # what users and HF introspect
     m.__dict__["forward"] = wrapper
@@ -168,6 +173,8 @@ def _undo_prepare(m: nn.Module) -> None:
             if key == "forward" and not _is_entry_forward(mod.__dict__.get("forward")):
                 continue
             mod.__dict__.pop(key, None)
+        if "_dbr_inner_forward" in mod.__dict__:
+            mod.__dict__["forward"] = mod.__dict__.pop("_dbr_inner_forward")
 
 
 # ---------------------------------------------------------------------- state attachment
@@ -225,8 +232,16 @@ def calibrate(prepared: nn.Module, batches: Iterable[Any], *, num_batches: int |
     return prepared
 
 
-def convert(prepared: nn.Module, *, inplace: bool = False) -> nn.Module:
-    """Freeze scales, store nn.Linear weights in FP8 and bind recorded subgraphs to FP8 kernels."""
+def convert(prepared: nn.Module, *, inplace: bool = False, sync: Any = True) -> nn.Module:
+    """Freeze scales, store nn.Linear weights in FP8 and bind recorded subgraphs to FP8 kernels.
+
+    With torch.distributed initialized, the observers are first merged across the ranks (every rank must
+    call convert; see :func:`dbr_quant.sync_observers`): ``sync`` is True (the default group), a process
+    group, or False (each rank keeps its own scales). ``inplace=True`` quantizes the prepared model one
+    layer at a time without copying it (peak memory: the model plus about one layer).
+    """
+    if sync is not False:  # data-parallel calibration; a no-op without torch.distributed
+        sync_observers(prepared, None if sync is True else sync)
     record = _record(prepared, "prepared", "convert")
     missing = [entry for st in record.states for entry in st.uncalibrated()]
     if missing:
@@ -279,6 +294,10 @@ def _stack_gate_up_weights(m: nn.Module, record: ModelRecord) -> None:
         if gw is None or uw is None or gw.transposed or uw.transposed or gw.qdata.dtype != uw.qdata.dtype \
                 or gw.qdata.shape[1] != uw.qdata.shape[1] or gw.block != uw.block:
             continue
+        if gw.qdata.is_meta or uw.qdata.is_meta:  # offloaded (offload.py): accelerate loads each separately,
+            if gw.scale.dim() == uw.scale.dim() == 1:  # the fused GEMM concatenates the pair per call
+                up.__dict__["_dbr_stacked_after"] = gate
+            continue
         n_gate, n_up = gw.qdata.shape[0], uw.qdata.shape[0]
         if gw.block is not None and n_gate != n_up:
             continue  # the block GEMM splits [gate; up] into equal halves, each blocked on its own
@@ -303,8 +322,9 @@ def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
         if not all(op.quantize for op in ops):
             continue  # some call runs in high precision: it needs the original weight
         module = m.get_submodule(fqn)
-        w = linear_weight(module).detach()
-        if not torch.isfinite(w).all():
+        home = offload.weight_home(m, fqn)  # accelerate keeps an offloaded weight in its weights map (meta here)
+        w = linear_weight(module).detach() if home is None else _loaded_weight(module, home)
+        if not all_finite(w):
             raise ValueError(f"convert(): the weight of '{fqn}' ({type(module).__name__}) has NaN/inf values; "
                              "fix the weights or skip this module with QConfig(overrides=(Override(pattern=...,"
                              " skip=True),))")
@@ -313,13 +333,15 @@ def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
         if cfg.granularity == "block":  # the compressed-tensors FP8_BLOCK scales: each block's amax / fmt.max
             q, scale = kernels.block_quantize_weight(w, cfg.block, cfg.format)
             attach_fp8_weight(module, q.contiguous(), scale, w.dtype, transposed=transposed, block=cfg.block)
-            continue
-        per_channel = cfg.granularity == "channel"
-        observer = cfg.observer.create(cfg.format, 0 if per_channel else None)  # e.g. MSE clipping for weights
-        observer(w)
-        scale = observer.scale()
-        q = kernels.quantize(w, scale.unsqueeze(1) if per_channel else scale, cfg.format).contiguous()
-        attach_fp8_weight(module, q, scale, w.dtype, transposed=transposed)
+        else:
+            q, scale = quantize_weight(w, cfg)  # in row blocks: temporaries of a block, not a layer
+            attach_fp8_weight(module, q, scale, w.dtype, transposed=transposed)
+        if home is not None:
+            home.store(module)  # FP8 goes back where accelerate kept the weight; the module keeps meta
+        del w, q  # one layer at a time: the high-precision weight can go before the next one is read
+
+
+def _loaded_weight(module: nn.Module, home: offload.WeightHome) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- report

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .offload import has_opaque_hook
+
 _tls = threading.local()
 _patch_lock = threading.Lock()
 _patch_depth = 0
@@ -112,8 +114,10 @@ class suspended:  # noqa: N801 - used like a function: ``with suspended(run):``
 
 
 def has_hooks(module: nn.Module) -> bool:
-    """Module-level forward hooks (user code that could observe the module's inputs and outputs)."""
-    return bool(module._forward_hooks or module._forward_pre_hooks)
+    """Module-level forward hooks (user code that could observe the module's inputs and outputs), or an
+    accelerate hook other than its device/offload hooks (those are transparent: see offload.py)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks) or (
+        "_hf_hook" in module.__dict__ and has_opaque_hook(module))
 
 
 _disabled = threading.local()

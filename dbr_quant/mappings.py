@@ -88,6 +88,15 @@ def is_passthrough(func: object, args: tuple, kwargs: dict) -> bool:
     return False
 
 
+def is_device_move(args: tuple, kwargs: dict) -> bool:
+    """``Tensor.to(device)`` (optionally ``non_blocking``): a move that changes neither dtype nor layout. When it
+    returns its input it moved nothing; accelerate's device hooks do such moves at every module boundary."""
+    rest = args[1:]
+    if len(rest) > 1 or set(kwargs) - {"device", "non_blocking"} or (rest and "device" in kwargs):
+        return False
+    return isinstance(rest[0], (str, int, torch.device)) if rest else "device" in kwargs
+
+
 def is_linear_module(module: nn.Module) -> bool:
     """A module that computes ``x·Wᵀ + b``: an nn.Linear with the stock forward (subclasses with their own
     forward stay opaque), or Hugging Face's ``Conv1D`` (GPT-2), which stores W transposed."""

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.modules import module as _module_globals
 from torch.utils._pytree import tree_flatten, tree_map
 
-from . import kernels, moe
+from . import kernels, moe, offload
 from .auto_trace import current_run, has_hooks, original_call, suspended
 from .basic_ops import PER_TOKEN_SLOTS, Call, linear_hp_weight, run_basic, stored_fp8_weight
 from .fusions import Fusion
@@ -29,6 +29,7 @@ from .mappings import (
     NORM,
     PASSTHROUGH,
     SDPA,
+    is_device_move,
     is_linear_module,
     is_passthrough,
 )
@@ -250,6 +251,7 @@ class ConvertRun(Run):
         self.resolved: dict[int, torch.Tensor] = {}
         self.done: list[_Pending] = []
         self.n_placeholders = placeholder_base(current_run() is None)  # next index into this thread's pool
+        self.onloaded: dict[int, nn.Module] = {}  # accelerate-offloaded modules whose weights we loaded
 
     # ------------------------------------------------------------------ placeholders
     def _scan(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, _Pending | None]:
@@ -345,6 +347,8 @@ class ConvertRun(Run):
             out = self.hooked_body(func, args, kwargs)
             if out is not NotImplemented:
                 return out
+        if func is torch.Tensor.to and id(args[0]) in self.placeholders and self._moves_nothing(args, kwargs):
+            return args[0]
         hit = None
         if self.placeholders or self.resolved:
             args, kwargs, hit = self._scan(args, kwargs)
@@ -363,7 +367,34 @@ class ConvertRun(Run):
             args, kwargs = self._resolve_all(args, kwargs, hit)
         return func(*args, **kwargs)
 
+    def _moves_nothing(self, args: tuple, kwargs: dict) -> bool:
+        """A placeholder moved to the device its subgraph computes on (accelerate's hooks do it at module
+        boundaries; the trace saw such moves move nothing and did not record them): it stays a placeholder."""
+        if not is_device_move(args, kwargs):
+            return False
+        first = self.placeholders[id(args[0])].calls[0].args[0]
+        target = args[1] if len(args) > 1 else kwargs["device"]
+        return isinstance(first, torch.Tensor) and first.device == torch.device(target)
+
     def module_call(self, module, args, kwargs):
+        if "_hf_hook" in module.__dict__ and (is_linear_module(module) or module.__dict__.get("_dbr_norm")) \
+                and not has_hooks(module):
+            # accelerate (offload.py) loads weights in the forward wrapper that the FP8 path bypasses: load
+            # them here and keep them until no pending fused subgraph can still read them
+            args, kwargs = offload.onload(module, args, kwargs)
+            self.onloaded[id(module)] = module
+            try:
+                return self._module_call(module, args, kwargs)
+            finally:
+                if not self.pending:
+                    self._offload()
+        return self._module_call(module, args, kwargs)
+
+    def _offload(self) -> None:
+        while self.onloaded:
+            offload.offload(self.onloaded.popitem()[1])
+
+    def _module_call(self, module, args, kwargs):
         if is_linear_module(module):
             if has_hooks(module):
                 return self._hooked_linear_call(module, args, kwargs)
@@ -426,6 +457,7 @@ class ConvertRun(Run):
     def finish(self, out: Any) -> Any:
         for p in list(self.pending.values()):
             self.materialize(p)
+        self._offload()
         if self.resolved:
             out = tree_map(lambda t: self.resolved.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
         return out
@@ -510,7 +542,7 @@ class InspectRun(Run):
                 body = lambda x: Call(LINEAR, module, (x,), {}).run_original()  # noqa: E731
             else:
                 return original_call(module, *args, **kwargs)
-            if not has_hooks(module):
+            if not has_hooks(module) and not offload.has_device_hook(module):  # accelerate loads weights in forward
                 return body(*args, **kwargs)
         return self.call_hooked(module, body, args, kwargs)
 
@@ -528,7 +560,7 @@ class HighPrecisionRun(Run):
     def module_call(self, module, args, kwargs):
         if is_linear_module(module) and stored_fp8_weight(module) is not None:
             body = lambda x: torch.nn.functional.linear(x, *linear_hp_weight(module))  # noqa: E731
-            if not has_hooks(module):
+            if not has_hooks(module) and not offload.has_device_hook(module):  # accelerate loads weights in forward
                 with suspended(self):
                     return body(*args, **kwargs)
             return self.call_hooked(module, body, args, kwargs)

@@ -32,11 +32,13 @@ from .mappings import (
     SDPA,
     SOFTMAX,
     activation_name,
+    is_device_move,
     is_linear_module,
     is_passthrough,
     linear_weight,
     rms_norm_module_eps,
 )
+from .offload import onloaded
 from .quantization_state import AutoQuantizationState, SeenOp, TensorInfo
 from .runs import ModelRecord, Run, Subgraph, observed_inputs, tensor_leaves
 
@@ -69,7 +71,8 @@ class TraceRun(Run):
         if new or key not in self.tids:
             self.tids[key] = i = len(self.keep)
             self.keep.append(t)
-            if not new and key not in self.param_ids:  # first seen as an input: model data
+            # first seen as an input: model data (accelerate loads offloaded weights as new Parameters)
+            if not new and key not in self.param_ids and not isinstance(t, nn.Parameter):
                 activation, data_int = t.is_floating_point(), not t.is_floating_point()
             if activation and t.is_floating_point():
                 self.activations.add(i)
@@ -147,6 +150,8 @@ class TraceRun(Run):
     def function_call(self, func, args, kwargs):
         self.current = func
         out = func(*args, **kwargs)
+        if func is torch.Tensor.to and out is args[0] and is_device_move(args, kwargs):
+            return out  # moved nothing (e.g. accelerate's hook on a module boundary): the same tensor, no op
         self._record(FUNC_KINDS.get(func), func, args, kwargs, out)
         return out
 
@@ -191,8 +196,9 @@ class TraceRun(Run):
                 self.stack.pop()
             ok = isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor) and out.shape == x.shape
             if ok:
-                ref = F.rms_norm(x.float(), x.shape[-1:], module.weight.float(), rms_norm_module_eps(module))
-                ok = torch.allclose(out.float(), ref, rtol=1e-4, atol=1e-5)
+                with onloaded(module):  # accelerate-offloaded: the weight is on meta outside the forward
+                    ref = F.rms_norm(x.float(), x.shape[-1:], module.weight.float(), rms_norm_module_eps(module))
+                ok = torch.allclose(out.float(), ref.to(out.device), rtol=1e-4, atol=1e-5)
             module.__dict__["_dbr_norm"] = ok
             self._record(NORM if ok else None, module, (x,), {}, out, module if ok else None)
         return out

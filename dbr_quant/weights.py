@@ -50,18 +50,31 @@ class FP8Weight(torch.Tensor):
     block: tuple[int, int] | None
 
     @staticmethod
-    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transposed: bool = False,
-                block: tuple[int, int] | None = None):
+    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                transposed: bool = False, block: tuple[int, int] | None = None, *, requires_grad: bool = False):
+        if isinstance(qdata, FP8Weight) and scale is None:
+            # ``type(param)(value, requires_grad=...)``: how accelerate's set_module_tensor_to_device rebuilds a
+            # parameter it moves (offloaded models, see offload.py). A parameter, like nn.Parameter(value).
+            if requires_grad:
+                raise RuntimeError("dbr_quant: an FP8 weight is inference-only; it cannot require grad")
+            return nn.Parameter(qdata._like(), requires_grad=False)
         shape = (*qdata.shape[:-2], qdata.shape[-1], qdata.shape[-2]) if transposed else qdata.shape
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=qdata.device,
                                                    requires_grad=False)
 
-    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transposed: bool = False,
-                 block: tuple[int, int] | None = None):
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                 transposed: bool = False, block: tuple[int, int] | None = None, *, requires_grad: bool = False):
+        if scale is None:  # the copy form above: __new__ returned a complete FP8Weight
+            return
         self.qdata = qdata
         self.scale = scale
         self.transposed = transposed
         self.block = None if block is None else (int(block[0]), int(block[1]))
+
+    def data_ptr(self) -> int:
+        """The FP8 data's address (a wrapper has no storage of its own; accelerate tells tied weights apart
+        by ``data_ptr()``, and every wrapper would otherwise answer 0)."""
+        return self.qdata.data_ptr()
 
     def __repr__(self) -> str:
         gran = ("per-tensor" if self.scale.dim() == 0 else "per-channel" if self.block is None

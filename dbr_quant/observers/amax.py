@@ -3,6 +3,26 @@
 All of them reduce per channel (per-tensor is one channel) and ignore non-finite values (see ``base``).
 Observers that average per-batch statistics keep a ``batches`` buffer counting, per channel, the batches
 that contributed finite data, so a batch without data for a channel never drags its mean towards zero.
+
+State is fixed-size: it does not grow with the number of batches. Per observer with C channels (C = 1
+per-tensor) it is ``amax`` (4·C bytes) + ``nonfinite`` and ``num_updates`` (16 bytes), plus ``batches``
+(8·C) for MovingAverage / Percentile / MSE and ``history`` (4·history_len·C) for AmaxHistory: 20 bytes per
+per-tensor RunningMax, 28 for MovingAverage / Percentile / MSE, 84 for AmaxHistory(16). Percentile and MSE
+keep the mean of per-batch statistics, not a histogram of all data; their transient memory is per batch and
+bounded (see ``_QUANTILE_LIMIT`` / ``_MSE_LIMIT``).
+
+``merge(states)`` (data-parallel calibration, ``dbr_quant.sync_observers``) combines observers that each saw
+part of the batches into what one observer calibrating their union would hold:
+
+* RunningMax: the max (exact).
+* AmaxHistory: the window one observer holds after seeing the parts round-robin (part 0's first batch, part
+  1's first, …, part 0's second, …; the order a ``DistributedSampler`` deals batches in) — exact when every
+  batch has finite data (a batch without any repeats its own part's previous entry, not the other part's).
+* Percentile, MSE: the mean of per-batch statistics over all batches = the batch-count-weighted mean of the
+  parts' means (exact up to float rounding of the running means).
+* MovingAverage: the batch-count-weighted mean of the parts' EMAs. An EMA depends on the order of the batches,
+  which one merged number cannot reproduce; both it and the single-stream EMA are convex combinations of the
+  per-batch amaxes, so they differ by at most the spread (max − min) of the per-batch amaxes.
 """
 
 from __future__ import annotations
@@ -71,6 +91,18 @@ class RunningMaxObserver(AmaxObserver):
         current = self.amax.reshape(-1)
         self._set_amax(torch.where(valid, torch.maximum(current, batch), current))
 
+    def _merge(self, states: list[dict[str, Tensor]]) -> None:
+        self._set_amax(torch.stack([s["amax"] for s in states]).amax(dim=0).float())
+
+
+def _count_weighted_mean(self: AmaxObserver, states: list[dict[str, Tensor]]) -> None:
+    """amax = per-channel mean of the parts' amaxes weighted by their ``batches``; batches add up."""
+    counts = torch.stack([s["batches"] for s in states])
+    total = counts.sum(dim=0)
+    mean = (counts * torch.stack([s["amax"] for s in states])).sum(dim=0) / total.clamp(min=1)
+    self._set_amax(mean.float())
+    self.batches.copy_(total.round().long())
+
 
 class MovingAverageObserver(AmaxObserver):
     """EMA of per-batch amax: the first batch sets it, later ones move it by ``momentum``.
@@ -92,6 +124,8 @@ class MovingAverageObserver(AmaxObserver):
         updated = torch.where(seen > 0, ema, batch)
         self._set_amax(torch.where(valid, updated, current))
         self.batches.add_(valid.reshape(self.batches.shape).long())
+
+    _merge = _count_weighted_mean
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, momentum={self.momentum}"
@@ -125,6 +159,21 @@ class AmaxHistoryObserver(AmaxObserver):
         self.history.copy_(rolled.reshape(self.history.shape))
         self._set_amax(rolled.amax(dim=0) if self.algo == "max" else rolled[0])
 
+    def _merge(self, states: list[dict[str, Tensor]]) -> None:
+        # row i of part r holds its batch number n_r - 1 - i; round-robin order sorts batches by
+        # (batch number, part), so the merged window is the history_len largest of those keys
+        entries = []
+        for part, s in enumerate(states):
+            n = int(s["num_updates"].item())
+            rows = s["history"].reshape(self.history_len, -1)
+            entries += [((n - 1 - i, part), rows[i]) for i in range(min(self.history_len, n))]
+        entries.sort(key=lambda e: e[0], reverse=True)
+        window = torch.zeros_like(self.history.reshape(self.history_len, -1), dtype=torch.float64)
+        for i, (_, row) in enumerate(entries[: self.history_len]):
+            window[i] = row
+        self.history.copy_(window.reshape(self.history.shape).float())
+        self._set_amax((window.amax(dim=0) if self.algo == "max" else window[0]).float())
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, history_len={self.history_len}, algo={self.algo!r}"
 
@@ -143,6 +192,8 @@ class _BatchMeanObserver(AmaxObserver):
         current, count = self.amax.reshape(-1), self.batches.reshape(-1)
         mean = current + (batch - current) / count.clamp(min=1)
         self._set_amax(torch.where(valid, mean, current))
+
+    _merge = _count_weighted_mean
 
 
 class PercentileObserver(_BatchMeanObserver):

@@ -12,7 +12,7 @@ their per-channel buffers start with zero channels and are sized on the first up
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -171,6 +171,33 @@ class AmaxObserver(nn.Module):
 
     def _set_amax(self, value: Tensor) -> None:
         self.amax.copy_(value.reshape(self.amax.shape))
+
+    # ----------------------------------------------------------------------------------------- merging
+    @torch.no_grad()
+    def merge(self, states: Sequence[Mapping[str, Tensor]]) -> None:
+        """Replace this observer's statistics by the merge of ``states``: the buffers (``state_dict()``) of
+        observers of the same kind and settings that each calibrated part of the batches (one per rank of a
+        data-parallel calibration). The result is what one observer calibrating the union would hold; which
+        merges are exact is documented per kind (``_merge``). Counters (``nonfinite``, ``num_updates``) add.
+        """
+        if not states:
+            raise ValueError(f"{type(self).__name__}.merge() needs at least one state")
+        for s in states:
+            missing = [name for name in self._buffers if name not in s]
+            shapes = [name for name, buf in self._buffers.items() if name in s and s[name].shape != buf.shape]
+            if missing or shapes:
+                raise ValueError(f"{type(self).__name__}.merge(): a state does not match this observer "
+                                 f"(missing {missing}, other shapes for {shapes}); merge observers of the same "
+                                 "kind, settings and channel count")
+        device = self.amax.device
+        as64 = [{name: t.to(device=device, dtype=torch.float64) for name, t in s.items()} for s in states]
+        self._merge(as64)
+        self.nonfinite.copy_(sum(s["nonfinite"] for s in as64).round().long())
+        self.num_updates.copy_(sum(s["num_updates"] for s in as64).round().long())
+
+    def _merge(self, states: list[dict[str, Tensor]]) -> None:
+        """Set ``amax`` and the kind's own buffers from float64 ``states`` (counters are done by merge())."""
+        raise NotImplementedError
 
     # ----------------------------------------------------------------------------------------- results
     @property
