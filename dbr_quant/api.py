@@ -342,6 +342,8 @@ def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
 
 
 def _loaded_weight(module: nn.Module, home: offload.WeightHome) -> torch.Tensor:
+    w = home.load().to(module._parameters["weight"].dtype)
+    return w.t() if is_transposed_linear(module) else w
 
 
 # ---------------------------------------------------------------------- report
