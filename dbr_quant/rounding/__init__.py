@@ -8,8 +8,8 @@ calibrate/convert lives in the API.
 from .damping import DEFAULT_DAMPINGS, FALLBACK_DAMPING, DampingChoice, GPTQResult, choose_damping, gptq_quantize
 from .gptq import (
     HessianNotPositiveDefiniteError,
+    feedback_factor,
     gptq_round,
-    inverse_hessian_factor,
     output_error,
     round_to_nearest,
     weight_scale,
@@ -18,15 +18,15 @@ from .hessian import HessianAccumulator
 
 __all__ = [
     "DEFAULT_DAMPINGS",
-    "FALLBACK_DAMPING",
     "DampingChoice",
+    "FALLBACK_DAMPING",
     "GPTQResult",
     "HessianAccumulator",
     "HessianNotPositiveDefiniteError",
     "choose_damping",
+    "feedback_factor",
     "gptq_quantize",
     "gptq_round",
-    "inverse_hessian_factor",
     "output_error",
     "round_to_nearest",
     "weight_scale",

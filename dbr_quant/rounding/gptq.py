@@ -71,25 +71,37 @@ def gptq_round(w: Tensor, hessian: Tensor, fmt: FP8Format | str, granularity: We
         raise ValueError(f"gptq_round: damping must be a number >= 0 (math.inf = round to nearest), got {damping!r}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"gptq_round: block_size must be an int >= 1, got {block_size!r}")
+    return _gptq_round_checked(w32, h, fmt, granularity, scale, damping, block_size, act_order)
+
+
+def _gptq_round_checked(w32: Tensor, h: Tensor, fmt: FP8Format, granularity: str, scale: Tensor, damping: float,
+                        block_size: int, act_order: bool) -> tuple[Tensor, Tensor]:
+    """gptq_round on validated arguments (fp32 weight, fp64 Hessian, resolved scale)."""
     col_scale = _broadcastable(scale, granularity).reshape(-1)  # [out_features] or [1]: one column's scale
     if math.isinf(damping):
         return reference.quantize(w32, _broadcastable(scale, granularity), fmt), scale
     perm = torch.argsort(h.diagonal(), descending=True, stable=True) if act_order else None
     if perm is not None:
         w32, h = w32[:, perm], h[perm][:, perm]
-    factor = inverse_hessian_factor(h, damping).to(w32.dtype)
-    q = _gptq_columns(w32.clone(), factor, col_scale, fmt, block_size)
+    factor = feedback_factor(h, damping).to(w32.dtype)
+    q = _gptq_columns(w32, factor, col_scale, fmt, block_size)
     if perm is not None:
         q = q[:, torch.argsort(perm)]
     return q, scale
 
 
-def inverse_hessian_factor(hessian: Tensor, damping: float) -> Tensor:
-    """Upper Cholesky factor U of (H + damping·mean(live diag)·I)⁻¹, fp64 (Uᵀ U = H⁻¹).
+def feedback_factor(hessian: Tensor, damping: float) -> Tensor:
+    """Unit upper-triangular F with H + damping·mean(live diag)·I = F D Fᵀ (D diagonal), fp64.
 
-    Row i of U, divided by U[i, i], is how the error of column i spreads over the later columns once
-    the earlier ones are fixed. Dead channels (zero diagonal) are decoupled first: their row and column
-    are zeroed and their diagonal set to the live mean, so U is diagonal there.
+    Then tr(E H Eᵀ) = Σ_k D_k ‖E F[:, k]‖², and the k-th term is zero when column k is rounded from
+    w_k + Σ_{j<k} e_j F[j, k] (e_j = w_j − ŵ_j the error already made): F[j, k] is how much of column j's
+    error column k takes up. This is GPTQ's update written with H instead of H⁻¹ (LDLQ, Chee et al. 2023,
+    show the two are the same algorithm): one Cholesky factorisation, no inverse. With J the
+    order-reversing permutation and J H J = M Mᵀ (M lower), H = R Rᵀ with R = J M J upper, and F is R
+    with each column divided by its diagonal entry.
+
+    Dead channels (zero diagonal) are decoupled first: their row and column are zeroed and their diagonal
+    set to the live mean, so F is the identity there.
     """
     h = hessian.double().clone()
     diag = h.diagonal()
@@ -101,40 +113,39 @@ def inverse_hessian_factor(hessian: Tensor, damping: float) -> Tensor:
         idx = dead.nonzero().squeeze(1)
         h[idx, idx] = live_mean
     h.diagonal().add_(damping * live_mean)
-    # With J the order-reversing permutation and J H J = M Mᵀ (M lower), H⁻¹ = (J M⁻¹ J)ᵀ (J M⁻¹ J), and
-    # J M⁻¹ J is upper triangular with a positive diagonal: the Cholesky factor of H⁻¹, from one
-    # factorisation and one triangular solve, without forming H⁻¹ (torch's cholesky_inverse is ~10x slower)
     chol, info = torch.linalg.cholesky_ex(h.flip(0, 1))
-    if int(info) == 0:
-        eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
-        return torch.linalg.solve_triangular(chol, eye, upper=False).flip(0, 1)
-    raise HessianNotPositiveDefiniteError(
-        f"gptq_round: the Hessian with damping {damping:g} is not positive definite (Cholesky failed at "
-        f"column {int(info) - 1}): use a larger damping, or more calibration data")
+    if int(info) != 0:
+        raise HessianNotPositiveDefiniteError(
+            f"gptq_round: the Hessian with damping {damping:g} is not positive definite (Cholesky failed "
+            f"{int(info)} columns from the end): use a larger damping, or more calibration data")
+    upper = chol.flip(0, 1)
+    return upper / upper.diagonal()[None, :]
 
 
 def _gptq_columns(w: Tensor, factor: Tensor, col_scale: Tensor, fmt: FP8Format, block_size: int) -> Tensor:
-    """The GPTQ loop with lazy batch updates. Returns the FP8 weight.
+    """The GPTQ loop with lazy batch updates; ``w`` is not modified. Returns the FP8 weight.
 
     Works on Wᵀ (contiguous), so each input column of W is a contiguous row and the rank-1 updates
-    stream through memory; the result is bit-identical to working on W (same elementwise operations).
+    stream through memory. ``target`` holds w_k + Σ_{j<k} e_j F[j, k] for the columns not yet rounded:
+    inside a block the errors are pushed column by column, to the rest of the weight once per block
+    (one GEMM).
     """
     wt = w.t().contiguous()  # [in_features, out_features]
+    target = wt.clone()
     cols, rows = wt.shape
     qt = torch.empty((cols, rows), dtype=fmt.dtype, device=w.device)
     for i1 in range(0, cols, block_size):
         i2 = min(i1 + block_size, cols)
-        block = wt[i1:i2]  # a view: the in-block updates write straight into wt
-        u = factor[i1:i2, i1:i2]
+        block = target[i1:i2]  # a view: the in-block updates write straight into target
+        f = factor[i1:i2, i1:i2]
         errors = torch.empty((i2 - i1, rows), dtype=w.dtype, device=w.device)
         for i in range(i2 - i1):
-            column = block[i]
-            rounded = reference.quantize(column, col_scale, fmt)
+            rounded = reference.quantize(block[i], col_scale, fmt)
             qt[i1 + i] = rounded
-            err = torch.div(column - rounded.float() * col_scale, u[i, i], out=errors[i])
-            block[i + 1:].sub_(u[i, i + 1:, None] * err[None, :])
-        if i2 < cols:  # the deferred update of everything after the block, one GEMM
-            wt[i2:].sub_(factor[i1:i2, i2:].t() @ errors)
+            err = torch.sub(wt[i1 + i], rounded.float() * col_scale, out=errors[i])
+            block[i + 1:].add_(f[i, i + 1:, None] * err[None, :])
+        if i2 < cols:
+            target[i2:].add_(factor[i1:i2, i2:].t() @ errors)
     return qt.t().contiguous()
 
 

@@ -1,0 +1,145 @@
+"""GPTQ vs round-to-nearest FP8 weights on the real all-MiniLM-L6-v2, with fake quantization (issue #15).
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/gptq_minilm.py [--variants nearest,gptq-cv,...]
+
+All-FP8 as convert makes it: every encoder linear gets E4M3 weights (per output channel) and a static
+per-tensor E4M3 input scale (running max over the calibration batches). Here the FP8 values are
+dequantized back to fp32 (fake quantization), so only the rounding differs between the rows. Calibration
+runs the fp32 model over the 16 calibration sentences in batches (default 4 × 4 sentences, 2 folds),
+collecting each linear's input amax and its Hessian 2/n Σ xᵀx over every token the linear sees (padding
+included, as a calibrate hook sees it). The cosine is between mean-pooled embeddings of the quantized model
+and fp32 on the 32 evaluation sentences, disjoint from the calibration ones; "calib" is the same on the
+calibration sentences (in-sample: how much a variant fits its calibration data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dbr_quant.examples.minilm import CALIBRATION_SENTENCES, EVAL_SENTENCES, encode, load_minilm, sentence_embeddings
+from dbr_quant.formats import FP8Format
+from dbr_quant.kernels import reference
+from dbr_quant.observers import MSE, RunningMax
+from dbr_quant.rounding import HessianAccumulator, gptq_quantize, gptq_round, round_to_nearest, weight_scale
+
+FMT = FP8Format.E4M3
+VARIANTS = {
+    "nearest": "round to nearest (today)",
+    "gptq-1%": "GPTQ, fixed damping 0.01",
+    "gptq-cv": "GPTQ, damping by 2-fold CV",
+    "gptq-cv-mse": "GPTQ (CV) + MSE weight scales",
+    "gptq-cv-actorder": "GPTQ (CV), act order",
+    "nearest-mse": "round to nearest + MSE weight scales",
+}
+
+
+def encoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and name.startswith("encoder.")}
+
+
+def calibrate(model: nn.Module, batches: list[dict], folds: int) -> tuple[dict, dict]:
+    """Per linear: a running-max input observer and a Hessian accumulator (one fold per batch, round robin)."""
+    linears = encoder_linears(model)
+    observers = {n: RunningMax().create(FMT, None) for n in linears}
+    hessians = {n: HessianAccumulator(m.in_features, folds=folds) for n, m in linears.items()}
+
+    def hook(name):
+        def observe(_module, args):
+            observers[name](args[0])
+            hessians[name].add(args[0])
+        return observe
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                model(**batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: o.scale() for n, o in observers.items()}, hessians
+
+
+def quantize_weights(model: nn.Module, hessians: dict, variant: str) -> tuple[dict, dict, float]:
+    """name -> fake-quantized (dequantized FP8) weight; name -> chosen damping; seconds spent rounding."""
+    weights, dampings = {}, {}
+    start = time.perf_counter()
+    for name, m in encoder_linears(model).items():
+        w = m.weight.detach()
+        observer = MSE() if variant.endswith("mse") else None
+        scale = weight_scale(w, FMT, "channel", observer)
+        if variant.startswith("nearest"):
+            q, _ = round_to_nearest(w, FMT, "channel", scale)
+        elif variant == "gptq-1%":
+            q, _ = gptq_round(w, hessians[name].hessian(), FMT, "channel", scale, damping=0.01)
+        else:
+            result = gptq_quantize(w, hessians[name], FMT, "channel", scale, act_order=variant.endswith("actorder"))
+            q, dampings[name] = result.qdata, result.damping.damping
+        weights[name] = reference.dequantize(q, scale.reshape(-1, 1))
+    return weights, dampings, time.perf_counter() - start
+
+
+def fake_quantized(model: nn.Module, weights: dict, act_scales: dict):
+    """Context: the model's encoder linears use the given weights and fake-quantize their inputs."""
+    class _Ctx:
+        def __enter__(self):
+            self.saved, self.handles = {}, []
+            for name, m in encoder_linears(model).items():
+                self.saved[name] = m.weight.data
+                m.weight.data = weights[name]
+                scale = act_scales[name]
+                self.handles.append(m.register_forward_pre_hook(
+                    lambda _m, args, s=scale: (reference.dequantize(reference.quantize(args[0], s, FMT), s),)))
+
+        def __exit__(self, *exc):
+            for h in self.handles:
+                h.remove()
+            for name, m in encoder_linears(model).items():
+                m.weight.data = self.saved[name]
+    return _Ctx()
+
+
+def cosines(model: nn.Module, batch: dict, reference_emb: torch.Tensor) -> torch.Tensor:
+    return F.cosine_similarity(sentence_embeddings(model, batch), reference_emb, dim=-1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {','.join(VARIANTS)}")
+    parser.add_argument("--batch-size", type=int, default=4, help="calibration sentences per batch")
+    parser.add_argument("--folds", type=int, default=2)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model, tok = load_minilm()
+    calib_batches = [encode(tok, CALIBRATION_SENTENCES[i:i + args.batch_size])
+                     for i in range(0, len(CALIBRATION_SENTENCES), args.batch_size)]
+    calib_all, evaluation = encode(tok, CALIBRATION_SENTENCES), encode(tok, EVAL_SENTENCES)
+    act_scales, hessians = calibrate(model, calib_batches, args.folds)
+    tokens = int(next(iter(hessians.values())).tokens.sum())
+    print(f"calibration: {len(calib_batches)} batches, {tokens} tokens per linear (padding included), "
+          f"{args.folds} folds; evaluation: {len(EVAL_SENTENCES)} held-out sentences")
+    ref_eval, ref_calib = sentence_embeddings(model, evaluation), sentence_embeddings(model, calib_all)
+    hess_mb = sum(h.nbytes for h in hessians.values()) / 2**20
+    print(f"Hessian accumulators: {hess_mb:.1f} MiB for {len(hessians)} linears (fp64, {args.folds} folds)\n")
+    print(f"| variant | eval mean cos | eval min cos | calib mean cos | damping chosen (count) | rounding s |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for variant in args.variants.split(","):
+        weights, dampings, seconds = quantize_weights(model, hessians, variant)
+        with fake_quantized(model, weights, act_scales):
+            ev, ca = cosines(model, evaluation, ref_eval), cosines(model, calib_all, ref_calib)
+        counts = collections.Counter(f"{d:g}" for d in dampings.values())
+        chosen = ", ".join(f"{d}: {c}" for d, c in sorted(counts.items(), key=lambda kv: float(kv[0]))) or "-"
+        print(f"| {VARIANTS[variant]} | {ev.mean():.5f} | {ev.min():.5f} | {ca.mean():.5f} | {chosen} | "
+              f"{seconds:.1f} |", flush=True)
+    print(f"\n(median eval cos of the last row: {statistics.median(ev.tolist()):.5f})")
+
+
+if __name__ == "__main__":
+    main()
