@@ -37,6 +37,7 @@ VARIANTS = {
     "gptq-cv-mse": "GPTQ (CV) + MSE weight scales",
     "gptq-cv-actorder": "GPTQ (CV), act order",
     "nearest-mse": "round to nearest + MSE weight scales",
+    "gptq-cv-seq": "GPTQ (CV), sequential: Hessians from the inputs of the already-quantized layers",
 }
 
 
@@ -44,27 +45,48 @@ def encoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and name.startswith("encoder.")}
 
 
-def calibrate(model: nn.Module, batches: list[dict], folds: int) -> tuple[dict, dict]:
-    """Per linear: a running-max input observer and a Hessian accumulator (one fold per batch, round robin)."""
-    linears = encoder_linears(model)
+def calibrate(model: nn.Module, batches: list[dict], folds: int, real_tokens_only: bool = False,
+              names: set[str] | None = None) -> tuple[dict, dict]:
+    """Per linear: a running-max input observer and a Hessian accumulator (one fold per batch, round robin).
+    ``real_tokens_only``: leave padding positions out of the Hessians (a calibrate hook cannot: it sees only
+    the linear's input)."""
+    linears = {n: m for n, m in encoder_linears(model).items() if names is None or n in names}
     observers = {n: RunningMax().create(FMT, None) for n in linears}
     hessians = {n: HessianAccumulator(m.in_features, folds=folds) for n, m in linears.items()}
+    mask: list[torch.Tensor] = []
 
     def hook(name):
         def observe(_module, args):
-            observers[name](args[0])
-            hessians[name].add(args[0])
+            x = args[0]
+            observers[name](x)
+            hessians[name].add(x[mask[0]] if real_tokens_only else x)
         return observe
 
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
     try:
         with torch.no_grad():
             for batch in batches:
+                mask[:] = [batch["attention_mask"].bool()]
                 model(**batch)
     finally:
         for h in handles:
             h.remove()
     return {n: o.scale() for n, o in observers.items()}, hessians
+
+
+def round_weight(w: torch.Tensor, hessians: HessianAccumulator, variant: str) -> tuple[torch.Tensor, float | None]:
+    """(fake-quantized weight, chosen damping or None) of one linear."""
+    observer = MSE() if "mse" in variant else None
+    scale = weight_scale(w, FMT, "channel", observer)
+    damping = None
+    if variant.startswith("nearest"):
+        q, _ = round_to_nearest(w, FMT, "channel", scale)
+    elif variant == "gptq-1%":
+        q, _ = gptq_round(w, hessians.hessian(), FMT, "channel", scale, damping=0.01)
+    else:
+        result = gptq_quantize(w, hessians, FMT, "channel", scale, act_order="actorder" in variant)
+        q, damping = result.qdata, result.damping.damping
+    return reference.dequantize(q, scale.reshape(-1, 1)), damping
 
 
 def quantize_weights(model: nn.Module, hessians: dict, variant: str) -> tuple[dict, dict, float]:
@@ -73,26 +95,36 @@ def quantize_weights(model: nn.Module, hessians: dict, variant: str) -> tuple[di
     weights, dampings = {}, {}
     start = time.process_time()
     for name, m in encoder_linears(model).items():
-        w = m.weight.detach()
-        observer = MSE() if variant.endswith("mse") else None
-        scale = weight_scale(w, FMT, "channel", observer)
-        if variant.startswith("nearest"):
-            q, _ = round_to_nearest(w, FMT, "channel", scale)
-        elif variant == "gptq-1%":
-            q, _ = gptq_round(w, hessians[name].hessian(), FMT, "channel", scale, damping=0.01)
-        else:
-            result = gptq_quantize(w, hessians[name], FMT, "channel", scale, act_order=variant.endswith("actorder"))
-            q, dampings[name] = result.qdata, result.damping.damping
-        weights[name] = reference.dequantize(q, scale.reshape(-1, 1))
-    return weights, dampings, time.process_time() - start
+        weights[name], dampings[name] = round_weight(m.weight.detach(), hessians[name], variant)
+    return weights, {n: d for n, d in dampings.items() if d is not None}, time.process_time() - start
+
+
+def sequential_weights(model: nn.Module, batches: list[dict], act_scales: dict, variant: str, folds: int,
+                       real_tokens_only: bool) -> tuple[dict, dict, float]:
+    """Layer by layer: the Hessians of layer l's linears come from a calibration pass through the model with
+    layers < l already fake-quantized (weights and inputs), so GPTQ also absorbs the upstream error."""
+    weights, dampings = {}, {}
+    cpu = 0.0
+    layers = sorted({n.split(".")[2] for n in encoder_linears(model)}, key=int)
+    for layer in layers:
+        names = {n for n in encoder_linears(model) if n.split(".")[2] == layer}
+        with fake_quantized(model, weights, act_scales):
+            _, hessians = calibrate(model, batches, folds, real_tokens_only, names)
+        start = time.process_time()
+        for name in sorted(names):
+            w = model.get_submodule(name).weight.detach()
+            weights[name], dampings[name] = round_weight(w, hessians[name], variant)
+        cpu += time.process_time() - start
+    return weights, dampings, cpu
 
 
 def fake_quantized(model: nn.Module, weights: dict, act_scales: dict):
-    """Context: the model's encoder linears use the given weights and fake-quantize their inputs."""
+    """Context: the encoder linears named in ``weights`` use those weights and fake-quantize their inputs."""
     class _Ctx:
         def __enter__(self):
             self.saved, self.handles = {}, []
-            for name, m in encoder_linears(model).items():
+            for name in weights:
+                m = model.get_submodule(name)
                 self.saved[name] = m.weight.data
                 m.weight.data = weights[name]
                 scale = act_scales[name]
@@ -102,8 +134,8 @@ def fake_quantized(model: nn.Module, weights: dict, act_scales: dict):
         def __exit__(self, *exc):
             for h in self.handles:
                 h.remove()
-            for name, m in encoder_linears(model).items():
-                m.weight.data = self.saved[name]
+            for name, weight in self.saved.items():
+                model.get_submodule(name).weight.data = weight
     return _Ctx()
 
 
@@ -116,6 +148,8 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {','.join(VARIANTS)}")
     parser.add_argument("--batch-size", type=int, default=4, help="calibration sentences per batch")
     parser.add_argument("--folds", type=int, default=2)
+    parser.add_argument("--real-tokens-only", action="store_true",
+                        help="Hessians from non-padding tokens only (activation scales still see every token)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (GPTQ's column loop is many small ops: on a shared, loaded CPU the "
                              "intra-op thread barriers made it ~60x slower with 2 threads than with 1)")
@@ -126,9 +160,10 @@ def main() -> None:
     calib_batches = [encode(tok, CALIBRATION_SENTENCES[i:i + args.batch_size])
                      for i in range(0, len(CALIBRATION_SENTENCES), args.batch_size)]
     calib_all, evaluation = encode(tok, CALIBRATION_SENTENCES), encode(tok, EVAL_SENTENCES)
-    act_scales, hessians = calibrate(model, calib_batches, args.folds)
+    act_scales, hessians = calibrate(model, calib_batches, args.folds, args.real_tokens_only)
     tokens = int(next(iter(hessians.values())).tokens.sum())
-    print(f"calibration: {len(calib_batches)} batches, {tokens} tokens per linear (padding included), "
+    print(f"calibration: {len(calib_batches)} batches, {tokens} tokens per linear "
+          f"({'real tokens only' if args.real_tokens_only else 'padding included'}), "
           f"{args.folds} folds; evaluation: {len(EVAL_SENTENCES)} held-out sentences")
     ref_eval, ref_calib = sentence_embeddings(model, evaluation), sentence_embeddings(model, calib_all)
     hess_mb = sum(h.nbytes for h in hessians.values()) / 2**20
@@ -136,7 +171,11 @@ def main() -> None:
     print("| variant | eval mean cos | eval min cos | calib mean cos | damping chosen (count) | rounding CPU s |")
     print("| --- | --- | --- | --- | --- | --- |")
     for variant in args.variants.split(","):
-        weights, dampings, seconds = quantize_weights(model, hessians, variant)
+        if variant.endswith("-seq"):
+            weights, dampings, seconds = sequential_weights(model, calib_batches, act_scales, variant, args.folds,
+                                                            args.real_tokens_only)
+        else:
+            weights, dampings, seconds = quantize_weights(model, hessians, variant)
         with fake_quantized(model, weights, act_scales):
             ev, ca = cosines(model, evaluation, ref_eval), cosines(model, calib_all, ref_calib)
         counts = collections.Counter(f"{d:g}" for d in dampings.values())
