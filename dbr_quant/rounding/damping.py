@@ -73,8 +73,8 @@ def choose_damping(w: Tensor, hessians: HessianAccumulator, fmt: FP8Format | str
     scores = dict.fromkeys(candidates, 0.0)
     deq_scale = _broadcastable(scale, granularity)
     for held_out in folds:
-        train = _check_hessian(hessians.hessian([f for f in folds if f != held_out]), w32.shape[1])
-        test = hessians.hessian([held_out]).float()
+        train = _check_hessian(hessians.hessian([f for f in folds if f != held_out]), w32.shape[1]).to(w32.device)
+        test = hessians.hessian([held_out]).to(device=w32.device, dtype=torch.float32)
         weight = int(hessians.tokens[held_out]) / total_tokens
         for damping in candidates:
             if math.isinf(scores[damping]):
@@ -106,7 +106,7 @@ def gptq_quantize(w: Tensor, hessians: HessianAccumulator, fmt: FP8Format | str,
     w32 = _check_weight(w)
     scale = _resolve_scale(w32, fmt, granularity, scale)
     choice = choose_damping(w32, hessians, fmt, granularity, scale, candidates, block_size, act_order)
-    full = _check_hessian(hessians.hessian(hessians.nonempty_folds()), w32.shape[1])
+    full = _check_hessian(hessians.hessian(hessians.nonempty_folds()), w32.shape[1]).to(w32.device)
     # the full Hessian has every fold's tokens, so a damping that factored on the training folds
     # factors here too; larger candidates are the fallback should rounding make it fail
     for damping in [choice.damping] + sorted(d for d in candidates if d > choice.damping) + [math.inf]:

@@ -65,7 +65,7 @@ def gptq_round(w: Tensor, hessian: Tensor, fmt: FP8Format | str, granularity: We
     fmt = FP8Format.parse(fmt)
     w32 = _check_weight(w)
     scale = _resolve_scale(w32, fmt, granularity, scale)
-    h = _check_hessian(hessian, w32.shape[1])
+    h = _check_hessian(hessian, w32.shape[1]).to(w32.device)
     if not (isinstance(damping, (int, float)) and not isinstance(damping, bool) and damping >= 0
             and not math.isnan(damping)):
         raise ValueError(f"gptq_round: damping must be a number >= 0 (math.inf = round to nearest), got {damping!r}")

@@ -41,8 +41,10 @@ class HessianAccumulator:
             raise ValueError(f"HessianAccumulator: dtype must be torch.float32 or torch.float64, got {dtype}")
         self.in_features = in_features
         self.folds = folds
-        self.sums = torch.zeros(folds, in_features, in_features, dtype=dtype, device=device)
-        self.tokens = torch.zeros(folds, dtype=torch.int64)
+        # normal (not inference) tensors, so batches added in and out of inference mode can update them
+        with torch.inference_mode(False):
+            self.sums = torch.zeros(folds, in_features, in_features, dtype=dtype, device=device)
+            self.tokens = torch.zeros(folds, dtype=torch.int64)
         self.batches = 0
         self.skipped_tokens = 0  # tokens with a NaN/inf feature: left out, as observers ignore non-finite values
 

@@ -48,6 +48,18 @@ def test_nonfinite_tokens_are_skipped_and_counted():
     torch.testing.assert_close(acc.hessian(), hessian_of(x[keep]))
 
 
+def test_inference_mode_in_and_out():
+    """calibrate may run under torch.inference_mode; an accumulator built there must still take batches later."""
+    x, y = torch.randn(5, 3), torch.randn(4, 3)
+    with torch.inference_mode():
+        acc = HessianAccumulator(3, folds=1)
+        acc.add(x)
+    acc.add(y)
+    with torch.inference_mode():
+        acc.add(x)
+    torch.testing.assert_close(acc.hessian(), hessian_of(torch.cat([x, y, x])))
+
+
 def test_memory_cost_is_folds_times_k_squared():
     acc = HessianAccumulator(384, folds=2)
     assert acc.nbytes == HessianAccumulator.bytes_needed(384, 2) == 2 * 384 * 384 * 8
