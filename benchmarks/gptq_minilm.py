@@ -33,12 +33,12 @@ FMT = FP8Format.E4M3
 VARIANTS = {
     "nearest": "round to nearest (today)",
     "gptq-1%": "GPTQ, fixed damping 0.01",
-    "gptq-cv": "GPTQ, damping by 2-fold CV",
+    "gptq-cv": "GPTQ, damping by k-fold CV (k = --folds)",
     "gptq-cv-mse": "GPTQ (CV) + MSE weight scales",
     "gptq-cv-actorder": "GPTQ (CV), act order",
     "nearest-mse": "round to nearest + MSE weight scales",
     "gptq-cv-seq": "GPTQ (CV), sequential: Hessians from the inputs of the already-quantized layers",
-}
+}  # plus "gptq-d<x>": GPTQ with fixed damping x, e.g. gptq-d0.3
 
 
 def encoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -81,8 +81,9 @@ def round_weight(w: torch.Tensor, hessians: HessianAccumulator, variant: str) ->
     damping = None
     if variant.startswith("nearest"):
         q, _ = round_to_nearest(w, FMT, "channel", scale)
-    elif variant == "gptq-1%":
-        q, _ = gptq_round(w, hessians.hessian(), FMT, "channel", scale, damping=0.01)
+    elif variant == "gptq-1%" or variant.startswith("gptq-d"):
+        damping = 0.01 if variant == "gptq-1%" else float(variant.removeprefix("gptq-d"))
+        q, _ = gptq_round(w, hessians.hessian(), FMT, "channel", scale, damping=damping)
     else:
         result = gptq_quantize(w, hessians, FMT, "channel", scale, act_order="actorder" in variant)
         q, damping = result.qdata, result.damping.damping
@@ -180,7 +181,8 @@ def main() -> None:
             ev, ca = cosines(model, evaluation, ref_eval), cosines(model, calib_all, ref_calib)
         counts = collections.Counter(f"{d:g}" for d in dampings.values())
         chosen = ", ".join(f"{d}: {c}" for d, c in sorted(counts.items(), key=lambda kv: float(kv[0]))) or "-"
-        print(f"| {VARIANTS[variant]} | {ev.mean():.5f} | {ev.min():.5f} | {ca.mean():.5f} | {chosen} | "
+        label = VARIANTS.get(variant) or f"GPTQ, fixed damping {variant.removeprefix('gptq-d')}"
+        print(f"| {label} | {ev.mean():.5f} | {ev.min():.5f} | {ca.mean():.5f} | {chosen} | "
               f"{seconds:.1f} |", flush=True)
     print(f"\n(median eval cos of the last row: {statistics.median(ev.tolist()):.5f})")
 
