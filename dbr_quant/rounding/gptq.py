@@ -1,5 +1,8 @@
 """GPTQ rounding onto the FP8 grid: round one input column at a time and push its error, weighted by
-the inverse Hessian, onto the columns not yet rounded (Frantar et al., "GPTQ", 2022, Algorithm 1).
+the inverse Hessian, onto the columns not yet rounded (Frantar et al., "GPTQ", 2022, Algorithm 1), with
+lazy block updates. The feedback weights come from one Cholesky factorisation of H itself (the LDLQ form,
+see ``feedback_factor``) rather than from the Cholesky factor of H⁻¹: the same rounding (the tests compare
+against textbook inverse-Hessian GPTQ bit for bit) at about half the cost, since no inverse is formed.
 
 Everything here works on plain tensors: ``w`` is a linear's ``[out_features, in_features]`` weight and
 ``hessian`` the ``[in_features, in_features]`` matrix from ``HessianAccumulator.hessian``. Each rounded
