@@ -322,6 +322,9 @@ def _load_fp8(converted: nn.Module, meta: dict[str, Any], values: dict[str, torc
 def load_pretrained(save_directory: str | Path, model: nn.Module, *, example_inputs: Any = None,
                     example_kwargs: dict[str, Any] | None = None) -> nn.Module:
     """The converted model saved by :func:`save_pretrained` in ``save_directory``, rebuilt from ``model``:
+    or, for a folder without ``dbr_quant.json``, a block-scaled FP8 folder of another tool (compressed-tensors
+    ``FP8_BLOCK``, transformers FineGrainedFP8; see ``checkpoints/foreign.py``) as a converted model running
+    dbr_quant's block kernels (example inputs: given, else ``input_ids`` for a Hugging Face model).
     the same architecture in high precision, in the dtype it was saved from (e.g. built from its config;
     its weights are replaced). ``model`` itself is not modified. prepare()'s example inputs come from the
     folder unless given. Raises :class:`CheckpointError` naming the tensor for anything missing, of the
@@ -333,6 +336,12 @@ def load_pretrained(save_directory: str | Path, model: nn.Module, *, example_inp
         raise TypeError("load_pretrained() needs the original (high-precision) architecture, not a model returned "
                         "by dbr_quant.prepare()/convert()")
     folder = Path(save_directory)
+    if not (folder / sidecar.FILENAME).is_file():
+        from . import foreign
+
+        qc = foreign.quantization_config_of(folder)
+        if qc is not None:  # a block-scaled folder of another tool (compressed-tensors, FineGrainedFP8)
+            return foreign.load_foreign(folder, model, qc, _read_headers(folder), example_inputs, example_kwargs)
     meta = _read_sidecar(folder)
     stored = _read_headers(folder)
     values = _read_and_check(model, meta, stored)
