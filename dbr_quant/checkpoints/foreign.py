@@ -68,6 +68,16 @@ def quantization_config_of(folder: Path) -> dict[str, Any] | None:
     return qc if isinstance(qc, dict) else None
 
 
+def is_block_config(qc: dict[str, Any]) -> bool:
+    """Does this quantization_config describe block-scaled FP8 weights (what this module reads)?"""
+    if qc.get("quant_method") == "fp8":
+        return qc.get("weight_block_size") is not None
+    groups = qc.get("config_groups") if qc.get("quant_method") == "compressed-tensors" else None
+    return isinstance(groups, dict) and any(
+        isinstance(g, dict) and isinstance(g.get("weights"), dict) and g["weights"].get("strategy") == "block"
+        for g in groups.values())
+
+
 def _block_of(value: Any, where: str) -> tuple[int, int]:
     if (not isinstance(value, list) or len(value) != 2
             or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in value)):

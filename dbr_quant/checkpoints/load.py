@@ -42,7 +42,9 @@ def _read_sidecar(folder: Path) -> dict[str, Any]:
     path = folder / sidecar.FILENAME
     if not path.is_file():
         raise CheckpointError(f"{folder}: no {sidecar.FILENAME}, so this is not a folder written by "
-                              "dbr_quant.save_pretrained (load a plain compressed-tensors folder with transformers' "
+                              "dbr_quant.save_pretrained nor a block-scaled FP8 folder (compressed-tensors "
+                              "FP8_BLOCK, transformers FineGrainedFP8), the other layouts load_pretrained reads (load "
+                              "a per-channel / per-tensor compressed-tensors folder with transformers' "
                               "from_pretrained or vLLM instead)")
     try:
         meta = json.loads(path.read_text())
@@ -340,7 +342,7 @@ def load_pretrained(save_directory: str | Path, model: nn.Module, *, example_inp
         from . import foreign
 
         qc = foreign.quantization_config_of(folder)
-        if qc is not None:  # a block-scaled folder of another tool (compressed-tensors, FineGrainedFP8)
+        if qc is not None and foreign.is_block_config(qc):  # another tool's (compressed-tensors, FineGrainedFP8)
             return foreign.load_foreign(folder, model, qc, _read_headers(folder), example_inputs, example_kwargs)
     meta = _read_sidecar(folder)
     stored = _read_headers(folder)
