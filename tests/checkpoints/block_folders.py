@@ -123,17 +123,26 @@ def group_fake_quant(x: torch.Tensor, group: int) -> torch.Tensor:
     return out.to(x.dtype)
 
 
-def plain_torch_reference(model: nn.Module, weights: dict[str, torch.Tensor], group: int) -> nn.Module:
-    """``model`` (high precision) whose listed linears compute ``F.linear(group_fake_quant(x), W, b)`` with the
-    given dequantized weights: the checkpoint's model in plain torch."""
+def static_fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Static per-tensor FP8 (E4M3) of x with ``scale``, dequantized."""
+    s = scale.float().reshape(())
+    return ((x.float() * (1 / s)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * s).to(x.dtype)
+
+
+def plain_torch_reference(model: nn.Module, weights: dict[str, torch.Tensor], group: int,
+                          input_scales: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """``model`` (high precision) whose listed linears compute ``F.linear(fake_quant(x), W, b)`` with the given
+    dequantized weights — dynamic per-token-group ``fake_quant``, or static per-tensor with ``input_scales`` —:
+    the checkpoint's model in plain torch."""
     import copy
 
     ref = copy.deepcopy(model)
     for fqn, w in weights.items():
         mod = ref.get_submodule(fqn)
 
-        def forward(x, mod=mod, w=w):
-            y = F.linear(group_fake_quant(x, group).float(), w, None if mod.bias is None else mod.bias.float())
+        def forward(x, mod=mod, w=w, s=None if input_scales is None else input_scales[fqn]):
+            xq = group_fake_quant(x, group) if s is None else static_fake_quant(x, s)
+            y = F.linear(xq.float(), w, None if mod.bias is None else mod.bias.float())
             return y.to(x.dtype)
 
         mod.forward = forward
