@@ -7,6 +7,11 @@ The mapping (each choice also in the README, "Save for serving"):
   per tensor; ``input_scale`` [1] when activations are static (dynamic: none, and the scheme says
   ``dynamic: true`` with strategy ``tensor`` or ``token``); ``bias`` as is. A gate/up pair stacked into one
   buffer is written as the two modules' own tensors.
+* Block-scaled (``QConfig.fp8_block()``): compressed-tensors' FP8_BLOCK scheme, ``weights`` strategy
+  ``block`` with ``block_structure`` [bn, bk], ``weight_scale`` float32 [⌈out/bn⌉, ⌈in/bk⌉];
+  ``input_activations`` strategy ``group`` (``group_size`` bk, dynamic). An ``in_features`` that is not a
+  multiple of the group is refused: compressed-tensors' group fake-quantization raises on it and vLLM's /
+  SGLang's per-token-group kernels assert whole groups (ragged *rows* are fine everywhere).
 * Scale dtype: the model's dtype when that holds the fp32 scale exactly (always for fp32 models), else
   float32. transformers creates scale parameters in the model's dtype and rounds a float32 scale into
   it when loading (≤ 2⁻⁹ relative); vLLM's scale parameters are float32 and keep it exact. Writing the
@@ -158,7 +163,7 @@ def _scheme(fqn: str, w: FP8Weight, ops: list[SeenOp]) -> Scheme:
     group = ops[0].qconfig.activation.group_size if granularity == "group" else None
     if w.block is not None:
         in_features = w.qdata.shape[-1]
-        if in_features % w.block[1] and granularity == "group":
+        if in_features % w.block[1] and granularity == "group" and not w.transposed:  # Conv1D: dequantized
             # compressed-tensors' group fake-quantization raises "tensor column shape must be divisble by the
             # given group_size" at the first forward, and vLLM / SGLang per-token-group kernels assert it
             raise CheckpointError(

@@ -34,7 +34,7 @@ from block_folders import (
     fine_grained_fp8_folder,
     plain_torch_reference,
 )
-from ckpt_models import convert_hf, fp8_linears, ids, llama
+from ckpt_models import convert_hf, fp8_linears, gpt2, ids, llama
 from safetensors.torch import load_file, save_file
 
 import dbr_quant as dq
@@ -130,6 +130,25 @@ def test_ragged_in_features_are_refused_before_writing(tmp_path):
                                                  r"a multiple of the activation group 128"):
         dq.save_pretrained(c.converted, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_gpt2_conv1d_block_round_trip(tmp_path):
+    """Conv1D with block scales is written dequantized (listed in ignore) and re-quantized to the same bytes;
+    its 64 in_features (one ragged group) need no whole groups there. lm_head (an nn.Linear with 64
+    in_features, which the format cannot take) is kept high precision."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = convert_hf(gpt2(), dq.QConfig.fp8_block(overrides=(dq.Override(pattern="^lm_head$", skip=True),)))
+        dq.save_pretrained(c.converted, tmp_path)
+    assert "transformer.h.0.mlp.c_fc" in json.loads((tmp_path / "config.json").read_text())[
+        "quantization_config"]["ignore"]
+    back = dq.load_pretrained(tmp_path, gpt2())
+    for name, mod in fp8_linears(c.converted).items():
+        a, b = fp8_weight_of(mod), fp8_weight_of(back.get_submodule(name))
+        assert a.block == b.block == BLOCK and a.transposed and torch.equal(a.scale, b.scale), name
+        assert torch.equal(a.qdata.view(torch.uint8), b.qdata.view(torch.uint8)), name
+    with torch.no_grad():
+        assert torch.equal(back(**c.eval_inputs).logits, c.converted(**c.eval_inputs).logits)
 
 
 def test_block_model_round_trips_through_dbr_quant(tmp_path):
