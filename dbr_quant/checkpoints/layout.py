@@ -332,6 +332,12 @@ def _fp8_linear_entries(fqn: str, mod: nn.Module, w: FP8Weight, sites: list, pla
         return [_dequantized_conv1d(fqn, w, info, plan, ignore)]
     plan.linears[fqn] = info
     schemes[fqn] = scheme
+    fused = {n for names in _VLLM_FUSED for n in names}
+    if w.block is not None and out_features % w.block[0] and fqn.rpartition(".")[2] in fused:
+        # vLLM's validate_fp8_block_shape: every output partition of a merged layer is a whole block of rows
+        plan.notes.append(f"'{fqn}' has {out_features} output rows, not a multiple of the {w.block[0]}-row block; "
+                          "vLLM merges q/k/v and gate/up into one layer and refuses partial row blocks there "
+                          "(transformers loads it)")
     # block: [⌈out/bn⌉, ⌈in/bk⌉] as it is (compressed-tensors' FP8_BLOCK weight_scale)
     scale = (w.scale.float() if wstrat == "block" else w.scale.float().reshape(out_features, 1)
              if wstrat == "channel" else w.scale.float().reshape(1))
