@@ -181,7 +181,7 @@ def ragged_llama():
     return llama(**RAGGED).float()
 
 
-def _check_loaded(model, folder, scale_name: str, monkeypatch) -> None:
+def _check_loaded(model, folder, scale_name: str, monkeypatch, exact_tol: float = 1e-3, fast_tol: float = 0.03) -> None:
     before = copy.deepcopy(model.state_dict())
     loaded = dq.load_pretrained(folder, model)
     assert "_dbr_record" not in model.__dict__ and all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
@@ -192,7 +192,8 @@ def _check_loaded(model, folder, scale_name: str, monkeypatch) -> None:
             fqn = name.removesuffix(".weight")
             weights[fqn] = dequantize_blocks(t, stored[f"{fqn}.{scale_name}"], BLOCK)
             w = fp8_weight_of(loaded.get_submodule(fqn))
-            assert w is not None and w.block == BLOCK and torch.equal(w.scale, stored[f"{fqn}.{scale_name}"]), fqn
+            assert w is not None and w.block == BLOCK, fqn
+            assert torch.equal(w.scale, stored[f"{fqn}.{scale_name}"].float()), fqn
     assert len(weights) == 14 and fp8_weight_of(loaded.lm_head) is None  # 2 × 7 linears; lm_head was skipped
     ref = plain_torch_reference(model, weights, BLOCK[1])
     inputs = {"input_ids": ids(4, 32, 5)}
@@ -204,8 +205,8 @@ def _check_loaded(model, folder, scale_name: str, monkeypatch) -> None:
         exact = loaded(**inputs).logits
     err_exact, err_fast, fp8_err = _rel(exact, expected), _rel(fast, expected), _rel(expected, hp)
     print(f"{folder.name}: dbr_quant vs plain torch logits {err_exact:.2e} (exact kernels), {err_fast:.4f} "
-          f"(CPU kernels); FP8 vs fp32 {fp8_err:.4f}")
-    assert err_exact <= 1e-3 and err_fast <= 0.03 and fp8_err > 0.02
+          f"(CPU kernels); FP8 vs high precision {fp8_err:.4f}")
+    assert err_exact <= exact_tol and err_fast <= fast_tol and fp8_err > 0.02
 
 
 def test_loads_a_compressed_tensors_fp8_block_folder(ragged_llama, tmp_path, monkeypatch):
@@ -214,6 +215,17 @@ def test_loads_a_compressed_tensors_fp8_block_folder(ragged_llama, tmp_path, mon
     qc = json.loads((folder / "config.json").read_text())["quantization_config"]
     assert qc["config_groups"]["group_0"]["weights"]["strategy"] == "block" and not (folder / "dbr_quant.json").exists()
     _check_loaded(ragged_llama, folder, "weight_scale", monkeypatch)
+
+
+def test_loads_a_bf16_compressed_tensors_folder(tmp_path, monkeypatch):
+    """A bf16 model: compressed-tensors stores its block scales in bf16 (the model's dtype). Both pipelines then
+    round every layer's output to bf16, so they agree to bf16 noise amplified by the model: 2.2e-2 relative
+    logits measured with either kernel path (FP8 vs bf16: 4.7e-2)."""
+    model = llama(**RAGGED)
+    folder = tmp_path / "ct_bf16"
+    ct_fp8_block_folder(copy.deepcopy(model), folder, ignore=["lm_head"])
+    assert load_file(folder / "model.safetensors")["model.layers.0.mlp.up_proj.weight_scale"].dtype == torch.bfloat16
+    _check_loaded(model, folder, "weight_scale", monkeypatch, exact_tol=0.035, fast_tol=0.035)
 
 
 @pytest.fixture
