@@ -324,12 +324,14 @@ def _load_fp8(converted: nn.Module, meta: dict[str, Any], values: dict[str, torc
 def load_pretrained(save_directory: str | Path, model: nn.Module, *, example_inputs: Any = None,
                     example_kwargs: dict[str, Any] | None = None) -> nn.Module:
     """The converted model saved by :func:`save_pretrained` in ``save_directory``, rebuilt from ``model``:
-    or, for a folder without ``dbr_quant.json``, a block-scaled FP8 folder of another tool (compressed-tensors
-    ``FP8_BLOCK``, transformers FineGrainedFP8; see ``checkpoints/foreign.py``) as a converted model running
-    dbr_quant's block kernels (example inputs: given, else ``input_ids`` for a Hugging Face model).
     the same architecture in high precision, in the dtype it was saved from (e.g. built from its config;
     its weights are replaced). ``model`` itself is not modified. prepare()'s example inputs come from the
-    folder unless given. Raises :class:`CheckpointError` naming the tensor for anything missing, of the
+    folder unless given.
+
+    A folder without ``dbr_quant.json`` whose ``config.json`` describes block-scaled FP8 written by another
+    tool (compressed-tensors ``FP8_BLOCK``, transformers FineGrainedFP8; see ``checkpoints/foreign.py``) loads
+    as a converted model running dbr_quant's block kernels (example inputs: given, else a short ``input_ids``
+    for a Hugging Face model). Raises :class:`CheckpointError` naming the tensor for anything missing, of the
     wrong shape or dtype, non-finite, or truncated; nothing in the folder is executed (JSON and raw bytes).
     """
     if not isinstance(model, nn.Module):
