@@ -16,16 +16,16 @@ Three levels of evidence:
   residual after the bias), same LayerNorm, GELU and attention mask.
 * **End to end, natural arithmetic: an FP8 noise floor, not a deviation.** The two scale orders round
   each GEMM output differently by ~1 ulp (2.3e-7 relative on MiniLM), and FP8 re-quantization turns that
-  into whole FP8 steps that cascade: 3 of 140,928 FP8 codes differ at layer 0's attention output input,
-  127 at its fc2 input, 1.1 % of the codes in layer 1, 15 % in layer 2, 40 % by layer 5 (measured against
-  the loaded model, dbr_quant on fp32 GEMMs). Any 1-ulp change lands at the same level: the loaded model
-  against itself with ``y - b + b`` at every linear gives min embedding cosine 0.99902, and one LayerNorm
-  weight moved by one ulp gives 0.9994 between two dbr_quant runs. So the min cosine of dbr_quant's exact
-  (fp32-GEMM, GPU-equivalent) kernels against the loaded model, measured 0.9990 (mean 0.9995), cannot reach
-  0.9995 without copying the loader's arithmetic. dbr_quant's bf16 CPU GEMM path (the CPU default with
-  native BF16 dot products) also rounds each GEMM output to bf16 (1.6e-3 relative per linear, there is no
-  fp32-output bf16 GEMM on CPU in torch), measured 0.9980 (mean 0.9989), the same distance as between
-  dbr_quant's own bf16 and fp32 paths (0.9980).
+  into whole FP8 steps that cascade: 3 of 140,928 FP8 codes differ at layer 0's attention-output input,
+  127 at its fc2 input, 0.08-4 % of a linear's input codes in layer 1, 7-17 % in layer 2, 37-52 % in
+  layers 4-5 (dbr_quant on fp32 GEMMs; ``benchmarks/checkpoint_agreement.py`` prints these figures). Any
+  1-ulp change lands at the same level: the loaded model against itself with ``y - b + b`` at every linear
+  gives min embedding cosine 0.99902. So the min cosine of dbr_quant's exact (fp32-GEMM, GPU-equivalent)
+  kernels against the loaded model, measured 0.99897 (mean 0.99946), cannot reach 0.9995 without copying
+  the loader's arithmetic. dbr_quant's bf16 CPU GEMM path (the CPU default where the CPU has BF16 dot
+  products) also rounds each GEMM output to bf16 (1.6e-3 relative per linear; torch has no bf16 GEMM with
+  fp32 output on CPU): measured 0.99799 (mean 0.99890), the same distance as between dbr_quant's own bf16
+  and fp32 paths (0.99801). The bounds below leave ~0.001 for another CPU's GEMM rounding.
 """
 
 from __future__ import annotations
