@@ -250,3 +250,19 @@ def test_sync_without_torch_distributed_does_nothing():
     before = {k: v.clone() for k, v in p.state_dict().items()}
     assert dq.sync_observers(p) is p
     assert all(torch.equal(before[k], v) for k, v in p.state_dict().items())
+
+
+
+@pytest.mark.parametrize("kind", list(OBSERVERS))
+def test_calibration_state_does_not_grow_with_batches(kind):
+    """A prepared model's tensors after 2 batches are as many bytes as after 12: what a rank holds, and what
+    sync_observers sends, does not depend on how many batches it calibrated (per-observer sizes:
+    tests/observers/test_observer_merge.py::test_state_is_fixed_size)."""
+    def state_bytes(p: nn.Module) -> int:
+        return sum(t.numel() * t.element_size() for t in p.state_dict().values())
+
+    g = torch.Generator().manual_seed(3)
+    p = dq.calibrate(_prepared(kind), [torch.randn(2, 9, DIM, generator=g) for _ in range(2)], progress=False)
+    before = state_bytes(p)
+    dq.calibrate(p, [torch.randn(2, 9, DIM, generator=g) for _ in range(10)], progress=False)
+    assert state_bytes(p) == before > 0
