@@ -224,7 +224,10 @@ def experts_call(run: Any, module: nn.Module, args: tuple, kwargs: dict, phase: 
         bound = _bind(args, kwargs)
         if not isinstance(st, MoeState) or bound is None or not st.quantized:
             return original_call(module, *args, **kwargs)
-        if phase == "calibrate" and st.static:
+        inspector = getattr(run, "inspector", None)  # a dbr_quant.inspect session: expert tensors are layers
+        if inspector is not None and hasattr(inspector, "experts") and (st.converted or phase == "hp"):
+            body = lambda a, k: inspector.experts(module, st, *_bind(a, k))  # noqa: E731
+        elif phase == "calibrate" and st.static:
             body = lambda a, k: _hp_experts(module, st, *_bind(a, k), observe=True)  # noqa: E731
         elif phase == "convert" and st.converted:
             body = lambda a, k: _fp8_experts(module, st, *_bind(a, k))  # noqa: E731
