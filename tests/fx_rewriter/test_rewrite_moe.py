@@ -21,6 +21,13 @@ REWRITE_EXAMPLE = (2, 5)  # batch 2: prepare()'s batch-1 example would fix the b
 SHAPES = [(3, 7), (1, 4), (2, 1)]
 
 
+@pytest.fixture(scope="module")
+def mixtral_graph():
+    """A converted Mixtral and its rewritten graph, shared by the export and compile tests."""
+    _, _, converted = pipeline("mixtral", "grouped_mm")
+    return converted, rewrite(converted, example_kwargs=batches(1, REWRITE_EXAMPLE, 9)[0])
+
+
 def _moe_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if n.target is torch.ops.dbr_quant.fp8_moe_experts.default]
 
@@ -38,9 +45,8 @@ def _assert_equal_on_shapes(gm, converted, shapes=SHAPES, seed=5):
         assert torch.equal(want, got), f"rewritten output differs at shape {shape}"
 
 
-# the experts implementations take one path (the experts call is intercepted whole): one of each here
-@pytest.mark.parametrize("name,impl,dynamic", [("mixtral", "eager", False), ("qwen2_moe", "batched_mm", False),
-                                               ("qwen2_moe", "eager", True)])
+# the experts implementations take one path (the experts call is intercepted whole); Mixtral: the export test
+@pytest.mark.parametrize("name,impl,dynamic", [("qwen2_moe", "batched_mm", False), ("qwen2_moe", "eager", True)])
 def test_experts_modules_are_one_graph_op_with_outputs_equal_to_eager(name, impl, dynamic):
     qc = dq.QConfig(dynamic=True, activation=dq.TensorQConfig(granularity="token")) if dynamic else None
     _, _, converted = pipeline(name, impl, qconfig=qc)
@@ -55,24 +61,34 @@ def test_experts_modules_are_one_graph_op_with_outputs_equal_to_eager(name, impl
     _assert_equal_on_shapes(gm, converted)
 
 
-def test_exported_and_saved_graph_equals_eager(tmp_path):
-    _, _, converted = pipeline("mixtral", "grouped_mm")
-    gm = rewrite(converted, example_kwargs=batches(1, REWRITE_EXAMPLE, 9)[0])
+def test_exported_and_saved_graph_equals_eager(mixtral_graph, tmp_path):
+    converted, gm = mixtral_graph
     b = batches(1, (3, 6), 4)[0]
     auto = torch.export.Dim.AUTO
     ep = torch.export.export(gm, (), dict(b), dynamic_shapes={"input_ids": {0: auto, 1: auto}})
+    assert len(_moe_nodes(gm)) == LAYERS and _unbacked(gm) == []
     assert [str(n.target) for n in ep.graph.nodes].count("dbr_quant.fp8_moe_experts.default") == LAYERS
     torch.export.save(ep, tmp_path / "mixtral.pt2")
     loaded = torch.export.load(tmp_path / "mixtral.pt2").module()
     _assert_equal_on_shapes(loaded, converted, shapes=[(3, 6), (2, 11)])
 
 
+def test_dynamo_captures_the_graph_whole(mixtral_graph):
+    """``torch.compile(fullgraph=True)`` traces the rewritten graph in one piece (fp8_moe_experts through its
+    fake implementation); the aot_eager backend runs the captured graph without inductor's C++ compile."""
+    converted, gm = mixtral_graph
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(gm, fullgraph=True, backend="aot_eager")
+        _assert_equal_on_shapes(compiled, converted, shapes=[(3, 7)])
+    torch._dynamo.reset()
+
+
 @pytest.mark.slow
-def test_compiled_fullgraph_matches_eager():
+def test_compiled_fullgraph_matches_eager(mixtral_graph):
     """Inductor keeps fp8_moe_experts opaque (the eager kernels inside); the rest is compiled. Measured here:
     logits bit-equal to eager (the CPU GEMM path is the same); the test allows FP8 rounding flips (cos > 0.999)."""
-    _, _, converted = pipeline("mixtral", "grouped_mm")
-    gm = rewrite(converted, example_kwargs=batches(1, REWRITE_EXAMPLE, 9)[0])
+    converted, gm = mixtral_graph
     torch._dynamo.reset()
     with torch._inductor.config.patch(force_disable_caches=True), torch.no_grad():
         compiled = torch.compile(gm, fullgraph=True)
