@@ -35,8 +35,11 @@ from .sensitivity import (
     Metrics,
     compare,
     fp8_flop_fraction,
+    layer_error,
+    linear_flops,
     op_flops,
     plot_sensitivity,
+    rank_layers,
     sensitivity,
 )
 from .session import Session, format_records, session
@@ -49,6 +52,7 @@ __all__ = [
     "StepRange", "LogTensorStats", "LogFP8Stats", "DisableFP8", "FakeQuant", "Scaling",
     "Inspector", "RecordedLayer", "recorded_layers", "named_ops",
     "sensitivity", "LayerSensitivity", "Metrics", "compare", "plot_sensitivity", "op_flops", "fp8_flop_fraction",
+    "layer_error", "rank_layers", "linear_flops",
     "auto_fallback", "FallbackResult", "CurvePoint", "plot_tradeoff",
     "tensor_stats", "fp8_stats", "sqnr_db",
 ]

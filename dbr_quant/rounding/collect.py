@@ -80,13 +80,19 @@ class HessianCollector:
             self.accumulators[op.weight_owner] = acc
         acc.add(x, fold=(self.forwards - 1) % self.options.folds)
 
-    def round(self, fqn: str, module_type: str, w: Tensor, cfg: TensorQConfig, scale: Tensor) -> Tensor:
+    def has_data(self, fqn: str) -> bool:
+        acc = self.accumulators.get(fqn)
+        return acc is not None and bool(acc.nonempty_folds())
+
+    def round(self, fqn: str, module_type: str, w: Tensor, cfg: TensorQConfig, scale: Tensor,
+              keep: bool = False) -> Tensor:
         """The GPTQ-rounded FP8 weight of ``fqn`` on the grid of ``scale`` (the scale nearest rounding uses).
-        Frees the module's accumulator."""
+        Frees the module's accumulator and records the damping (convert) unless ``keep`` (inspection of a
+        prepared model: convert still needs it)."""
         if cfg.granularity not in ("channel", "tensor"):
             raise ValueError(f"convert(): weight_rounding='gptq' on '{fqn}' ({module_type}) needs per-channel or "
                              f"per-tensor weights, not {cfg.granularity!r}: give it weight_rounding='nearest'")
-        acc = self.accumulators.pop(fqn, None)
+        acc = self.accumulators.get(fqn) if keep else self.accumulators.pop(fqn, None)
         if acc is None or not acc.nonempty_folds():
             raise ValueError(f"convert(): '{fqn}' ({module_type}) has weight_rounding='gptq' but saw no calibration "
                              "tokens: run dbr_quant.calibrate(prepared, batches) with batches that reach it "
@@ -95,7 +101,8 @@ class HessianCollector:
         o = self.options
         result = gptq_quantize(w, acc, cfg.format, cfg.granularity, scale=scale, candidates=o.dampings,
                                block_size=o.block_size, act_order=o.act_order)
-        self.rounded[fqn] = GPTQRecord(result.damping, time.perf_counter() - start, int(acc.tokens.sum()))
+        if not keep:
+            self.rounded[fqn] = GPTQRecord(result.damping, time.perf_counter() - start, int(acc.tokens.sum()))
         return result.qdata
 
 
