@@ -78,7 +78,7 @@ def main() -> None:
         for kw in runs:
             t = time.perf_counter()
             res = dqi.auto_fallback(c, calib, reference=model, output_fn=sentence_embeddings, **kw)
-            label = (f"target 0.999, rank error" if "target" in kw
+            label = ("target 0.999, rank error" if "target" in kw
                      else f"≤ {100 * kw['max_high_precision_flops']:g} % FLOPs HP, rank error/FLOP")
             cos = heldout(c, model, evaluation, ref, res.fallback)
             rows.append((rounding, label, cos, res.fp8_flop_fraction,
