@@ -27,18 +27,12 @@ import torch.nn.functional as F
 import dbr_quant as dq
 import dbr_quant.inspect as dqi
 from dbr_quant.examples.minilm import CALIBRATION_SENTENCES, EVAL_SENTENCES, encode, load_minilm, sentence_embeddings
-from dbr_quant.inspect.inspector import attached
-from dbr_quant.inspect.sensitivity import _original_weights
 from dbr_quant.rounding.collect import gptq_report
 
 
 def heldout(converted, model, evaluation, ref, fallback=()) -> torch.Tensor:
     """Per-sentence embedding cosines of ``converted`` with ``fallback`` layers in high precision (original weights)."""
-    layers = dqi.recorded_layers(converted)
-    plan = {n: (dqi.DisableFP8(),) if n in fallback else (dqi.Feature(),) for n in layers}
-    inspector = dqi.Inspector(plan, layers)
-    inspector.hp_weights = _original_weights(converted, model)
-    with attached(converted, inspector):
+    with dqi.fallback_applied(converted, fallback, reference=model):
         emb = sentence_embeddings(converted, evaluation)
     return F.cosine_similarity(emb, ref, dim=-1)
 

@@ -13,7 +13,7 @@ Features are frozen dataclasses registered with ``@register_feature`` (see featu
 """
 
 from .config import InspectConfig, InspectConfigError, Section, Selector, load_config, parse_config
-from .fallback import CurvePoint, FallbackResult, auto_fallback, plot_tradeoff
+from .fallback import CurvePoint, FallbackResult, auto_fallback, fallback_applied, plot_tradeoff
 from .features import (
     FEATURES,
     DisableFP8,
@@ -53,6 +53,6 @@ __all__ = [
     "Inspector", "RecordedLayer", "recorded_layers", "named_ops",
     "sensitivity", "LayerSensitivity", "Metrics", "compare", "plot_sensitivity", "op_flops", "fp8_flop_fraction",
     "layer_error", "rank_layers", "linear_flops",
-    "auto_fallback", "FallbackResult", "CurvePoint", "plot_tradeoff",
+    "auto_fallback", "fallback_applied", "FallbackResult", "CurvePoint", "plot_tradeoff",
     "tensor_stats", "fp8_stats", "sqnr_db",
 ]

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,12 +33,14 @@ from torch import nn
 
 from ..mappings import LINEAR
 from ..qconfig import Override, QConfig
-from .inspector import model_record
+from .features import DisableFP8, Feature
+from .inspector import Inspector, attached, model_record, recorded_layers
 from .sensitivity import (
     LayerSensitivity,
     Metrics,
     OutputFn,
     _Evaluator,
+    _original_weights,
     _sensitivity,
     fp8_flop_fraction,
     linear_flops,
@@ -173,6 +176,25 @@ def auto_fallback(model: nn.Module, batches: Sequence[Any], *, target: float | N
         fp8_flop_fraction=fp8_flop_fraction(model, chosen, (LINEAR,)), curve=tuple(curve),
         sensitivity=tuple(sens), base_qconfig=model_record(model).qconfig, evaluations=ev.evaluations,
         rank=rank, max_high_precision_flops=max_high_precision_flops)
+
+
+@contextmanager
+def fallback_applied(model: nn.Module, high_precision: Iterable[str], reference: nn.Module | None = None
+                     ) -> Iterator[None]:
+    """Inside the block, forwards of ``model`` (prepared + calibrated, or converted) run the ``high_precision``
+    layers (e.g. ``result.fallback``) in high precision and every other recorded layer in FP8 — what
+    ``prepare(..., result.qconfig())`` → convert gives, without converting again. On a converted model
+    ``reference`` (the fp32 model) supplies the high-precision layers' original weights."""
+    layers = recorded_layers(model)
+    hp = set(high_precision)
+    unknown = hp - set(layers)
+    if unknown:
+        raise ValueError(f"fallback_applied: not recorded quantized layers: {sorted(unknown)}")
+    inspector = Inspector({n: (DisableFP8(),) if n in hp else (Feature(),) for n in layers}, layers)
+    if reference is not None:
+        inspector.hp_weights = _original_weights(model, reference)
+    with attached(model, inspector):
+        yield
 
 
 def plot_tradeoff(result: FallbackResult, ax=None):

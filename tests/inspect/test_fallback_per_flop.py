@@ -92,6 +92,12 @@ def test_budget_curve_is_the_ranked_layers_that_fit_and_each_point_is_measured()
     with torch.no_grad():
         got = _cos(torch.cat([c2(x) for x in ev]), torch.cat([model(x) for x in ev]))
     assert got == pytest.approx(res.cosine, abs=1e-6)
+    with dqi.fallback_applied(p, res.fallback), torch.no_grad():  # the same without converting again
+        applied = _cos(torch.cat([p(x) for x in ev]), torch.cat([model(x) for x in ev]))
+    assert applied == pytest.approx(got, abs=1e-6)
+    with pytest.raises(ValueError, match="not recorded"):
+        with dqi.fallback_applied(p, ["nope"]):
+            pass
     table = res.curve_table()
     assert table.count("\n") == len(res.curve) and "FP8 FLOPs" in table and "%" in res.summary()
 
