@@ -244,6 +244,7 @@ def convert(prepared: nn.Module, *, inplace: bool = False, sync: Any = True) -> 
     """
     if sync is not False:  # data-parallel calibration; a no-op without torch.distributed
         sync_observers(prepared, None if sync is True else sync)
+        collect.sync_hessians(prepared, None if sync is True else sync)  # GPTQ: sum Hessians across ranks
     record = _record(prepared, "prepared", "convert")
     missing = [entry for st in record.states for entry in st.uncalibrated()]
     if missing:
