@@ -226,3 +226,44 @@ def test_save_load_and_rewrite_like_any_other(tmp_path):
         assert torch.equal(c(x), loaded(x))
         gm = rewrite(c)
         assert torch.equal(gm(x), c(x))
+
+
+def test_offloaded_model_gets_the_same_gptq_weights(tmp_path):
+    """accelerate disk offload: convert(inplace=True) reads each weight from its offload home; the Hessians come
+    from calibration as usual, so the FP8 bytes equal the in-memory model's."""
+    accelerate = pytest.importorskip("accelerate")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def llama():
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                            num_key_value_heads=1, intermediate_size=64, pad_token_id=0,
+                                            use_cache=False)).eval()
+
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(1, 128, (2, 12), generator=g)} for _ in range(3)]
+    qconfig = dq.QConfig(weight_rounding="gptq", overrides=(dq.Override(pattern="^lm_head$", skip=True),))
+
+    def quantize(model):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            p = dq.prepare(model, example_kwargs=batches[0], qconfig=qconfig, inplace=True)
+            dq.calibrate(p, batches, progress=False)
+            return dq.convert(p, inplace=True)
+
+    def fp8_bytes(model):
+        out = {}
+        for name, m in model.named_modules():
+            hook = getattr(m, "_hf_hook", None)
+            w = hook.weights_map["weight"] if hook is not None and fp8_weight_of(m) is not None \
+                and fp8_weight_of(m).qdata.is_meta else fp8_weight_of(m)
+            if w is not None:
+                out[name] = w.qdata.view(torch.uint8)
+        return out
+
+    in_memory = fp8_bytes(quantize(llama()))
+    offloaded = quantize(accelerate.disk_offload(llama(), str(tmp_path), execution_device="cpu"))
+    assert gptq_report(offloaded).keys() == in_memory.keys() and len(in_memory) == 7
+    assert all(fp8_weight_of(m).qdata.is_meta for m in offloaded.modules() if fp8_weight_of(m) is not None)
+    got = fp8_bytes(offloaded)
+    assert got.keys() == in_memory.keys() and all(torch.equal(got[n], in_memory[n]) for n in got)
