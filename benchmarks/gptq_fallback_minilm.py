@@ -69,9 +69,12 @@ def main() -> None:
                      + (f"; dampings {dampings}" if dampings else "")))
         runs = [dict(target=0.999, rank="error")] + [dict(max_high_precision_flops=float(b), rank="error_per_flop")
                                                       for b in args.budgets.split(",")]
+        t = time.perf_counter()
+        sens = dqi.sensitivity(c, calib, reference=model, output_fn=sentence_embeddings, by="cosine")
+        print(f"{rounding}: sensitivity of {len(sens)} layers in {time.perf_counter() - t:.0f} s", flush=True)
         for kw in runs:
             t = time.perf_counter()
-            res = dqi.auto_fallback(c, calib, reference=model, output_fn=sentence_embeddings, **kw)
+            res = dqi.auto_fallback(c, calib, reference=model, output_fn=sentence_embeddings, sensitivity=sens, **kw)
             label = ("target 0.999, rank error" if "target" in kw
                      else f"≤ {100 * kw['max_high_precision_flops']:g} % FLOPs HP, rank error/FLOP")
             cos = heldout(c, model, evaluation, ref, res.fallback)
