@@ -380,8 +380,11 @@ class ConvertRun(Run):
         return isinstance(first, torch.Tensor) and first.device == torch.device(target)
 
     def module_call(self, module, args, kwargs):
-        if "_hf_hook" in module.__dict__ and (is_linear_module(module) or module.__dict__.get("_dbr_norm")) \
-                and not has_hooks(module):
+        d = module.__dict__
+        if _plain_container(type(module)) and "_hf_hook" not in d and d.get("_dbr_experts") is None \
+                and not d.get("_dbr_norm") and not ((self.placeholders or self.resolved) and has_hooks(module)):
+            return self.call_module(module, args, kwargs)  # the common case, decided by a few dict lookups
+        if "_hf_hook" in d and (is_linear_module(module) or d.get("_dbr_norm")) and not has_hooks(module):
             # accelerate (offload.py) loads weights in the forward wrapper that the FP8 path bypasses: load
             # them here and keep them until no pending fused subgraph can still read them
             args, kwargs = offload.onload(module, args, kwargs)
@@ -464,6 +467,20 @@ class ConvertRun(Run):
         if self.resolved:
             out = tree_map(lambda t: self.resolved.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
         return out
+
+
+_container_classes: dict[type, bool] = {}
+
+
+def _plain_container(cls: type) -> bool:
+    """Whether the convert run does nothing with a module of class ``cls`` itself (it only runs its forward):
+    not a linear module, not an activation module. Cached per class (per instance, the run still checks
+    the norm/experts marks and hooks)."""
+    plain = _container_classes.get(cls)
+    if plain is None:
+        linear = issubclass(cls, nn.Linear) or (cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers."))
+        plain = _container_classes[cls] = not linear and cls not in ACTIVATION_MODULES
+    return plain
 
 
 _pool = threading.local()

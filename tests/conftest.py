@@ -14,5 +14,5 @@ def _seed_and_check_global_state():
 
     torch.manual_seed(0)
     yield
-    assert not is_patched(), "nn.Module.__call__ was left patched"
+    assert not is_patched(), "nn.Module._call_impl (module-call interception) was left patched"
     assert torch._C._len_torch_function_stack() == 0, "a torch function mode was left on the stack"

@@ -310,13 +310,18 @@ def test_rewritten_graph_runs_the_block_ops_and_equals_eager(static):
             assert torch.equal(g(x), c(x))
 
 
-def test_inspect_features_refuse_block_layers_by_name():
+def test_inspect_features_run_on_block_layers():
+    """Block layers under inspect features (full checks: tests/inspect/test_inspect_block.py)."""
     import dbr_quant.inspect as dqi
 
     p = dq.prepare(_model(), (_x(2, 5),), dq.QConfig.fp8_block())
     config = "all:\n  layers: {name_regex: 'fc1'}\n  features:\n    LogFP8Stats: {tensors: [input]}\n"
-    with pytest.raises(NotImplementedError, match="layer 'fc1' is block-scaled"), dqi.session(p, config):
-        p(_x(2, 5))
+    x = _x(2, 5)
+    with dqi.session(p, config) as s:
+        y = p(x)
+    assert torch.equal(y, dq.convert(p)(x))  # logging only: what the converted model's block kernels give
+    stats = {r["stat"] for r in s.records if r["layer"] == "fc1"}
+    assert {"scale_min", "scale_max", "sqnr_db"} <= stats
 
 
 @pytest.mark.parametrize("family, block, min_cos", [

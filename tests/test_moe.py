@@ -26,6 +26,7 @@ import dbr_quant as dq
 from dbr_quant import kernels
 from dbr_quant.basic_ops import stored_fp8_weight
 from dbr_quant.formats import FP8Format
+from dbr_quant.kernels import reference
 from dbr_quant.moe import EXPERTS, MoeState
 from dbr_quant.weights import FP8Weight
 
@@ -337,7 +338,7 @@ def test_dynamic_per_token_activations():
 def test_fp8_experts_compute_what_an_fp64_emulation_of_their_stored_fp8_gives():
     """The converted experts call against an independent emulation from the stored FP8 weights, scales and
     frozen activation scales: fp64 dot products of the FP8 values, each GEMM's accumulator rounded once to
-    bf16 as the CPU reference backend's fast path does (README, "What runs where"), torch's own FP8 casts.
+    bf16 where the CPU reference backend's bf16 path does (README, "What runs where"), torch's own FP8 casts.
     Any mix-up of experts, scales or rows shows; so does a missing FP8 rounding of x or h."""
     model, _, converted = pipeline("mixtral", "eager")
     mod = _experts_modules(converted)[0]
@@ -355,17 +356,20 @@ def test_fp8_experts_compute_what_an_fp64_emulation_of_their_stored_fp8_gives():
     def fp8(v: torch.Tensor) -> torch.Tensor:
         return v.clamp(-FP8Format.E4M3.max, FP8Format.E4M3.max).to(torch.float8_e4m3fn).double()
 
-    def bf16(v: torch.Tensor) -> torch.Tensor:
-        return v.to(torch.bfloat16).double()
+    def rounded(v: torch.Tensor, w_q: torch.Tensor, e: int) -> torch.Tensor:
+        """The GEMM output as the CPU reference gives it: rounded once to bf16 on the bf16 GEMM path, unless
+        both operands (expert e's rows, its weight) are small enough for the exact fp32 GEMM."""
+        rows = torch.empty(int((ids == e).sum()), w_q.shape[-1])
+        return v.to(torch.bfloat16).double() if reference.gemm_dtype(rows, w_q[e]) == torch.bfloat16 else v
 
     xq = fp8(x.double() / xs)
     ref = torch.zeros_like(x, dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(TOP_K):
             e = int(ids[t, j])
-            gu = bf16(g.qdata[e].double() @ xq[t]) * xs * g.scale[e].double()
+            gu = rounded(g.qdata[e].double() @ xq[t], g.qdata, e) * xs * g.scale[e].double()
             h = F.silu(gu[: gu.shape[0] // 2]) * gu[gu.shape[0] // 2:]
-            y = bf16(d.qdata[e].double() @ fp8(h / hs[e])) * hs[e] * d.scale[e].double()
+            y = rounded(d.qdata[e].double() @ fp8(h / hs[e]), d.qdata, e) * hs[e] * d.scale[e].double()
             ref[t] += w[t, j].double() * y
     err = ((seen["out"].double() - ref).norm() / ref.norm()).item()
     assert err < 1e-6, err

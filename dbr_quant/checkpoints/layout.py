@@ -7,6 +7,11 @@ The mapping (each choice also in the README, "Save for serving"):
   per tensor; ``input_scale`` [1] when activations are static (dynamic: none, and the scheme says
   ``dynamic: true`` with strategy ``tensor`` or ``token``); ``bias`` as is. A gate/up pair stacked into one
   buffer is written as the two modules' own tensors.
+* Block-scaled (``QConfig.fp8_block()``): compressed-tensors' FP8_BLOCK scheme, ``weights`` strategy
+  ``block`` with ``block_structure`` [bn, bk], ``weight_scale`` float32 [⌈out/bn⌉, ⌈in/bk⌉];
+  ``input_activations`` strategy ``group`` (``group_size`` bk, dynamic). An ``in_features`` that is not a
+  multiple of the group is refused: compressed-tensors' group fake-quantization raises on it and vLLM's /
+  SGLang's per-token-group kernels assert whole groups (ragged *rows* are fine everywhere).
 * Scale dtype: the model's dtype when that holds the fp32 scale exactly (always for fp32 models), else
   float32. transformers creates scale parameters in the model's dtype and rounds a float32 scale into
   it when loading (≤ 2⁻⁹ relative); vLLM's scale parameters are float32 and keep it exact. Writing the
@@ -124,13 +129,22 @@ def is_cached_attention(mod: nn.Module) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ schemes
-def _args(strategy: str, dynamic: bool) -> dict[str, Any]:
-    return {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": dynamic,
-            "group_size": None, "observer": None if dynamic else "minmax"}
+def _args(strategy: str, dynamic: bool, size: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """One compressed-tensors QuantizationArgs; ``size`` is the block (rows, columns) of a ``block`` strategy or
+    the (group size,) of a ``group`` one (the FP8_BLOCK preset: [128, 128] weight blocks, 128 groups)."""
+    args = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": dynamic,
+            "group_size": size[0] if strategy == "group" and size else None, "observer": None if dynamic else "minmax"}
+    if strategy == "block" and size:
+        args["block_structure"] = list(size)
+    return args
 
 
-def _scheme(fqn: str, w: FP8Weight, ops: list[SeenOp]) -> tuple[str, str, bool]:
-    """(weight strategy, activation strategy, dynamic) of an FP8 linear; raises for what the format lacks."""
+# (weight strategy, activation strategy, dynamic, weight block or None, activation group or None)
+Scheme = tuple[str, str, bool, "tuple[int, int] | None", "int | None"]
+
+
+def _scheme(fqn: str, w: FP8Weight, ops: list[SeenOp]) -> Scheme:
+    """The scheme of an FP8 linear (see ``Scheme``); raises for what the format lacks."""
     if w.qdata.dtype != torch.float8_e4m3fn:
         raise CheckpointError(f"'{fqn}': its weight is {FP8Format.of(w.qdata.dtype).name}; the compressed-tensors "
                               "format stores FP8 weights as E4M3 only. Convert with QConfig(weight=TensorQConfig("
@@ -146,22 +160,33 @@ def _scheme(fqn: str, w: FP8Weight, ops: list[SeenOp]) -> tuple[str, str, bool]:
         raise CheckpointError(f"'{fqn}' is called at {len(ops)} sites with different activation settings "
                               f"{sorted(modes)}; the format has one per linear. Give its call sites one setting.")
     (dynamic, granularity), = modes
-    return ("tensor" if w.scale.dim() == 0 else "channel"), granularity, dynamic
+    group = ops[0].qconfig.activation.group_size if granularity == "group" else None
+    if w.block is not None:
+        in_features = w.qdata.shape[-1]
+        if in_features % w.block[1] and granularity == "group" and not w.transposed:  # Conv1D: dequantized
+            # compressed-tensors' group fake-quantization raises "tensor column shape must be divisble by the
+            # given group_size" at the first forward, and vLLM / SGLang per-token-group kernels assert it
+            raise CheckpointError(
+                f"'{fqn}': in_features {in_features} is not a multiple of the activation group {group}; the "
+                "compressed-tensors group strategy (and vLLM's / SGLang's per-token-group kernels) need whole "
+                "groups, so loaders could not run this layer. Keep it in high precision (Override(pattern=..., "
+                "skip=True)) or convert with a block whose column count divides every in_features.")
+        return "block", granularity, dynamic, w.block, group
+    return ("tensor" if w.scale.dim() == 0 else "channel"), granularity, dynamic, None, group
 
 
-def _quantization_config(schemes: dict[str, tuple[str, str, bool]], ignore: list[str],
-                         kv: bool) -> dict[str, Any]:
+def _quantization_config(schemes: dict[str, Scheme], ignore: list[str], kv: bool) -> dict[str, Any]:
     """One config group per distinct scheme: the most common targets ``Linear``, the others list their
     modules by exact name (an exact name outranks a class name in compressed-tensors and vLLM)."""
-    by_scheme: dict[tuple[str, str, bool], list[str]] = defaultdict(list)
+    by_scheme: dict[Scheme, list[str]] = defaultdict(list)
     for fqn, s in schemes.items():
         by_scheme[s].append(fqn)
     ordered = sorted(by_scheme.items(), key=lambda kv_: -len(kv_[1]))
     groups = {}
-    for i, ((wstrat, astrat, dynamic), names) in enumerate(ordered):
+    for i, ((wstrat, astrat, dynamic, block, group), names) in enumerate(ordered):
         groups[f"group_{i}"] = {
             "targets": ["Linear"] if i == 0 else sorted(names), "format": "float-quantized",
-            "weights": _args(wstrat, False), "input_activations": _args(astrat, dynamic),
+            "weights": _args(wstrat, False, block), "input_activations": _args(astrat, dynamic, group and (group,)),
             "output_activations": None,
         }
     return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
@@ -230,7 +255,7 @@ def build_plan(model: nn.Module) -> Plan:
     sites = _linear_input_scales(record)
     kv = _kv_scales(model, record, plan)
     names = {id(mod): fqn for fqn, mod in model_modules(model)}
-    schemes: dict[str, tuple[str, str, bool]] = {}
+    schemes: dict[str, Scheme] = {}
     ignore: list[str] = []
     multi_site: list[str] = []
     seen: dict[tuple, str] = {}
@@ -296,15 +321,26 @@ def _fp8_linear_entries(fqn: str, mod: nn.Module, w: FP8Weight, sites: list, pla
     ops = [op for _, op in sites]
     if not ops:
         raise CheckpointError(f"'{fqn}' holds an FP8 weight but no recorded op uses it (a dbr_quant bug)")
-    wstrat, astrat, dynamic = _scheme(fqn, w, ops)
+    scheme = _scheme(fqn, w, ops)
+    wstrat, dynamic = scheme[0], scheme[2]
     out_features = w.qdata.shape[0]
     info: dict[str, Any] = {"layout": "fp8", "format": "e4m3", "granularity": wstrat, "transposed": w.transposed,
                             "dtype": str(w.dtype).removeprefix("torch.")}
+    if w.block is not None:
+        info["block"] = list(w.block)
     if w.transposed:
         return [_dequantized_conv1d(fqn, w, info, plan, ignore)]
     plan.linears[fqn] = info
-    schemes[fqn] = (wstrat, astrat, dynamic)
-    scale = w.scale.float().reshape(out_features, 1) if wstrat == "channel" else w.scale.float().reshape(1)
+    schemes[fqn] = scheme
+    fused = {n for names in _VLLM_FUSED for n in names}
+    if w.block is not None and out_features % w.block[0] and fqn.rpartition(".")[2] in fused:
+        # vLLM's validate_fp8_block_shape: every output partition of a merged layer is a whole block of rows
+        plan.notes.append(f"'{fqn}' has {out_features} output rows, not a multiple of the {w.block[0]}-row block; "
+                          "vLLM merges q/k/v and gate/up into one layer and refuses partial row blocks there "
+                          "(transformers loads it)")
+    # block: [⌈out/bn⌉, ⌈in/bk⌉] as it is (compressed-tensors' FP8_BLOCK weight_scale)
+    scale = (w.scale.float() if wstrat == "block" else w.scale.float().reshape(out_features, 1)
+             if wstrat == "channel" else w.scale.float().reshape(1))
     entries = [Entry(_join(fqn, "weight"), w.qdata.dtype, tuple(w.qdata.shape), lambda: w.qdata),
                _entry(_join(fqn, "weight_scale"), scale, scale_dtype(scale, w.dtype))]
     if not dynamic:
@@ -322,8 +358,8 @@ def _dequantized_conv1d(fqn: str, w: FP8Weight, info: dict, plan: Plan, ignore: 
     """A Conv1D's FP8 weight, dequantized into its own [in, out] layout in the model's dtype. Checked here to
     re-quantize to the same FP8 bytes with the kept scale, which is what load_pretrained does."""
     hp = w.dequantize()
-    scale = w.scale.unsqueeze(1) if w.scale.dim() else w.scale
-    if not torch.equal(kernels.quantize(hp.t(), scale, FP8Format.E4M3).view(torch.uint8), w.qdata.view(torch.uint8)):
+    if not torch.equal(kernels.quantize(hp.t(), w.elementwise_scale(), FP8Format.E4M3).view(torch.uint8),
+                       w.qdata.view(torch.uint8)):
         raise CheckpointError(f"'{fqn}' (Conv1D): its FP8 weight times its scale is not exact in {w.dtype}, so it "
                               "cannot be written dequantized and restored; convert the model in float32 or bfloat16")
     info["layout"] = "dequantized"

@@ -42,7 +42,9 @@ def _read_sidecar(folder: Path) -> dict[str, Any]:
     path = folder / sidecar.FILENAME
     if not path.is_file():
         raise CheckpointError(f"{folder}: no {sidecar.FILENAME}, so this is not a folder written by "
-                              "dbr_quant.save_pretrained (load a plain compressed-tensors folder with transformers' "
+                              "dbr_quant.save_pretrained nor a block-scaled FP8 folder (compressed-tensors "
+                              "FP8_BLOCK, transformers FineGrainedFP8), the other layouts load_pretrained reads (load "
+                              "a per-channel / per-tensor compressed-tensors folder with transformers' "
                               "from_pretrained or vLLM instead)")
     try:
         meta = json.loads(path.read_text())
@@ -79,6 +81,8 @@ def _check_schema(meta: dict[str, Any], path: Path) -> None:
     for fqn, info in meta["linears"].items():
         need(isinstance(info, dict) and _LINEAR_KEYS <= set(info) and info["layout"] in ("fp8", "dequantized")
              and (info["layout"] == "fp8" or isinstance(info.get("scale"), list)), f"'linears.{fqn}'")
+        need(info["granularity"] != "block" or (isinstance(info.get("block"), list) and len(info["block"]) == 2
+             and all(isinstance(b, int) and b > 0 for b in info["block"])), f"'linears.{fqn}.block'")
 
 
 def _read_headers(folder: Path) -> dict[str, StoredTensor]:
@@ -143,10 +147,22 @@ def _expected(model: nn.Module, meta: dict[str, Any]) -> dict[str, tuple[tuple[t
                 out[name] = ((t.dtype,), tuple(t.shape))
                 continue
             out[name] = ((torch.float8_e4m3fn,), tuple(t.shape))
-            out[name + "_scale"] = (_FLOATS, (t.shape[0], 1) if info["granularity"] == "channel" else (1,))
+            out[name + "_scale"] = (_FLOATS, _scale_shape(info, tuple(t.shape)))
             if not any(op["qconfig"]["dynamic"] for op in sites.get(fqn, [])):
                 out[f"{fqn}.input_scale"] = (_FLOATS, (1,))
     return out
+
+
+def _scale_shape(info: dict[str, Any], shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The weight_scale shape of a saved FP8 linear with weight ``shape`` [out, in]."""
+    if info["granularity"] == "block":
+        (bn, bk), (n, k) = info["block"], shape
+        return (-(-n // bn), -(-k // bk))
+    return (shape[0], 1) if info["granularity"] == "channel" else (1,)
+
+
+def _block(info: dict[str, Any]) -> tuple[int, int] | None:
+    return tuple(info["block"]) if info["granularity"] == "block" else None
 
 
 def _kv_expected(meta: dict[str, Any], stored: dict[str, StoredTensor]) -> dict[str, float]:
@@ -249,6 +265,9 @@ def _load_high_precision(prepared: nn.Module, meta: dict[str, Any], values: dict
         if info["layout"] == "fp8":
             q, s = values[f"{fqn}.weight"], values[f"{fqn}.weight_scale"].float()
             w = _tensor_of(prepared, f"{fqn}.weight")
+            block = _block(info)
+            if block is not None:
+                s = kernels.reference_block.expand_block_scale(s, tuple(q.shape), block)
             w.copy_(kernels.dequantize(q, s, w.dtype).to(w.device))
     for fqn, mod in model_modules(prepared):
         for pname, t in own_tensors(mod):
@@ -268,17 +287,23 @@ def _load_fp8(converted: nn.Module, meta: dict[str, Any], values: dict[str, torc
         w = fp8_weight_of(mod)
         if w is None:
             raise CheckpointError(f"'{fqn}': saved as an FP8 linear, but convert left it in high precision here")
-        channel = info["granularity"] == "channel"
+        channel, block = info["granularity"] == "channel", _block(info)
         if info["layout"] == "dequantized":  # Conv1D: exact re-quantization with the kept scale (checked at save)
             s = torch.tensor(info["scale"], dtype=torch.float32)
-            q = kernels.quantize(values[f"{fqn}.weight"].t(), s.unsqueeze(1) if channel else s, FP8Format.E4M3)
+            hp = values[f"{fqn}.weight"].t()
+            elementwise = (kernels.reference_block.expand_block_scale(s, tuple(hp.shape), block) if block
+                           else s.unsqueeze(1) if channel else s)
+            q = kernels.quantize(hp, elementwise, FP8Format.E4M3)
         else:
             q, s = values[f"{fqn}.weight"], values[f"{fqn}.weight_scale"].float()
-            s = s.reshape(-1) if channel else s.reshape(())
+            s = s if block else s.reshape(-1) if channel else s.reshape(())
         if q.shape != w.qdata.shape or s.shape != w.scale.shape:
             raise CheckpointError(f"'{fqn}': saved FP8 weight {list(q.shape)} / scale {list(s.shape)}, converted "
                                   f"{list(w.qdata.shape)} / {list(w.scale.shape)}")
-        attach_fp8_weight(mod, q.contiguous().to(w.qdata.device), s.to(w.scale.device), w.dtype, w.transposed)
+        if block != w.block:
+            raise CheckpointError(f"'{fqn}': saved with weight block {block}, converted here with {w.block}")
+        attach_fp8_weight(mod, q.contiguous().to(w.qdata.device), s.to(w.scale.device), w.dtype, w.transposed,
+                          block)
         mod.__dict__.pop("_dbr_stacked_after", None)
     for mod in converted.modules():
         mod.__dict__.pop("_dbr_stacked_after", None)
@@ -301,7 +326,12 @@ def load_pretrained(save_directory: str | Path, model: nn.Module, *, example_inp
     """The converted model saved by :func:`save_pretrained` in ``save_directory``, rebuilt from ``model``:
     the same architecture in high precision, in the dtype it was saved from (e.g. built from its config;
     its weights are replaced). ``model`` itself is not modified. prepare()'s example inputs come from the
-    folder unless given. Raises :class:`CheckpointError` naming the tensor for anything missing, of the
+    folder unless given.
+
+    A folder without ``dbr_quant.json`` whose ``config.json`` describes block-scaled FP8 written by another
+    tool (compressed-tensors ``FP8_BLOCK``, transformers FineGrainedFP8; see ``checkpoints/foreign.py``) loads
+    as a converted model running dbr_quant's block kernels (example inputs: given, else a short ``input_ids``
+    for a Hugging Face model). Raises :class:`CheckpointError` naming the tensor for anything missing, of the
     wrong shape or dtype, non-finite, or truncated; nothing in the folder is executed (JSON and raw bytes).
     """
     if not isinstance(model, nn.Module):
@@ -310,6 +340,12 @@ def load_pretrained(save_directory: str | Path, model: nn.Module, *, example_inp
         raise TypeError("load_pretrained() needs the original (high-precision) architecture, not a model returned "
                         "by dbr_quant.prepare()/convert()")
     folder = Path(save_directory)
+    if not (folder / sidecar.FILENAME).is_file():
+        from . import foreign
+
+        qc = foreign.quantization_config_of(folder)
+        if qc is not None and foreign.is_block_config(qc):  # another tool's (compressed-tensors, FineGrainedFP8)
+            return foreign.load_foreign(folder, model, qc, _read_headers(folder), example_inputs, example_kwargs)
     meta = _read_sidecar(folder)
     stored = _read_headers(folder)
     values = _read_and_check(model, meta, stored)

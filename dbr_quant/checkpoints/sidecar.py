@@ -73,12 +73,22 @@ def decode_value(x: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------------------ configs
-def _tensor_cfg(cfg: TensorQConfig) -> dict[str, str]:
-    return {"format": cfg.format.value, "granularity": cfg.granularity}
+def _tensor_cfg(cfg: TensorQConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {"format": cfg.format.value, "granularity": cfg.granularity}
+    if cfg.granularity == "block":  # only where read: files of other granularities stay as before
+        out["block"] = list(cfg.block)
+    if cfg.granularity == "group":
+        out["group_size"] = cfg.group_size
+    return out
 
 
 def _tensor_cfg_from(d: dict) -> TensorQConfig:
-    return TensorQConfig(format=FP8Format.parse(d["format"]), granularity=d["granularity"])
+    extra: dict[str, Any] = {}
+    if "block" in d:
+        extra["block"] = tuple(d["block"])
+    if "group_size" in d:
+        extra["group_size"] = d["group_size"]
+    return TensorQConfig(format=FP8Format.parse(d["format"]), granularity=d["granularity"], **extra)
 
 
 def op_config(cfg: OpQConfig) -> dict[str, Any]:

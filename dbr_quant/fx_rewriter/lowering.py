@@ -30,7 +30,6 @@ from torch import Tensor
 
 from ..formats import FP8Format
 from ..kernels import reference
-from ..kernels.cpu import gemm_dtype
 from ..kernels.dispatch import resolve_backend
 
 
@@ -140,7 +139,7 @@ def _gemm_operand(q: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def fp8_linear(x_q, x_scale, w_q, w_scale, bias, activation, residual, out_dtype, out_scale, out_fmt) -> Tensor:
-    dtype = gemm_dtype(x_q.device)
+    dtype = reference.gemm_dtype(x_q, w_q)
     acc = F.linear(_gemm_operand(x_q, dtype), _gemm_operand(w_q, dtype))  # fp32 accumulation, as the reference
     y = reference.dequantize_accumulator(acc, x_scale * w_scale, bias)
     return reference.linear_epilogue(y, activation or None, residual, out_dtype, out_scale,
@@ -154,7 +153,7 @@ def fp8_mlp(x_q, x_scale, w1_q, w1_scale, b1, activation, h_scale, h_fmt, w2_q, 
 
 
 def fp8_matmul(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor) -> Tensor:
-    dtype = gemm_dtype(a_q.device)
+    dtype = reference.gemm_dtype(a_q, b_q)
     return torch.matmul(_gemm_operand(a_q, dtype), _gemm_operand(b_q, dtype)).float() * (a_scale * b_scale)
 
 

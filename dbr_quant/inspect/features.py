@@ -44,14 +44,28 @@ class LayerInfo:
 
 @dataclass(frozen=True)
 class Quantized:
-    """An FP8 tensor and its dequantization scale (x ≈ data·scale, scale broadcasts against data)."""
+    """An FP8 tensor and its dequantization scale: x ≈ data·scale, where ``scale`` broadcasts against data —
+    or, for block-scaled weights (``block`` = (rows, columns)), is one scale per block [⌈N/bn⌉, ⌈K/bk⌉],
+    and for group-scaled activations (``group``) one per token per ``group`` channels [..., ⌈K/group⌉].
+    ``elementwise_scale()`` is the scale broadcastable against ``data`` in every case."""
 
     data: torch.Tensor
     scale: torch.Tensor
     format: FP8Format
+    block: tuple[int, int] | None = None
+    group: int | None = None
+
+    def elementwise_scale(self) -> torch.Tensor:
+        from ..kernels import reference_block
+
+        if self.block is not None:
+            return reference_block.expand_block_scale(self.scale, tuple(self.data.shape), self.block)
+        if self.group is not None:
+            return reference_block.expand_group_scale(self.scale, self.data.shape[-1], self.group)
+        return self.scale
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.data.float() * self.scale.float()).to(dtype)
+        return (self.data.float() * self.elementwise_scale().float()).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -189,7 +203,7 @@ class LogFP8Stats(Feature, StepRange):
 
     def log_quantized(self, ctx: TensorContext, x: torch.Tensor, q: Quantized) -> None:
         if ctx.tensor in self.tensors and self.active(ctx.step):
-            for stat, value in fp8_stats(x, q.data, q.scale, q.format, self.stats).items():
+            for stat, value in fp8_stats(x, q.data, q.elementwise_scale(), q.format, self.stats).items():
                 ctx.log(stat, value)
 
 
@@ -244,4 +258,5 @@ class Scaling(Feature):
             self.input_format, self.input_granularity)
         if fmt is None and gran is None:
             return cfg
-        return TensorQConfig(format=fmt or cfg.format, observer=cfg.observer, granularity=gran or cfg.granularity)
+        # replace: a block / group layer keeps its block and group sizes when only the format changes
+        return dataclasses.replace(cfg, format=FP8Format.parse(fmt or cfg.format), granularity=gran or cfg.granularity)

@@ -25,6 +25,7 @@ from ..mappings import LINEAR, MATMUL, QUANTIZEABLE
 from ..qconfig import TensorQConfig
 from ..quantization_state import SeenOp
 from ..runs import ModelRecord, observed_inputs
+from ..weights import fp8_weight_of
 from .features import Feature, LayerInfo, Quantized, TensorContext
 
 LogSink = Callable[[int, str, str, str, float], None]  # step, layer, tensor, stat, value
@@ -115,10 +116,6 @@ class Inspector:
 
     # ------------------------------------------------------------------ the per-layer pipeline
     def _run(self, call: Call, env: Any, features: tuple[Feature, ...], layer: LayerInfo) -> torch.Tensor:
-        if call.op.qconfig.weight.granularity == "block" or call.op.qconfig.activation.granularity == "group":
-            raise NotImplementedError(
-                f"dbr_quant.inspect: layer {layer.name!r} is block-scaled (granularity 'block'/'group'), which "
-                "inspect features do not handle yet; select only other layers, or inspect a per-channel model")
         fp8 = all(f.use_fp8(layer) is not False for f in features)
         want_q = fp8 or any(f.overrides("log_quantized") for f in features)
         if call.kind == LINEAR:
@@ -182,7 +179,11 @@ class Inspector:
 
         def activation(x: torch.Tensor | None) -> Quantized:
             x = t if x is None else x
-            token = cfg.granularity == "token" and name in ("input", "a", "q", "k")
+            if cfg.granularity == "group" and call.kind == LINEAR:  # block-scaled linears: per token per group
+                data, scale = kernels.group_quantize(x, cfg.group_size, cfg.format)
+                return Quantized(data, scale, cfg.format, group=cfg.group_size)
+            # matmul / attention operands of a "group" model: per token where the operand allows it (as run)
+            token = cfg.granularity in ("token", "group") and name in ("input", "a", "q", "k")
             if token or call.op.qconfig.dynamic:
                 scale = kernels.dynamic_scale(x, cfg.format, per_token=token)
             else:
@@ -200,7 +201,9 @@ class Inspector:
         stored = stored_fp8_weight(m) if m is not None else None
         if stored is not None and cfg == call.op.qconfig.weight:
             w_q, s = stored  # a module's own rows also when convert stacked a gated pair
-            q = Quantized(w_q, s.unsqueeze(-1) if s.dim() else s, cfg.format)
+            block = fp8_weight_of(m).block
+            q = (Quantized(w_q, s, cfg.format, block=block) if block is not None
+                 else Quantized(w_q, s.unsqueeze(-1) if s.dim() else s, cfg.format))
         else:
             w = linear_hp_weight(m)[0] if m is not None else linear_operands(call)[1]
             q = _quantize_weight(w.detach(), cfg)
@@ -222,6 +225,13 @@ class Inspector:
             if q is None:
                 return F.linear(x["input"], x["weight"], bias)
             qi, qw = q["input"], q["weight"]
+            if qw.block is not None:
+                return kernels.fp8_block_linear(qi.data, _group_scale(qi, qw.block[1]), qw.data, qw.scale,
+                                                block=qw.block, bias=bias, out_dtype=x["input"].dtype)
+            if qi.group is not None:
+                raise ValueError(f"dbr_quant.inspect: layer {call.op.fqn!r} has group-scaled activations but "
+                                 "per-channel / per-tensor weights (Scaling changed weight_granularity): only the "
+                                 "block GEMM applies group scales; set Scaling(input_granularity=...) too")
             ws = qw.scale.reshape(-1) if qw.scale.dim() else qw.scale
             return kernels.fp8_linear(qi.data, qi.scale, qw.data, ws, bias=bias, out_dtype=x["input"].dtype)
         if call.kind == MATMUL:
@@ -240,8 +250,25 @@ class Inspector:
         return out.to(x["q"].dtype)
 
 
+def _group_scale(q: Quantized, group: int) -> torch.Tensor:
+    """An activation scale in the block GEMM's layout [..., ⌈K/group⌉]: a per-tensor or per-token scale is the
+    same value in every group (what ``check_combination`` allows with block weights)."""
+    groups = -(-q.data.shape[-1] // group)
+    if q.group is not None:
+        if q.group != group:
+            raise ValueError(f"dbr_quant.inspect: activation groups of {q.group} channels, weight blocks of {group}")
+        return q.scale
+    s = q.scale.float()
+    s = s.reshape(*q.data.shape[:-1], 1) if s.numel() > 1 else s.reshape([1] * q.data.dim())
+    return s.expand(*q.data.shape[:-1], groups).contiguous()
+
+
 def _quantize_weight(w: torch.Tensor, cfg: TensorQConfig) -> Quantized:
-    """As convert() does it: the weight observer of ``cfg`` (per output channel or per tensor)."""
+    """As convert() does it: the weight observer of ``cfg`` (per output channel or per tensor), or the block
+    scales (each block's amax / fmt.max)."""
+    if cfg.granularity == "block":
+        q, scale = kernels.block_quantize_weight(w.detach(), cfg.block, cfg.format)
+        return Quantized(q, scale, cfg.format, block=cfg.block)
     per_channel = cfg.granularity == "channel"
     observer = cfg.observer.create(cfg.format, 0 if per_channel else None)
     observer(w.detach())

@@ -32,6 +32,26 @@ from . import cpu
 # is exact and lifts E4M3 subnormals out of bf16's subnormal range, which AVX512-BF16 dot products flush.
 _E4M3_REBIAS = 2.0**120
 
+# Operands up to this many elements take torch's own FP8 casts and an fp32 GEMM (exact, like ``exact=True``):
+# the bit-move upcasts cost ≈10 µs of fixed per-call overhead each (five torch ops), torch's scalar cast
+# ≈1.7 ns per element, so below ≈6 k elements the plain casts win (a 16×16 linear: 36 → 10 µs here).
+SMALL_OPERAND = 4096
+
+
+def _small(t: torch.Tensor) -> bool:
+    n = t.numel()
+    if isinstance(n, int):
+        return n <= SMALL_OPERAND
+    from torch.fx.experimental.symbolic_shapes import guard_or_false  # a symbolic size (a graph lowering)
+
+    return guard_or_false(n <= SMALL_OPERAND)
+
+
+def gemm_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
+    """What an FP8 GEMM of ``a`` and ``b`` runs in on the CPU: fp32 when both operands are small (exact, like
+    ``exact=True``), else the CPU GEMM path's dtype (:func:`cpu.gemm_dtype`). The graph lowering asks too."""
+    return torch.float32 if _small(a) and _small(b) else cpu.gemm_dtype(a)
+
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh"}  # gated kind → act(gate)
 GATED = tuple(GATED_ACTIVATIONS)
@@ -195,9 +215,9 @@ def fp8_linear(
     so an MLP hands FP8 from fc1 to fc2 without a high-precision round trip.
     """
     scale = x_scale * w_scale  # (…×1)·(N,) broadcasts to the output's scale grid
-    dtype = torch.float32 if exact else cpu.gemm_dtype(x_q)
-    if exact:
-        acc = F.linear(x_q.float(), w_q.float())
+    dtype = torch.float32 if exact else gemm_dtype(x_q, w_q)
+    if exact or (dtype == torch.float32 and _small(x_q) and _small(w_q)):
+        acc = F.linear(x_q.float(), w_q.float())  # small shapes: two casts and one fp32 GEMM beat the bit moves
     elif activation in GATED and dtype == torch.bfloat16:  # two GEMMs: each half rounds as its own linear would
         n = w_q.shape[0] // 2
         x_u = fp8_upcast(x_q, dtype)
@@ -237,10 +257,10 @@ def fp8_matmul(
     a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor, *, exact: bool = False
 ) -> torch.Tensor:
     """Batched ``a @ b`` between two FP8 activations (broadcasting like torch.matmul), fp32 result."""
-    if exact:
+    dtype = torch.float32 if exact else gemm_dtype(a_q, b_q)
+    if exact or (_small(a_q) and _small(b_q)):
         acc = torch.matmul(a_q.float(), b_q.float())
     else:
-        dtype = cpu.gemm_dtype(a_q)
         acc = torch.matmul(fp8_upcast(a_q, dtype), fp8_upcast(b_q, dtype)).float()
     return acc.mul_(a_scale * b_scale)
 

@@ -172,17 +172,17 @@ def test_compiled_ops_are_inlined_and_close_to_eager(path):
     """Under torch.compile the FP8 ops become inductor code fused with their neighbours (only the weight
     upcast stays a call), and the result is close to the eager graph's. The GEMMs run in the CPU GEMM
     path's dtype: forcing fp32 leaves no bf16 tensor in the generated code."""
-    x_q, x_s = _fp8((6, 32))
-    w1, w1_s = _fp8((64, 32), scale=0.01)
-    w2, w2_s = _fp8((32, 64), scale=0.01)
-    b1, mid_s = torch.randn(64), torch.tensor(0.05)
+    x_q, x_s = _fp8((6, 64))
+    w1, w1_s = _fp8((128, 64), scale=0.01)  # weights above reference.SMALL_OPERAND: the CPU path's GEMM
+    w2, w2_s = _fp8((64, 128), scale=0.01)
+    b1, mid_s = torch.randn(128), torch.tensor(0.05)
 
     def mlp(x, ln_w):
         h, q = torch.ops.dbr_quant.layer_norm_quantize(x, ln_w, None, 1e-5, x_s, "e4m3", False)
         y = torch.ops.dbr_quant.fp8_linear(q, x_s, w1, w1_s, b1, "gelu", None, torch.float32, mid_s, "e4m3")
         return torch.ops.dbr_quant.fp8_linear(y, mid_s, w2, w2_s, None, "", h, torch.float32, None, "e4m3")
 
-    x, ln_w = torch.randn(6, 32), torch.rand(32) + 0.5
+    x, ln_w = torch.randn(6, 64), torch.rand(64) + 0.5
     with torch.no_grad(), use_cpu_gemm(path):
         out, (code,) = run_and_get_code(torch.compile(mlp, fullgraph=True), x, ln_w)
         want = mlp(x, ln_w)
@@ -207,12 +207,14 @@ def test_ops_stay_calls_on_the_triton_backend():
 
 
 @pytest.mark.parametrize("path", GEMM_PATHS)
-def test_compile_frozen_folds_the_weight_upcast(path):
+def test_compile_frozen_folds_the_weight_upcast(path, monkeypatch):
     """With freezing the weights are constants: the upcast runs once at compile time, not per call. The
     CPU GEMM path current at compile_frozen() is the one compiled in, wherever the call happens."""
     from test_rewrite import converted_block
 
     from dbr_quant.fx_rewriter import RewriteError, compile_frozen, rewrite
+
+    monkeypatch.setattr(reference, "SMALL_OPERAND", 0)  # the block's small GEMMs would all run in fp32
 
     _, c, x = converted_block()
     gm = rewrite(c)

@@ -120,6 +120,12 @@ def _fp8_grid(values: list[float], rows: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32).reshape(rows, -1).to(torch.float8_e4m3fn)
 
 
+def _large(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with zero columns appended (sums unchanged) so the GEMM takes the CPU path's own kernel, not the
+    small-operand path (torch casts + fp32 GEMM) that operands of ≤ R.SMALL_OPERAND elements take."""
+    return torch.cat([t, torch.zeros(t.shape[0], R.SMALL_OPERAND + 1, dtype=t.dtype)], dim=1)
+
+
 @pytest.mark.parametrize("path", cpu.GEMM_PATHS)
 def test_each_path_is_exact_up_to_its_one_output_rounding(path):
     """With a sum that fp32 holds exactly, the fp32 path returns it exactly and the bf16 path returns it
@@ -127,9 +133,11 @@ def test_each_path_is_exact_up_to_its_one_output_rounding(path):
     x, w = _fp8_grid([15.0, 0.125], 1), _fp8_grid([15.0, 1.0], 1)
     one = torch.tensor(1.0)
     with use_cpu_gemm(path):
-        y = R.fp8_linear(x, one, w, one)
-        mm = R.fp8_matmul(x, one, w.t(), one)
+        y = R.fp8_linear(_large(x), one, _large(w), one)
+        mm = R.fp8_matmul(_large(x), one, _large(w).t(), one)
+        small_y, small_mm = R.fp8_linear(x, one, w, one), R.fp8_matmul(x, one, w.t(), one)
     assert y.item() == mm.item() == (225.125 if path == "fp32" else 225.0)
+    assert small_y.item() == small_mm.item() == 225.125  # small operands: fp32 GEMM on either path
 
 
 @settings(max_examples=30, deadline=None)
@@ -147,10 +155,12 @@ def test_exact_sums_come_out_exact_or_rounded_once(data, m, k, n, path):
     one = torch.tensor(1.0)
     exact = x.double() @ w.double().t()
     with use_cpu_gemm(path):
-        y = R.fp8_linear(x, one, w, one)
-        mm = R.fp8_matmul(x.unsqueeze(0), one, w.t().unsqueeze(0), one)[0]
+        y = R.fp8_linear(_large(x), one, _large(w), one)
+        mm = R.fp8_matmul(_large(x).unsqueeze(0), one, _large(w).t().unsqueeze(0), one)[0]
+        small_y = R.fp8_linear(x, one, w, one)
     want = exact.float() if path == "fp32" else exact.float().to(torch.bfloat16).float()
     assert torch.equal(y, want) and torch.equal(mm, want)
+    assert torch.equal(small_y, exact.float())
 
 
 def _bound(path: str, k: int, mag: torch.Tensor, acc: torch.Tensor, bias: torch.Tensor | None,
