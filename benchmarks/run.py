@@ -1,13 +1,16 @@
-"""One command, one table: dbr_quant on the real all-MiniLM-L6-v2, measured side by side on this CPU.
+"""One command, two tables: dbr_quant on the real all-MiniLM-L6-v2, measured side by side on this CPU.
 
-    .venv/bin/python benchmarks/run.py        (or: make bench)
-    .venv/bin/python benchmarks/run.py --cpu-gemm both --sentences 1,8,32 --no-compile
+    .venv/bin/python benchmarks/run.py --threads 1 --rounds 5       (make bench: --rounds 25)
 
-Columns: 32 sentences and batch 1 (``--sentences``). ``--cpu-gemm bf16|fp32`` forces the CPU GEMM path of
-the FP8 rows (default: $DBR_QUANT_CPU_GEMM, else auto from the CPU's features); ``both`` times every FP8
-row once per path in the same rotation, so the two paths are compared on one machine. Each ratio is the
-median over rounds of the two times measured in the same round (lower is faster); fp32 ms is the median
-fp32 time. Plus weight bytes and the embedding cosine against fp32 on held-out sentences.
+Prints the CPU features and the CPU GEMM path that runs here ($DBR_QUANT_CPU_GEMM, else auto from the CPU's
+features), then one table per path: first that path, then the other one forced (``--cpu-gemm bf16|fp32|auto``
+times one path only). Every path's FP8 rows are timed in the same rotation as the fp32 / bf16 eager anchors.
+Columns: batch 1, 8 sentences (`make demo`'s "forward time, 8 sentences") and 32 sentences (``--sentences``).
+Each ratio is the median over rounds of the two times measured in the same round (lower is faster); ms is the
+median time. Under each table: the tiny stack (48 × Linear(16,16)+ReLU, batch 1; benchmarks/tiny_stack.py:
+converted / fp32 and the runtime's own µs per quantized op, kernels replaced by no-ops; thread CPU time, one
+thread whatever ``--threads`` says, at least 15 rounds), the embedding cosine against fp32 on held-out
+sentences; then weight bytes and accuracy by scale granularity.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+import tiny_stack  # noqa: E402
 from block_accuracy import SCHEMES, format_rows, minilm_rows  # noqa: E402
 from harness import linear_weight_bytes, median, paired_ratio, state_dict_bytes, time_interleaved  # noqa: E402
 
@@ -70,24 +74,34 @@ def fp8_models(converted, graph, path: str, compile: bool) -> dict[str, object]:
     return {k: Pinned(m, path) for k, m in models.items()}
 
 
+def gemm_paths(choice: str | None) -> list[str]:
+    """The CPU GEMM paths to time, the one that runs here first: default (and ``both``) the current path
+    ($DBR_QUANT_CPU_GEMM, else auto from the CPU's features) then the other one forced; else just ``choice``."""
+    if choice in (None, "both"):
+        first = cpu.current_gemm_path()
+        return [first, *(p for p in cpu.GEMM_PATHS if p != first)]
+    return [cpu.detected_gemm_path() if choice == "auto" else choice]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (it takes ~30 s)")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (it takes ~30 s per path)")
     parser.add_argument("--no-accuracy", action="store_true", help="skip the accuracy-by-granularity rows (~20 s)")
+    parser.add_argument("--no-tiny", action="store_true", help="skip the tiny-stack rows (benchmarks/tiny_stack.py)")
     parser.add_argument("--only", default="", help="comma-separated variants to time besides the fp32 and bf16 "
                         f"anchors (of {','.join(LABELS)}); default all")
     parser.add_argument("--cpu-gemm", choices=["auto", "bf16", "fp32", "both"], default=None,
-                        help="CPU GEMM path of the FP8 rows (default: $DBR_QUANT_CPU_GEMM, else auto); both: each")
-    parser.add_argument("--sentences", default="32,1", help="comma-separated batch sizes (sentences)")
+                        help="CPU GEMM path of the FP8 rows; default (= both): a table for the path that runs here "
+                        "($DBR_QUANT_CPU_GEMM, else auto), then a table with the other path forced")
+    parser.add_argument("--sentences", default="1,8,32", help="comma-separated batch sizes (sentences); 8 is "
+                        "`make demo`'s 'forward time, 8 sentences'")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice); 1 is "
                         "steadier on a loaded machine, where a straggling OpenMP thread stalls every op")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    paths = ["bf16", "fp32"] if args.cpu_gemm == "both" else [args.cpu_gemm or cpu.current_gemm_path()]
-    if args.cpu_gemm == "auto":
-        paths = [cpu.detected_gemm_path()]
+    paths = gemm_paths(args.cpu_gemm)
     torch.manual_seed(0)
     model, tok = load_minilm()
     calib = [encode(tok, CALIBRATION_SENTENCES[i:i + 8]) for i in range(0, len(CALIBRATION_SENTENCES), 8)]
@@ -97,11 +111,10 @@ def main() -> None:
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     graph = rewrite(converted)
     models = {"fp32": model, "bf16": bf16, "calib": prepared}
-    gemm = {}  # variant → its CPU GEMM path
+    gemm = {}  # FP8 variant "name@path" → its CPU GEMM path
     for path in paths:
         for k, m in fp8_models(converted, graph, path, not args.no_compile).items():
-            key = k if len(paths) == 1 else f"{k}@{path}"
-            models[key], gemm[key] = m, path
+            models[f"{k}@{path}"], gemm[f"{k}@{path}"] = m, path
     if not args.no_compile:
         models["bf16+frozen"] = FrozenCompiled(copy.deepcopy(bf16))
         models["fp32+frozen"] = FrozenCompiled(copy.deepcopy(model))
@@ -113,8 +126,9 @@ def main() -> None:
     print(f"dbr_quant benchmark: all-MiniLM-L6-v2 on CPU, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}, {args.rounds} interleaved rounds; ratio = median over rounds of the two "
           "times measured in the same round; compiled rows are timed in their own rotation with the fp32 and bf16 "
-          "anchors")
-    print(cpu.describe() + ("" if args.cpu_gemm is None else f"; FP8 rows run: {', '.join(paths)} (--cpu-gemm)"))
+          "anchors; every path's FP8 rows are timed in the same rotation")
+    print(cpu.describe())
+    print(f"FP8 rows run: {' then '.join(paths)} GEMMs" + (" (a table each)" if len(paths) > 1 else ""))
     sizes = [int(n) for n in args.sentences.split(",")]
     batches = {(f"{n} sentences" if n > 1 else "batch 1"): encode(tok, EVAL_SENTENCES[:n]) for n in sizes}
     # Two interleaved groups, each with the fp32 and bf16 anchors: eager variants, then compiled ones.
@@ -130,28 +144,27 @@ def main() -> None:
         group = "compiled" if k in compiled or (label, "eager") not in times else "eager"  # anchors: either
         return times[(label, group)]
 
-    head = f"{'variant':<32}{'GEMM':>5}" + "".join(f"{label + ' /fp32':>20}{'/bf16':>7}{'ms':>8}" for label in batches)
-    print(head + f"   goal\n{'-' * (len(head) + 40)}")
-    for k in models:
-        row = f"{LABELS[k.split('@')[0]]:<32}{gemm.get(k, '-'):>5}"
-        for label in batches:
-            t = group_times(label, k)
-            row += f"{paired_ratio(t, k, 'fp32'):>20.2f}{paired_ratio(t, k, 'bf16'):>7.2f}{median(t[k]) * 1e3:>8.1f}"
-        print(row + f"   {GOALS.get(k.split('@')[0], '')}")
-    for path in paths:
-        at = "" if len(paths) == 1 else f"@{path}"
-        if {"fx" + at, "fp8" + at} <= set(models):
-            print(f"\nrewritten (FX) / converted eager [{path} GEMMs]: " + ", ".join(
-                f"{label} {paired_ratio(group_times(label, 'fx' + at), 'fx' + at, 'fp8' + at):.2f}"
+    tiny = {} if args.no_tiny else {path: tiny_stack.measure(path, rounds=max(args.rounds, 15)) for path in paths}
+    for i, path in enumerate(paths):
+        how = "the path that runs here" if i == 0 else "forced"
+        print(f"\n[{path} GEMMs, {how}]")
+        print_table([k for k in models if gemm.get(k, path) == path], batches, group_times, gemm)
+        if {f"fx@{path}", f"fp8@{path}"} <= set(models):
+            print("rewritten (FX) / converted eager: " + ", ".join(
+                f"{label} {paired_ratio(group_times(label, f'fx@{path}'), f'fx@{path}', f'fp8@{path}'):.2f}"
                 for label in batches))
-    if len(paths) == 2 and {"fp8@fp32", "fp8@bf16"} <= set(models):
-        print("converted eager, fp32 GEMMs / bf16 GEMMs: " + ", ".join(
-            f"{label} {paired_ratio(group_times(label, 'fp8@fp32'), 'fp8@fp32', 'fp8@bf16'):.2f}" for label in batches))
-    for path in paths:
+        if f"fp8@{path}" in models and "8 sentences" in batches:
+            print("`make demo` 'forward time, 8 sentences' fp8 / fp32: "
+                  f"{paired_ratio(group_times('8 sentences', f'fp8@{path}'), f'fp8@{path}', 'fp32'):.2f} (goal <= 1.0)")
+        if path in tiny:
+            print(tiny_stack.format_row(path, tiny[path]))
         with use_cpu_gemm(path):
-            print(f"embedding cosine vs fp32 (held-out sentences) [{path} GEMMs]:", ", ".join(
+            print("embedding cosine vs fp32 (held-out sentences): " + ", ".join(
                 f"{label} {(sentence_embeddings(model, b) * sentence_embeddings(converted, b)).sum(-1).mean():.4f}"
                 for label, b in batches.items()))
+    if len(paths) == 2 and {"fp8@fp32", "fp8@bf16"} <= set(models):
+        print("\nconverted eager, fp32 GEMMs / bf16 GEMMs: " + ", ".join(
+            f"{label} {paired_ratio(group_times(label, 'fp8@fp32'), 'fp8@fp32', 'fp8@bf16'):.2f}" for label in batches))
     wb, wq = linear_weight_bytes(model), linear_weight_bytes(converted)
     sb, sq = state_dict_bytes(model), state_dict_bytes(converted)
     print(f"linear weight bytes: fp32 {wb / 2**20:.2f} MiB -> fp8 {wq / 2**20:.2f} MiB "
@@ -160,6 +173,18 @@ def main() -> None:
           "embeddings, norms and biases stay fp32)")
     if not args.no_accuracy:
         print_granularity_accuracy(model, tok)
+
+
+def print_table(keys: list[str], batches: dict, group_times, gemm: dict[str, str]) -> None:
+    """One row per variant: ratio to fp32 eager and to bf16 eager, and fp32 ms, per batch size."""
+    head = f"{'variant':<32}{'GEMM':>5}" + "".join(f"{label + ' /fp32':>20}{'/bf16':>7}{'ms':>8}" for label in batches)
+    print(head + f"   goal\n{'-' * (len(head) + 40)}")
+    for k in keys:
+        row = f"{LABELS[k.split('@')[0]]:<32}{gemm.get(k, '-'):>5}"
+        for label in batches:
+            t = group_times(label, k)
+            row += f"{paired_ratio(t, k, 'fp32'):>20.2f}{paired_ratio(t, k, 'bf16'):>7.2f}{median(t[k]) * 1e3:>8.1f}"
+        print(row + f"   {GOALS.get(k.split('@')[0], '')}")
 
 
 def print_granularity_accuracy(model, tok) -> None:

@@ -75,6 +75,7 @@ def _install_entry_forward(root: nn.Module, m: nn.Module) -> None:
     if "forward" in m.__dict__:
         m.__dict__["_dbr_inner_forward"] = m.__dict__["forward"]
     wrapper = functools.partial(_entry_forward, root, m)
+    wrapper._dbr_root = root  # runs.Run.call_module skips the wrapper inside a run of this model
     wrapper.__signature__ = inspect.signature(type(m).forward.__get__(m))  # what users and HF introspect
     m.__dict__["forward"] = wrapper
 

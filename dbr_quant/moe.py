@@ -29,6 +29,7 @@ written in high precision, and the report says why. FP8 storage of the weights: 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -223,7 +224,10 @@ def experts_call(run: Any, module: nn.Module, args: tuple, kwargs: dict, phase: 
         bound = _bind(args, kwargs)
         if not isinstance(st, MoeState) or bound is None or not st.quantized:
             return original_call(module, *args, **kwargs)
-        if phase == "calibrate" and st.static:
+        inspector = getattr(run, "inspector", None)  # a dbr_quant.inspect session: expert tensors are layers
+        if inspector is not None and hasattr(inspector, "experts") and (st.converted or phase == "hp"):
+            body = lambda a, k: inspector.experts(module, st, *_bind(a, k))  # noqa: E731
+        elif phase == "calibrate" and st.static:
             body = lambda a, k: _hp_experts(module, st, *_bind(a, k), observe=True)  # noqa: E731
         elif phase == "convert" and st.converted:
             body = lambda a, k: _fp8_experts(module, st, *_bind(a, k))  # noqa: E731
@@ -241,7 +245,8 @@ def _bind(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.
     x, ids, w = vals
     if not all(isinstance(t, torch.Tensor) for t in vals) or not x.is_floating_point() or ids.is_floating_point():
         return None
-    if ids.dim() < 1 or ids.shape != w.shape or ids.shape[:-1].numel() * x.shape[-1] != x.numel():
+    # math.prod, not Size.numel(): keeps token counts symbolic while fx_rewriter exports (numel() specialises)
+    if ids.dim() < 1 or ids.shape != w.shape or math.prod(ids.shape[:-1]) * x.shape[-1] != x.numel():
         return None
     return x, ids, w
 
@@ -393,36 +398,54 @@ def _hp_experts(module: nn.Module, st: MoeState, x: torch.Tensor, ids: torch.Ten
 
 def _fp8_experts(module: nn.Module, st: MoeState, x: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:
-    """The converted experts: static scales → ``kernels.fp8_moe_block`` (3 launches after routing);
-    dynamic → quantize, gate_up (high-precision out), quantize, down + scatter-add (4 launches)."""
-    if kernels.graph_ops() is not None:
-        raise NotImplementedError(f"dbr_quant.fx_rewriter: the MoE experts module '{st.fqn}' has no graph op yet "
-                                  "(rewrite / torch.export of MoE models); run the converted model eagerly")
+    """The converted experts: :func:`fp8_experts_compute`, or while ``fx_rewriter`` captures a graph one
+    ``dbr_quant::fp8_moe_experts`` node (the routing, whose row counts depend on the data, stays inside)."""
     spec = st.spec
     x2, ids2, w2 = _flat(x, ids, weights)
-    routing = kernels.moe_route(ids2, spec.num_experts)
     p1, p2 = (module._parameters[n] for n in spec.names)
     if type(p1) is not FP8Weight or type(p2) is not FP8Weight:
         raise RuntimeError(f"dbr_quant: experts module '{st.fqn}' is converted but its weights are not FP8; "
                            "convert the prepared model with dbr_quant.convert()")
     b1, b2 = (module._parameters.get(f"{n}_bias") if spec.has_bias else None for n in spec.names)
-    gate_up, down = st.seen_ops
-    fmt = gate_up.qconfig.activation.format
+    gate_up, _ = st.seen_ops
+    xs = hs = None
     if st.static:
         xs, hs = (st.frozen_scale(op, "input") for op in st.seen_ops)
         if xs.device != x.device:
             xs, hs = xs.to(x.device), hs.to(x.device)
-        out = kernels.fp8_moe_block(x2, routing, w2, p1.qdata, p1.scale, p2.qdata, p2.scale, hs, x_scale=xs,
-                                    activation=spec.activation, fmt=fmt, bias13=b1, bias2=b2, out_dtype=x.dtype)
-        return out.reshape(x.shape)
-    per_token = gate_up.qconfig.activation.granularity == "token"
-    x_q, xs = kernels.dynamic_quantize(x2, fmt, per_token)
-    h = kernels.fp8_grouped_linear(x_q, xs, p1.qdata, p1.scale, routing, bias=b1, activation=spec.activation,
-                                   out_dtype=x.dtype)
+    kw = dict(activation=spec.activation, fmt=gate_up.qconfig.activation.format,
+              per_token=gate_up.qconfig.activation.granularity == "token", out_dtype=x.dtype)
+    args = (x2, ids2, w2, p1.qdata, p1.scale, p2.qdata, p2.scale, xs, hs, b1, b2)
+    ops = kernels.graph_ops()
+    if ops is not None:
+        op = getattr(ops, "fp8_moe_experts", None)
+        if op is None:
+            raise NotImplementedError(f"dbr_quant: the graph op table {type(ops).__name__} has no fp8_moe_experts "
+                                      f"op for the MoE experts module '{st.fqn}'; run the converted model eagerly")
+        return op(*args, **kw).reshape(x.shape)
+    return fp8_experts_compute(*args, **kw).reshape(x.shape)
+
+
+def fp8_experts_compute(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13_q: torch.Tensor,
+                        w13_scale: torch.Tensor, w2_q: torch.Tensor, w2_scale: torch.Tensor,
+                        x_scale: torch.Tensor | None, h_scale: torch.Tensor | None, bias13: torch.Tensor | None,
+                        bias2: torch.Tensor | None, *, activation: str | None, fmt: Any, per_token: bool,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+    """An experts call on flat inputs (x [T, H], ids / weights [T, k]) → [T, H_out]: routing plan, then
+    static scales (``x_scale``, ``h_scale`` given) → ``kernels.fp8_moe_block`` (3 launches after routing);
+    dynamic → quantize, gate_up (high-precision out), quantize, down + scatter-add (4 launches). The eager
+    model and the graph op ``dbr_quant::fp8_moe_experts`` both run this."""
+    routing = kernels.moe_route(ids, w13_q.shape[0])
+    if h_scale is not None:
+        return kernels.fp8_moe_block(x, routing, weights, w13_q, w13_scale, w2_q, w2_scale, h_scale,
+                                     x_scale=x_scale, activation=activation, fmt=fmt, bias13=bias13, bias2=bias2,
+                                     out_dtype=out_dtype)
+    x_q, xs = kernels.dynamic_quantize(x, fmt, per_token)
+    h = kernels.fp8_grouped_linear(x_q, xs, w13_q, w13_scale, routing, bias=bias13, activation=activation,
+                                   out_dtype=out_dtype)
     h_q, hs = kernels.dynamic_quantize(h, fmt, per_token)
-    out = kernels.fp8_grouped_linear(h_q, hs, p2.qdata, p2.scale, routing, x_sorted=True, bias=b2,
-                                     topk_weights=w2, out_dtype=x.dtype)
-    return out.reshape(x.shape)
+    return kernels.fp8_grouped_linear(h_q, hs, w2_q, w2_scale, routing, x_sorted=True, bias=bias2,
+                                      topk_weights=weights, out_dtype=out_dtype)
 
 
 # ------------------------------------------------------------------------------------------- report

@@ -3,7 +3,8 @@
 Each rank calibrates every third batch and converts; the scales must equal those of one process calibrating
 all batches (bitwise for RunningMax and AmaxHistory, rtol 1e-5 for Percentile and MSE, within the spread of
 the per-batch amaxes for MovingAverage), and be bitwise identical on all ranks. Failure cases (an op some
-rank never saw, a rank with another model, calibrating after a sync) must raise SyncError on every rank.
+rank never saw, a rank with no batch at all, a rank with another model, calibrating after a sync) must raise
+SyncError on every rank.
 
 One spawn runs every scenario (process start-up dominates the time); each rank writes what it saw to a file
 that the test compares with a single-process run.
@@ -108,6 +109,12 @@ def _run_rank(rank: int, world: int, tmp: str) -> None:
         out["missing_error"] = _error(lambda: dq.convert(p))
         dq.sync_observers(p, allow_missing=True)
         out["allow_missing"] = _scales(dq.convert(p))
+        # the last rank got no batch at all (an uneven split): every op is missing there
+        p = dq.calibrate(_prepared("running_max"), [] if rank == world - 1 else _shard(batches, rank, world),
+                         progress=False)
+        out["empty_rank_error"] = _error(lambda: dq.convert(p))
+        dq.sync_observers(p, allow_missing=True)
+        out["empty_rank_allow_missing"] = _scales(dq.convert(p))
         # rank 1 prepared a model with one more linear
         p = dq.calibrate(_prepared("running_max", extra=rank == 1), _shard(batches, rank, world), progress=False)
         out["layout_error"] = _error(lambda: dq.convert(p))
@@ -222,6 +229,20 @@ def test_op_missing_on_a_rank_is_an_error_on_every_rank(ranks):
             assert torch.equal(res["allow_missing"][k], single[k]), k
 
 
+def test_rank_without_batches_is_an_error_on_every_rank(ranks):
+    for res in ranks:
+        msg = res["empty_rank_error"]
+        assert "7 observed activation(s) saw no calibration batch on some ranks" in msg, msg
+        assert f"no batch on rank(s) [{WORLD - 1}]" in msg, msg
+    # allow_missing: the other ranks' batches (a running max: their order does not matter)
+    batches = _batches()
+    single = _scales(_single("running_max", [b for r in range(WORLD - 1) for b in _shard(batches, r, WORLD)]))
+    for res in ranks:
+        assert res["empty_rank_allow_missing"].keys() == single.keys()
+        for k in single:
+            assert torch.equal(res["empty_rank_allow_missing"][k], single[k]), k
+
+
 def test_different_model_is_an_error_on_every_rank(ranks):
     for res in ranks:
         msg = res["layout_error"]
@@ -248,3 +269,18 @@ def test_gptq_hessians_are_summed_across_ranks(ranks):
     for r in ranks[1:]:
         assert all(torch.equal(first[n], r["gptq"][n]) for n in first)
     assert all(r["gptq_tokens"] == dict.fromkeys(first, 8 * 2 * 9) for r in ranks)
+
+
+@pytest.mark.parametrize("kind", list(OBSERVERS))
+def test_calibration_state_does_not_grow_with_batches(kind):
+    """A prepared model's tensors after 2 batches are as many bytes as after 12: what a rank holds, and what
+    sync_observers sends, does not depend on how many batches it calibrated (per-observer sizes:
+    tests/observers/test_observer_merge.py::test_state_is_fixed_size)."""
+    def state_bytes(p: nn.Module) -> int:
+        return sum(t.numel() * t.element_size() for t in p.state_dict().values())
+
+    g = torch.Generator().manual_seed(3)
+    p = dq.calibrate(_prepared(kind), [torch.randn(2, 9, DIM, generator=g) for _ in range(2)], progress=False)
+    before = state_bytes(p)
+    dq.calibrate(p, [torch.randn(2, 9, DIM, generator=g) for _ in range(10)], progress=False)
+    assert state_bytes(p) == before > 0

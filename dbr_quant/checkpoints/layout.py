@@ -48,6 +48,7 @@ from ..mappings import LINEAR, MATMUL, SDPA
 from ..quantization_state import AutoQuantizationState, SeenOp
 from ..runs import ModelRecord
 from ..weights import FP8Weight, fp8_weight_of
+from . import experts
 from .errors import CheckpointError
 from .safetensors_io import Entry
 
@@ -67,6 +68,8 @@ class Plan:
     aliases: dict[str, str] = field(default_factory=dict)  # tensor written once under another name
     stacked: list[list[str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what loaders will run differently (one warning)
+    experts: dict[str, dict[str, Any]] = field(default_factory=dict)  # FP8 experts modules (experts.py)
+    renames: list[tuple[str, str]] = field(default_factory=list)  # model prefix → file prefix (experts.py)
 
 
 def record_of(model: nn.Module) -> ModelRecord:
@@ -259,11 +262,16 @@ def build_plan(model: nn.Module) -> Plan:
     ignore: list[str] = []
     multi_site: list[str] = []
     seen: dict[tuple, str] = {}
+    moe = experts.converted_experts(record)
     for fqn, mod in model_modules(model):
         w = fp8_weight_of(mod)
         entries: list[Entry] = []
+        if fqn in moe:  # 3-D FP8 experts: written per expert, as the hub checkpoints name them (experts.py)
+            entries, plan.experts[fqn] = experts.plan_experts(model, moe[fqn], schemes)
         for pname, t in own_tensors(mod):
             name = _join(fqn, pname)
+            if fqn in moe and pname.removesuffix("_bias") in moe[fqn].spec.names:
+                continue
             if w is not None and pname == "weight":
                 entries += _fp8_linear_entries(fqn, mod, w, sites.get(fqn, []), plan, schemes, ignore, multi_site)
                 continue
@@ -288,6 +296,12 @@ def build_plan(model: nn.Module) -> Plan:
         plan.notes.append(f"{len(multi_site)} linear(s) run at several call sites with different input scales; "
                           f"the file holds the largest of each ({', '.join(multi_site[:4])})")
     _check_vllm_fused(schemes, ignore, plan)
+    plan.notes += experts.vllm_notes(plan.experts)
+    plan.renames = experts.block_renames(model, list(plan.experts))
+    if plan.renames:
+        plan.groups = [(g, [experts.renamed(e, plan.renames) for e in entries]) for g, entries in plan.groups]
+        schemes = {experts.rename(k, plan.renames): v for k, v in schemes.items()}
+        ignore = [experts.rename(k, plan.renames) for k in ignore]
     plan.quantization_config = _quantization_config(schemes, ignore, bool(kv))
     return plan
 

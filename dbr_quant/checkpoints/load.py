@@ -28,7 +28,7 @@ from ..api import _stack_gate_up_weights, convert, prepare
 from ..formats import FP8Format
 from ..mappings import SDPA
 from ..weights import attach_fp8_weight, fp8_weight_of
-from . import sidecar
+from . import experts, sidecar
 from .errors import CheckpointError
 from .layout import model_modules, own_tensors
 from .safetensors_io import StoredTensor, read_header, read_tensor
@@ -136,11 +136,11 @@ def _expected(model: nn.Module, meta: dict[str, Any]) -> dict[str, tuple[tuple[t
     if absent:
         raise CheckpointError(f"'{absent[0]}': the checkpoint has an FP8 linear of this name, the model has no such "
                               "module; build the architecture the checkpoint was saved from")
-    out: dict[str, tuple[tuple[torch.dtype, ...], tuple[int, ...]]] = {}
+    out, replaced = experts.expected_experts(model, meta)  # 3-D FP8 experts: stored per expert
     for fqn, mod in modules.items():
         for pname, t in own_tensors(mod):
             name = f"{fqn}.{pname}" if fqn else pname
-            if name in meta["aliases"]:
+            if name in meta["aliases"] or name in replaced:
                 continue
             info = linears.get(fqn)
             if info is None or pname != "weight" or info["layout"] == "dequantized":
@@ -273,9 +273,10 @@ def _load_high_precision(prepared: nn.Module, meta: dict[str, Any], values: dict
         for pname, t in own_tensors(mod):
             name = f"{fqn}.{pname}" if fqn else pname
             source = meta["aliases"].get(name, name)
-            if linears.get(fqn, {}).get("layout") == "fp8" and pname == "weight":
-                continue
+            if (linears.get(fqn, {}).get("layout") == "fp8" and pname == "weight") or source not in values:
+                continue  # FP8 linears above; FP8 experts below (stored per expert)
             t.copy_(values[source].to(t.device))
+    experts.load_experts_high_precision(prepared, meta, values)
 
 
 @torch.no_grad()
@@ -305,6 +306,7 @@ def _load_fp8(converted: nn.Module, meta: dict[str, Any], values: dict[str, torc
         attach_fp8_weight(mod, q.contiguous().to(w.qdata.device), s.to(w.scale.device), w.dtype, w.transposed,
                           block)
         mod.__dict__.pop("_dbr_stacked_after", None)
+    experts.load_experts_fp8(converted, meta, values)
     for mod in converted.modules():
         mod.__dict__.pop("_dbr_stacked_after", None)
     for st, saved in zip(record.states, meta["states"]):
@@ -347,7 +349,7 @@ def load_pretrained(save_directory: str | Path, model: nn.Module, *, example_inp
         if qc is not None and foreign.is_block_config(qc):  # another tool's (compressed-tensors, FineGrainedFP8)
             return foreign.load_foreign(folder, model, qc, _read_headers(folder), example_inputs, example_kwargs)
     meta = _read_sidecar(folder)
-    stored = _read_headers(folder)
+    stored = experts.file_to_model_names(_read_headers(folder), meta)
     values = _read_and_check(model, meta, stored)
     args, kwargs = _example(meta, example_inputs, example_kwargs)
     qconfig = sidecar.rebuild_qconfig(meta["qconfig"], meta["states"])

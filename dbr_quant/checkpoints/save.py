@@ -88,6 +88,7 @@ def _sidecar(model: nn.Module, plan: Plan) -> dict[str, Any]:
         "qconfig": sidecar.global_config(record.qconfig), "example": example,
         "states": sidecar.state_records(record.states), "linears": plan.linears, "stacked": plan.stacked,
         "aliases": plan.aliases, "quantization_config": plan.quantization_config,
+        "experts": plan.experts, "renames": [list(r) for r in plan.renames],
     }
 
 

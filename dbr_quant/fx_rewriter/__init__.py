@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.export import Dim
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import tree_flatten, tree_map, tree_structure
 
 from ..kernels.cpu import current_gemm_path, use_cpu_gemm
@@ -88,8 +89,11 @@ def rewrite(converted: nn.Module, example_inputs: Any = None, *,
     kwargs = _without_kv_cache(converted, kwargs)
     dyn_args, dyn_kwargs = _dynamic_shapes(args, kwargs)
     with torch.no_grad(), capture_with(GraphOps):
-        exported = torch.export.export(converted, args, kwargs, strict=False,
-                                       dynamic_shapes={**_named(converted, dyn_args), **dyn_kwargs})
+        try:
+            exported = torch.export.export(converted, args, kwargs, strict=False,
+                                           dynamic_shapes={**_named(converted, dyn_args), **dyn_kwargs})
+        except GuardOnDataDependentSymNode as e:
+            raise RewriteError(_data_dependent_message(e)) from e
     gm = exported.module()
     gm.graph.eliminate_dead_code()  # the runtime's placeholders and unused observer buffers
     gm.recompile()
@@ -98,6 +102,21 @@ def rewrite(converted: nn.Module, example_inputs: Any = None, *,
     if implied:
         _drop_constant_inputs(gm, implied, args, {k: v for k, v in kwargs.items() if k in given})
     return gm
+
+
+def _data_dependent_message(e: Exception) -> str:
+    """What to do when the model's own Python branches on a value computed from the data."""
+    import re
+
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    where = re.search(r"Caused by: \((.*?)\)", str(e))
+    return ("rewrite(): the model's Python branches on a value computed from the input data ("
+            + first.strip() + (f", at {where.group(1)}" if where else "") + "), which a graph cannot hold. In a "
+            "mixture-of-experts block this is usually a loop that skips the experts no token was routed to "
+            "(`if tok.numel() == 0: continue`): drop the branch (an expert called on zero rows computes "
+            "nothing; dbr_quant's FP8 ops take empty inputs), or keep the experts as one module with 3-D "
+            "weights (transformers 5 experts: one dbr_quant::fp8_moe_experts node with the routing inside). "
+            "Otherwise run the converted model eagerly.")
 
 
 def _drop_constant_inputs(gm: torch.fx.GraphModule, constants: dict, args: tuple, kwargs: dict) -> None:

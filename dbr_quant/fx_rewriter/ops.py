@@ -14,6 +14,7 @@ from torch import Tensor
 from .. import kernels
 from ..formats import FP8Format
 from ..kernels.reference import GATED
+from .moe_ops import graph_fp8_moe_experts
 
 
 def _fmt(name: str) -> FP8Format:
@@ -255,6 +256,8 @@ for _op in (quantize, dequantize, fp8_to_bf16, dynamic_scale, dynamic_quantize, 
 
 class GraphOps:
     """Kernel entry points → custom ops (what ``kernels.*`` call while a graph is captured)."""
+
+    fp8_moe_experts = staticmethod(graph_fp8_moe_experts)  # a whole MoE experts call (moe_ops.py)
 
     @staticmethod
     def quantize(x, scale, fmt):

@@ -185,8 +185,9 @@ class _Parser:
             except re.error as e:
                 raise self.error(f"name_regex {vals['name_regex']!r} is not a valid regex: {e}",
                                  entries["name_regex"][1]) from None
-        if vals.get("kind") not in (None, "linear", "matmul", "sdpa"):
-            raise self.error(f"kind must be linear, matmul or sdpa, not {vals['kind']!r}", entries["kind"][1])
+        if vals.get("kind") not in (None, "linear", "matmul", "sdpa", "experts"):
+            raise self.error(f"kind must be linear, matmul, sdpa or experts, not {vals['kind']!r}",
+                             entries["kind"][1])
         return Selector(**vals)
 
     def typed(self, node: yaml.Node, tp: Any, what: str) -> Any:

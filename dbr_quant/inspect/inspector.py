@@ -22,6 +22,7 @@ from .. import kernels
 from ..basic_ops import Call, linear_hp_weight, linear_operands, run_basic, sdpa_arguments, stored_fp8_weight
 from ..formats import safe_scale
 from ..mappings import LINEAR, MATMUL, QUANTIZEABLE
+from ..moe import EXPERTS
 from ..qconfig import TensorQConfig
 from ..quantization_state import SeenOp
 from ..runs import ModelRecord, observed_inputs
@@ -49,12 +50,12 @@ class RecordedLayer:
 
 
 def named_ops(model: nn.Module) -> list[tuple[str, SeenOp]]:
-    """Every recorded GEMM op (linear, matmul, sdpa; quantized or not) with its unique layer name."""
+    """Every recorded GEMM op (linear, matmul, sdpa, MoE experts; quantized or not) with its unique layer name."""
     count: dict[str, int] = {}
     out = []
     for st in model_record(model).states:
         for op in st.seen_ops:
-            if op.kind in QUANTIZEABLE:
+            if op.kind in QUANTIZEABLE or op.kind == EXPERTS:  # each 3-D expert tensor: a layer (experts.py)
                 k = count[op.fqn] = count.get(op.fqn, -1) + 1
                 out.append((op.fqn if k == 0 else f"{op.fqn}#{k}", op))
     return out
@@ -113,6 +114,13 @@ class Inspector:
         if not features:
             return run_basic(call, env)
         return self._run(call, env, features, self.layers[name])
+
+    def experts(self, module: nn.Module, st: Any, x: torch.Tensor, ids: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+        """An MoE experts module's call (from ``moe.experts_call``): each expert tensor is a layer."""
+        from .experts import run_experts
+
+        return run_experts(self, module, st, x, ids, weights)
 
     # ------------------------------------------------------------------ the per-layer pipeline
     def _run(self, call: Call, env: Any, features: tuple[Feature, ...], layer: LayerInfo) -> torch.Tensor:

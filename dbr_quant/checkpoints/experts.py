@@ -1,0 +1,250 @@
+"""MoE experts with 3-D weights (transformers 5 ``MixtralExperts`` & co.) in a serving checkpoint.
+
+transformers 5 keeps an MoE layer's experts as one module with fused 3-D parameters (``gate_up_proj``
+[E, 2I, H], ``down_proj`` [E, H, I]), but the checkpoints on the Hugging Face hub — and the names vLLM's
+loaders read — keep one ``Linear``-style entry per expert and projection. So each converted experts module
+is written per expert, the way the hub checkpoint of its architecture names it:
+
+* Mixtral family (``model_type`` mixtral / minimax): ``<layer>.block_sparse_moe.experts.<e>.w1`` (gate),
+  ``.w3`` (up), ``.w2`` (down), and the whole MoE block under ``block_sparse_moe`` (the router:
+  ``block_sparse_moe.gate.weight``). vLLM ``models/mixtral.py`` maps ``experts.<e>.w1/w2/w3.`` with
+  ``FusedMoE.make_expert_params_mapping(ckpt_gate_proj_name="w1", ckpt_down_proj_name="w2",
+  ckpt_up_proj_name="w3")``; transformers' ``conversion_mapping.py`` ("mixtral") renames
+  ``.block_sparse_moe.`` → ``.mlp.`` and merges ``.experts.*.w1/w3.weight`` into ``gate_up_proj``.
+* Others (Qwen2-MoE and the architectures transformers maps like it, user models):
+  ``<block>.experts.<e>.gate_proj`` / ``up_proj`` / ``down_proj`` (vLLM ``models/qwen2_moe.py``:
+  ``ckpt_gate_proj_name="gate_proj"``…; transformers "qwen2_moe": ``mlp.experts.*.gate_proj.weight``…).
+
+Each projection: ``weight`` float8_e4m3fn [out, in]; ``weight_scale`` [out, 1] (per channel) or [1] (per
+expert: gate and up get the same value); ``input_scale`` [1] when static — gate and up get the one
+gate_up input scale, down its expert's own (vLLM's ``CompressedTensorsW8A8Fp8MoEMethod`` loads one per
+expert and takes the max over experts). ``dbr_quant.json`` keeps under ``experts`` how to stack them back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import kernels
+from ..moe import MoeState
+from ..moe_weights import attach_fp8_param
+from ..weights import FP8Weight
+from .errors import CheckpointError
+from .safetensors_io import Entry
+
+MIXTRAL_TYPES = ("mixtral", "minimax")  # transformers' conversion_mapping: "minimax" → the "mixtral" rules
+
+
+def projection_names(model: nn.Module, gated: bool) -> tuple[str, ...]:
+    """The checkpoint's per-expert projection names: (gate, up, down) when gated, else (up, down)."""
+    mixtral = getattr(getattr(model, "config", None), "model_type", None) in MIXTRAL_TYPES
+    if gated:
+        return ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    return ("w1", "w2") if mixtral else ("up_proj", "down_proj")
+
+
+def block_renames(model: nn.Module, experts_fqns: list[str]) -> list[tuple[str, str]]:
+    """(model prefix, file prefix) pairs: a Mixtral MoE block ``….mlp.`` is ``….block_sparse_moe.`` on disk."""
+    if getattr(getattr(model, "config", None), "model_type", None) not in MIXTRAL_TYPES:
+        return []
+    out = []
+    for fqn in experts_fqns:
+        block = fqn.removesuffix(".experts")
+        if block != fqn and block.endswith(".mlp"):
+            out.append((block + ".", block.removesuffix(".mlp") + ".block_sparse_moe."))
+    return out
+
+
+def rename(name: str, renames: list[tuple[str, str]], reverse: bool = False) -> str:
+    for model_prefix, file_prefix in renames:
+        src, dst = (file_prefix, model_prefix) if reverse else (model_prefix, file_prefix)
+        if name.startswith(src):
+            return dst + name[len(src):]
+    return name
+
+
+def converted_experts(record: Any) -> dict[str, MoeState]:
+    """The experts modules that are FP8 (their two 3-D weights), by fqn."""
+    return {st.fqn: st for st in record.states if isinstance(st, MoeState) and st.quantized and st.converted}
+
+
+def _scale_dtype(scale: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    from .layout import scale_dtype
+
+    return scale_dtype(scale, dtype)
+
+
+def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, tuple[str, str, bool]]
+                 ) -> tuple[list[Entry], dict[str, Any]]:
+    """The per-expert entries of one experts module (model names; renamed with the rest of the plan) and
+    its ``dbr_quant.json`` record; adds each projection's compressed-tensors scheme to ``schemes``."""
+    from .layout import _scheme
+
+    module = model.get_submodule(st.fqn)
+    spec = st.spec
+    params = [module._parameters[n] for n in spec.names]
+    if not all(type(p) is FP8Weight for p in params):
+        raise CheckpointError(f"'{st.fqn}': converted experts module without FP8 weights (a dbr_quant bug)")
+    w1, w2 = params
+    names = projection_names(model, spec.gated)
+    _, act, dynamic = _scheme(st.fqn, w1, list(st.seen_ops))
+    granularity = "channel" if st.seen_ops[0].qconfig.weight.granularity == "channel" else "tensor"
+    xs = hs = None
+    if not dynamic:
+        xs, hs = (st.scale(op, "input").detach().float() for op in st.seen_ops)
+    biases = [module._parameters.get(f"{n}_bias") if spec.has_bias else None for n in spec.names]
+    inter = w1.qdata.shape[1] // 2 if spec.gated else w1.qdata.shape[1]
+    # (projection name, which 3-D weight, its rows, its bias, which input scale)
+    parts = ([(names[0], 0, slice(0, inter)), (names[1], 0, slice(inter, 2 * inter)), (names[2], 1, None)]
+             if spec.gated else [(names[0], 0, None), (names[1], 1, None)])
+    entries: list[Entry] = []
+    for e in range(spec.num_experts):
+        for pname, which, rows in parts:
+            w, b = params[which], biases[which]
+            prefix = f"{st.fqn}.{e}.{pname}"
+            q = w.qdata[e] if rows is None else w.qdata[e, rows]
+            s = w.scale[e] if rows is None or granularity == "tensor" else w.scale[e, rows]
+            s = s.float().reshape(-1, 1) if granularity == "channel" else s.float().reshape(1)
+            entries.append(Entry(f"{prefix}.weight", q.dtype, tuple(q.shape), lambda q=q: q.contiguous()))
+            entries.append(_entry(f"{prefix}.weight_scale", s, _scale_dtype(s, w.dtype)))
+            if b is not None:
+                bb = b[e] if rows is None else b[e, rows]
+                entries.append(_entry(f"{prefix}.bias", bb, bb.dtype))
+            if not dynamic:
+                a = (xs if which == 0 else (hs[e] if hs.numel() > 1 else hs)).reshape(1)
+                entries.append(_entry(f"{prefix}.input_scale", a, _scale_dtype(a, w.dtype)))
+            schemes[prefix] = (granularity, act, dynamic)
+    info = {"names": list(names), "params": list(spec.names), "num_experts": spec.num_experts, "gated": spec.gated,
+            "granularity": granularity, "dynamic": dynamic, "transposed": spec.transposed, "bias": spec.has_bias,
+            "dtype": str(w1.dtype).removeprefix("torch.")}
+    return entries, info
+
+
+def _entry(name: str, t: torch.Tensor, dtype: torch.dtype) -> Entry:
+    shape = tuple(t.shape)
+    return Entry(name, dtype, shape, lambda: t.detach().reshape(shape).to(dtype))
+
+
+def renamed(entry: Entry, renames: list[tuple[str, str]]) -> Entry:
+    return dataclasses.replace(entry, name=rename(entry.name, renames)) if renames else entry
+
+
+def vllm_notes(infos: dict[str, dict[str, Any]]) -> list[str]:
+    """What vLLM's FP8 MoE method (compressed_tensors_moe_w8a8_fp8.py, ``CompressedTensorsW8A8Fp8MoEMethod``)
+    does with these experts: it takes per-tensor weights with per-tensor activations, or per-channel weights
+    with dynamic per-token activations, and one activation scale per layer (the max over experts)."""
+    notes = []
+    kinds = {(i["granularity"], i["dynamic"]) for i in infos.values()}
+    if ("channel", False) in kinds:
+        notes.append("experts with per-channel weight scales and static activation scales: vLLM's FP8 MoE takes "
+                     "per-channel weights only with dynamic per-token activations (and per-tensor weights with "
+                     "static ones) and will refuse this checkpoint; for vLLM convert the experts with "
+                     "weight granularity 'tensor' or dynamic per-token activations (transformers loads it)")
+    if any(not i["dynamic"] for i in infos.values()):
+        notes.append("vLLM uses one input scale per MoE layer for all experts (the max of the per-expert scales)")
+    return notes
+
+
+# ------------------------------------------------------------------------------------------ loading
+def expected_experts(model: nn.Module, meta: dict[str, Any]) -> tuple[dict[str, tuple], set[str]]:
+    """(tensor name → (dtypes, shape) of every per-expert tensor, the 3-D parameter names they replace)."""
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    out: dict[str, tuple] = {}
+    replaced: set[str] = set()
+    for fqn, info in meta.get("experts", {}).items():
+        try:
+            module = model.get_submodule(fqn)
+        except AttributeError:
+            raise CheckpointError(f"'{fqn}': the checkpoint has an FP8 experts module of this name, the model has "
+                                  "none; build the architecture the checkpoint was saved from") from None
+        for pname, layout in zip(info["params"], _layouts(info)):
+            p = module._parameters.get(pname)
+            if p is None or p.dim() != 3 or p.shape[0] != info["num_experts"]:
+                raise CheckpointError(f"'{fqn}.{pname}': the checkpoint has {info['num_experts']} experts, the model "
+                                      f"{None if p is None else list(p.shape)}")
+            replaced.add(f"{fqn}.{pname}")
+            if info["bias"]:
+                replaced.add(f"{fqn}.{pname}_bias")
+            n_all, k = (p.shape[2], p.shape[1]) if info["transposed"] else (p.shape[1], p.shape[2])
+            for e in range(info["num_experts"]):
+                for name, rows in layout:
+                    n = n_all if rows is None else n_all // 2
+                    prefix = f"{fqn}.{e}.{name}"
+                    out[f"{prefix}.weight"] = ((torch.float8_e4m3fn,), (n, k))
+                    out[f"{prefix}.weight_scale"] = (floats, (n, 1) if info["granularity"] == "channel" else (1,))
+                    if info["bias"]:
+                        out[f"{prefix}.bias"] = ((p.dtype,), (n,))
+                    if not info["dynamic"]:
+                        out[f"{prefix}.input_scale"] = (floats, (1,))
+    return out, replaced
+
+
+def _layouts(info: dict[str, Any]) -> list[list[tuple[str, int | None]]]:
+    """Per 3-D parameter: its projections (name, half: 0 gate / 1 up / None whole)."""
+    names = info["names"]
+    if info["gated"]:
+        return [[(names[0], 0), (names[1], 1)], [(names[2], None)]]
+    return [[(names[0], None)], [(names[1], None)]]
+
+
+def _stacked(fqn: str, info: dict[str, Any], layout: list, values: dict[str, torch.Tensor], key: str,
+             ) -> torch.Tensor:
+    return torch.stack([torch.cat([values[f"{fqn}.{e}.{name}.{key}"] for name, _ in layout], 0)
+                        for e in range(info["num_experts"])])
+
+
+def _fp8(fqn: str, info: dict[str, Any], layout: list, values: dict[str, torch.Tensor]
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qdata [E, N, K], scale [E, N] per channel or [E, 1] per expert) of one 3-D parameter."""
+    q = _stacked(fqn, info, layout, values, "weight")
+    s = _stacked(fqn, info, layout, values, "weight_scale").float().reshape(q.shape[0], -1)
+    if info["granularity"] != "channel":
+        if not bool((s == s[:, :1]).all()):
+            raise CheckpointError(f"'{fqn}': per-expert weight scales differ between gate and up; the converted "
+                                  "model holds one per expert")
+        s = s[:, :1].contiguous()
+    return q, s
+
+
+@torch.no_grad()
+def load_experts_high_precision(prepared: nn.Module, meta: dict[str, Any], values: dict[str, torch.Tensor]) -> None:
+    """Before convert: each 3-D expert parameter gets its experts' dequantized FP8 values."""
+    for fqn, info in meta.get("experts", {}).items():
+        module = prepared.get_submodule(fqn)
+        for pname, layout in zip(info["params"], _layouts(info)):
+            p = module._parameters[pname]
+            q, s = _fp8(fqn, info, layout, values)
+            w = kernels.dequantize(q, s.unsqueeze(-1), p.dtype)
+            p.copy_((w.transpose(-2, -1) if info["transposed"] else w).to(p.device))
+            if info["bias"]:
+                module._parameters[f"{pname}_bias"].copy_(_stacked(fqn, info, layout, values, "bias"))
+
+
+@torch.no_grad()
+def load_experts_fp8(converted: nn.Module, meta: dict[str, Any], values: dict[str, torch.Tensor]) -> None:
+    """After convert: the saved FP8 expert weights and weight scales, stacked back into [E, N, K]."""
+    for fqn, info in meta.get("experts", {}).items():
+        module = converted.get_submodule(fqn)
+        for pname, layout in zip(info["params"], _layouts(info)):
+            w = module._parameters[pname]
+            if type(w) is not FP8Weight:
+                raise CheckpointError(f"'{fqn}.{pname}': saved as FP8 experts, but convert left it in high precision")
+            q, s = _fp8(fqn, info, layout, values)
+            if q.shape != w.qdata.shape or s.shape != w.scale.shape:
+                raise CheckpointError(f"'{fqn}.{pname}': saved FP8 experts {list(q.shape)} / scale {list(s.shape)}, "
+                                      f"converted {list(w.qdata.shape)} / {list(w.scale.shape)}")
+            attach_fp8_param(module, pname, q.contiguous().to(w.qdata.device), s.to(w.scale.device), w.dtype,
+                             w.transposed)
+
+
+def file_to_model_names(stored: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """The folder's tensors keyed by the model's names (a Mixtral block's ``block_sparse_moe`` → ``mlp``)."""
+    renames = [tuple(r) for r in meta.get("renames", [])]
+    if not renames:
+        return stored
+    return {rename(name, renames, reverse=True): t for name, t in stored.items()}
+

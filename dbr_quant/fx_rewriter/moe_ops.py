@@ -1,0 +1,61 @@
+"""``dbr_quant::fp8_moe_experts``: a converted MoE experts module's whole computation as one graph node.
+
+An experts call (``moe.py``) routes tokens to experts: how many rows each expert gets depends on the
+data. In a graph that would mean data-dependent shapes (``nonzero``, a Python loop over the experts hit),
+which ``torch.export`` and ``torch.compile(fullgraph=True)`` cannot take without unbacked sizes. So the
+routing plan (``kernels.moe_route``) is built *inside* the op: its inputs and output have static shapes
+(hidden states [T, H], top-k ids and weights [T, k] → [T, H_out]); the fake implementation needs nothing
+else. The op body is the function the eager converted model runs (``moe.fp8_experts_compute``), so the
+graph computes what eager does, bit for bit.
+
+Under ``torch.compile`` inductor keeps the op opaque (no lowering registered: a grouped GEMM over a ragged
+plan has no static-shape decomposition worth having on CPU; on CUDA it calls the Triton grouped kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+@torch.library.custom_op("dbr_quant::fp8_moe_experts", mutates_args=())
+def fp8_moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13_q: Tensor, w13_scale: Tensor,
+                    w2_q: Tensor, w2_scale: Tensor, x_scale: Tensor | None, h_scale: Tensor | None,
+                    bias13: Tensor | None, bias2: Tensor | None, activation: str, fmt: str, per_token: bool,
+                    out_dtype: torch.dtype) -> Tensor:
+    """x [T, H], topk_ids / topk_weights [T, k], w13_q [E, N1, H], w2_q [E, H_out, I] → [T, H_out].
+    Static activation scales when ``x_scale`` and ``h_scale`` are given, else dynamic (``per_token``)."""
+    from ..formats import FP8Format
+    from ..moe import fp8_experts_compute
+
+    return fp8_experts_compute(x, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale, x_scale, h_scale,
+                               bias13, bias2, activation=activation, fmt=FP8Format.parse(fmt),
+                               per_token=per_token, out_dtype=out_dtype)
+
+
+@fp8_moe_experts.register_fake
+def _(x, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale, x_scale, h_scale, bias13, bias2, activation,
+      fmt, per_token, out_dtype):
+    from .ops import _ensure_lowerings
+
+    _ensure_lowerings()
+    torch._check(topk_ids.shape[0] == x.shape[0], lambda: "fp8_moe_experts: topk_ids must have one row per token")
+    return x.new_empty((x.shape[0], w2_q.shape[1]), dtype=out_dtype)
+
+
+def _no_gradient(ctx, *grads):
+    raise RuntimeError(
+        "dbr_quant::fp8_moe_experts has no gradient: FP8 models from dbr_quant.convert are for inference. Run "
+        "them under torch.no_grad() / torch.inference_mode(); fine-tune the high-precision model, then "
+        "prepare/convert again.")
+
+
+fp8_moe_experts.register_autograd(_no_gradient, setup_context=lambda ctx, inputs, output: None)
+
+
+def graph_fp8_moe_experts(x, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale, x_scale, h_scale, bias13,
+                          bias2, *, activation, fmt, per_token, out_dtype):
+    """The ``GraphOps`` entry (``fmt`` an ``FP8Format``)."""
+    return torch.ops.dbr_quant.fp8_moe_experts(x, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale,
+                                               x_scale, h_scale, bias13, bias2, activation or "", fmt.value,
+                                               per_token, out_dtype)

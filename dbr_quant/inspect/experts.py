@@ -1,0 +1,170 @@
+"""MoE experts modules in ``dbr_quant.inspect``: each 3-D expert tensor is a layer.
+
+An experts module (``moe.py``) records two ops of kind ``experts``, ``<fqn>.gate_up_proj`` and
+``<fqn>.down_proj``; here each is one inspect layer (named by that fqn, ``kind: experts`` in YAML),
+with the tensors ``input`` (the rows routed to the experts, sorted by expert: [rows, K]), ``weight``
+([E, N, K], all experts) and ``output`` ([rows, N], before the routing-weighted sum). Inside a session
+an experts call is computed expert by expert (the routing from the call's arguments) with each projection
+in FP8 (what convert stores: static input scales — one for gate_up, one per expert for down — or
+dynamic; the FP8 weights, or on a prepared model the weights quantized as convert would) or in high
+precision, as that layer's features decide. So ``sensitivity`` measures "only this expert tensor in
+FP8", and the statistics features log per expert tensor. ``Scaling`` (another format / granularity)
+is not supported for expert tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import kernels
+from ..moe import MoeState, _expert_key, _flat, expert_scales
+from ..quantization_state import observer_key
+from ..weights import FP8Weight
+from .features import Feature, Quantized, TensorContext
+
+
+def run_experts(inspector: Any, module: nn.Module, st: MoeState, x: torch.Tensor, ids: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+    """One experts call inside an inspect session (see the module docstring)."""
+    spec = st.spec
+    x2, ids2, w2 = _flat(x, ids, weights)
+    routing = kernels.moe_route(ids2, spec.num_experts)
+    tokens, row_w = routing.tokens, routing.row_weights(w2)
+    offsets = routing.expert_offsets.tolist()
+    gate_up, down = st.seen_ops
+    y = _projection(inspector, module, st, gate_up, x2[tokens], routing, offsets)
+    h = module._apply_gate(y) if spec.gated else module.act_fn(y)
+    y = _projection(inspector, module, st, down, h, routing, offsets)
+    out = torch.zeros(x2.shape[0], y.shape[-1], dtype=torch.float32, device=x.device)
+    out.index_add_(0, tokens, y.float() * row_w[:, None])
+    return out.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _projection(inspector: Any, module: nn.Module, st: MoeState, op: Any, rows: torch.Tensor, routing: Any,
+                offsets: list[int]) -> torch.Tensor:
+    name = inspector.names.get(id(op))
+    features: tuple[Feature, ...] = (inspector.plan.get(name) or ()) if name is not None else ()
+    layer = inspector.layers.get(name) if name is not None else None
+    fp8 = op.quantize and all(f.use_fp8(layer) is not False for f in features)
+    index = st.seen_ops.index(op)
+    pname = st.spec.names[index]
+    param = module._parameters[pname]
+    bias = module._parameters.get(f"{pname}_bias") if st.spec.has_bias else None
+    w_hp = _hp_weight(param, st.spec.transposed)  # [E, N, K]
+    for f in features:
+        for tensor in ("input", "weight"):
+            base = op.qconfig.weight if tensor == "weight" else op.qconfig.activation
+            if f.tensor_config(layer, tensor, base) != base:
+                raise NotImplementedError(f"dbr_quant.inspect: {type(f).name} changes the scaling of '{name}', an MoE "
+                                          "expert tensor; expert tensors keep their format and granularity (select "
+                                          "other layers for Scaling)")
+    row_experts = routing.row_experts
+    quantizers = {"input": lambda t: _quantize_rows(st, op, index, t, row_experts),
+                  "weight": lambda t: _quantize_weight(st, op, param, t)}
+    inputs = {"input": rows, "weight": w_hp}
+    processed, quantized = {}, {}
+    want_q = fp8 or any(f.overrides("log_quantized") for f in features)
+    for tensor, t in inputs.items():
+        quantize = quantizers[tensor]
+        ctx = TensorContext(layer, tensor, inspector.step, fp8, inspector._logger(name, tensor), quantize) \
+            if layer is not None else None
+        for f in features:
+            f.log_tensor(ctx, t)
+        p = t
+        for f in features:
+            p = f.process_tensor(ctx, p)
+        processed[tensor] = p
+        if want_q:
+            src = p if fp8 else t
+            q = quantize(None) if (tensor == "weight" and src is t) else quantize(src)
+            if fp8:
+                for f in features:
+                    q = f.process_quantized(ctx, q)
+            for f in features:
+                f.log_quantized(ctx, src, q)
+            quantized[tensor] = q
+    y = _gemm(processed, quantized if fp8 else None, offsets, rows.dtype)
+    if bias is not None:
+        y = y + bias[row_experts]
+    if layer is not None:
+        ctx = TensorContext(layer, "output", inspector.step, fp8, inspector._logger(name, "output"), _no_quantizer)
+        for f in features:
+            f.log_tensor(ctx, y)
+        for f in features:
+            y = f.process_tensor(ctx, y)
+    return y
+
+
+def _hp_weight(param: torch.Tensor, transposed: bool) -> torch.Tensor:
+    if type(param) is FP8Weight:
+        return kernels.dequantize(param.qdata, param.scale.unsqueeze(-1), param.dtype)
+    w = param.detach()
+    return w.transpose(-2, -1) if transposed else w
+
+
+def _quantize_rows(st: MoeState, op: Any, index: int, rows: torch.Tensor | None, row_experts: torch.Tensor
+                   ) -> Quantized:
+    """The rows with the scale FP8 execution uses: dynamic (per token or tensor), or static — the gate_up
+    input scale, or each row's expert's down-input scale."""
+    if rows is None:
+        raise RuntimeError("expert input rows are needed to quantize them")
+    cfg = op.qconfig.activation
+    if op.qconfig.dynamic:
+        scale = kernels.dynamic_scale(rows, cfg.format, per_token=cfg.granularity == "token")
+    else:
+        scale = _static_scale(st, op, index).to(rows.device)
+        scale = scale[row_experts].unsqueeze(-1) if scale.numel() > 1 else scale.reshape(())
+    return Quantized(kernels.quantize(rows, scale, cfg.format), scale, cfg.format)
+
+
+def _static_scale(st: MoeState, op: Any, index: int) -> torch.Tensor:
+    if st.converted:
+        return st.frozen_scale(op, "input")
+    if index == 0:
+        return st.observers[observer_key(0, "input")].scale().detach()
+    observers = [st.observers[_expert_key(1, e)] for e in range(st.spec.num_experts)]
+    return expert_scales(observers, st.rows > 0)[0]  # what freeze_scales will store
+
+
+def _quantize_weight(st: MoeState, op: Any, param: torch.Tensor, w: torch.Tensor | None) -> Quantized:
+    """The stored FP8 weight (converted, ``w`` None), or ``w`` [E, N, K] quantized as convert does."""
+    cfg = op.qconfig.weight
+    if w is None and type(param) is FP8Weight:
+        return Quantized(param.qdata, param.scale.unsqueeze(-1), cfg.format)
+    if w is None:
+        w = _hp_weight(param, st.spec.transposed)
+    num_e, n, k = w.shape
+    observer = cfg.observer.create(cfg.format, 0)
+    if cfg.granularity == "channel":
+        observer(w.reshape(num_e * n, k))
+        scale = observer.scale().reshape(num_e, n, 1)
+    else:
+        observer(w.reshape(num_e, n * k))
+        scale = observer.scale().reshape(num_e, 1, 1)
+    return Quantized(kernels.quantize(w, scale.to(w.device), cfg.format), scale.to(w.device), cfg.format)
+
+
+def _gemm(x: dict[str, torch.Tensor], q: dict[str, Quantized] | None, offsets: list[int],
+          dtype: torch.dtype) -> torch.Tensor:
+    w = x["weight"]
+    out = x["input"].new_empty((x["input"].shape[0], w.shape[1]), dtype=dtype)
+    for e in range(w.shape[0]):
+        lo, hi = offsets[e], offsets[e + 1]
+        if lo == hi:
+            continue
+        if q is None:
+            out[lo:hi] = F.linear(x["input"][lo:hi], w[e]).to(dtype)
+            continue
+        qi, qw = q["input"], q["weight"]
+        xs = qi.scale[lo:hi] if qi.scale.dim() else qi.scale
+        out[lo:hi] = kernels.fp8_linear(qi.data[lo:hi], xs, qw.data[e], qw.scale[e].reshape(-1), out_dtype=dtype)
+    return out
+
+
+def _no_quantizer(x: torch.Tensor) -> Quantized:
+    raise RuntimeError("the 'output' tensor has no FP8 scale: it is not quantized")
+

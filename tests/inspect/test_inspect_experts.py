@@ -1,0 +1,96 @@
+"""``dbr_quant.inspect`` on a small Mixtral (tests/test_moe.py): each 3-D expert tensor (``….experts.gate_up_proj``,
+``….experts.down_proj``) is a layer of kind ``experts`` — selectable in YAML, with its own statistics and its
+own sensitivity. Independent references: the converted model's fused FP8 MoE block (eager, outside any
+session), ``dbr_quant.disabled()``, and the tensors entering the experts module captured by a forward hook."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_moe import EXAMPLE, LAYERS, batches, build, logits  # tests/ is on sys.path (conftest)
+
+import dbr_quant as dq
+import dbr_quant.inspect as dqi
+from dbr_quant.inspect.config import InspectConfigError
+
+EXPERT_LAYERS = [f"model.layers.{i}.mlp.experts.{p}" for i in range(LAYERS) for p in ("gate_up_proj", "down_proj")]
+
+
+def _fn(model, batch):
+    return logits(model(**batch))
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    with torch.random.fork_rng():
+        model = build("mixtral", "grouped_mm")
+        prepared = dq.prepare(model, example_kwargs=batches(1, EXAMPLE, 1)[0])
+        dq.calibrate(prepared, batches(2, (2, 16), 2), progress=False)
+    return prepared, batches(2, (2, 12), 7)
+
+
+def test_each_expert_tensor_has_its_own_sensitivity(mixtral):
+    prepared, ev = mixtral
+    sens = {s.layer: s for s in dqi.sensitivity(prepared, ev, output_fn=_fn)}
+    assert sorted(n for n, s in sens.items() if s.kind == "experts") == sorted(EXPERT_LAYERS)
+    for name in EXPERT_LAYERS:  # only this tensor in FP8: a small, measurable error
+        assert 20 < sens[name].sqnr_db < 80 and 0.99 < sens[name].cosine < 1.0, sens[name]
+    values = {round(sens[n].sqnr_db, 6) for n in EXPERT_LAYERS}
+    assert len(values) == len(EXPERT_LAYERS), "each expert tensor measured on its own"
+
+
+def test_session_on_converted_matches_the_fused_block_and_logs_each_expert_tensor(mixtral):
+    prepared, ev = mixtral
+    converted = dq.convert(prepared)
+    seen = {}
+    hooks = [converted.get_submodule(f"model.layers.{i}.mlp.experts").register_forward_hook(
+        lambda m, a, o, i=i: seen.__setitem__(i, a[0].detach())) for i in range(LAYERS)]
+    cfg = """
+experts:
+  layers: {kind: experts}
+  features:
+    LogTensorStats: {tensors: [input, weight, output], stats: [amax]}
+    LogFP8Stats: {tensors: [input], stats: [sqnr_db]}
+"""
+    with torch.no_grad():
+        want = _fn(converted, ev[0])  # the fused FP8 MoE block (kernels.fp8_moe_block), no session
+        with dqi.session(converted, cfg) as s:
+            got = _fn(converted, ev[0])  # expert by expert through the inspector, each tensor in FP8
+    for h in hooks:
+        h.remove()
+    assert torch.equal(got, want)  # measured bit-equal on the CPU reference kernels
+    assert sorted(s.plan) == sorted(EXPERT_LAYERS)
+    rec = {(r["layer"], r["tensor"], r["stat"]): r["value"] for r in s.records}
+    for i in range(LAYERS):
+        fqn = f"model.layers.{i}.mlp.experts"
+        # gate_up's input: every routed row of the hidden states entering the experts (top-2 copies of tokens)
+        assert rec[(f"{fqn}.gate_up_proj", "input", "amax")] == pytest.approx(seen[i].abs().max().item(), rel=1e-6)
+        for p in ("gate_up_proj", "down_proj"):
+            w = converted.get_submodule(fqn)._parameters[p]
+            assert rec[(f"{fqn}.{p}", "weight", "amax")] == pytest.approx(w.dequantize().abs().max().item(), rel=1e-6)
+            assert 15 < rec[(f"{fqn}.{p}", "input", "sqnr_db")] < 60
+
+
+def test_expert_tensors_in_high_precision_equal_disabled(mixtral):
+    prepared, ev = mixtral
+    cfg = "all:\n  layers: {name_regex: '.'}\n  features:\n    DisableFP8: {}\n"
+    with torch.no_grad():
+        with dq.disabled():
+            want = _fn(prepared, ev[1])
+        with dqi.session(prepared, cfg):
+            got = _fn(prepared, ev[1])
+        with dqi.session(prepared, "e:\n  layers: {kind: experts}\n  features:\n    FakeQuant: {}\n"):
+            fake = _fn(prepared, ev[1])
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)  # expert by expert vs the model's grouped_mm
+    assert not torch.allclose(fake, want, rtol=1e-5, atol=1e-6)  # fake-quantized experts do change it
+    assert F.cosine_similarity(fake.flatten(), want.flatten(), dim=0) > 0.99
+
+
+def test_scaling_an_expert_tensor_is_a_clear_error(mixtral):
+    prepared, ev = mixtral
+    cfg = "s:\n  layers: {kind: experts}\n  features:\n    Scaling: {input_format: E5M2}\n"
+    with pytest.raises(NotImplementedError, match="expert tensor"), torch.no_grad(), dqi.session(prepared, cfg):
+        _fn(prepared, ev[0])
+    with pytest.raises(InspectConfigError, match="kind must be"):
+        dqi.session(prepared, "s:\n  layers: {kind: expert}\n  features:\n    DisableFP8: {}\n").__enter__()
