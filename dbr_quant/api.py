@@ -340,7 +340,7 @@ def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
         else:
             q, scale = quantize_weight(w, cfg)  # in row blocks: temporaries of a block, not a layer
             if record.hessians is not None and any(op.qconfig.weight_rounding == "gptq" for op in ops):
-                q = record.hessians.round(fqn, type(module).__name__, w, cfg, scale)  # same scale, GPTQ's grid points
+                q = record.hessians.round(fqn, type(module).__name__, w, cfg, scale, q)  # same scale, GPTQ's points
             attach_fp8_weight(module, q, scale, w.dtype, transposed=transposed)
         if home is not None:
             home.store(module)  # FP8 goes back where accelerate kept the weight; the module keeps meta

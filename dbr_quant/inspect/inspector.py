@@ -220,7 +220,8 @@ class Inspector:
                     and hessians.wants(call.op) and hessians.has_data(call.op.weight_owner):
                 # a prepared model whose convert will round with GPTQ: measure that rounding, not nearest
                 scale = q.scale.reshape(-1) if q.scale.dim() else q.scale
-                data = hessians.round(call.op.weight_owner, type(m).__name__, w.detach(), cfg, scale, keep=True)
+                data = hessians.round(call.op.weight_owner, type(m).__name__, w.detach(), cfg, scale, q.data,
+                                      keep=True)
                 q = Quantized(data, q.scale, cfg.format)
         if key is not None:
             self._weights[key] = q

@@ -18,7 +18,9 @@ MoE experts modules (3-D weights, ``moe_weights.py``) stay on nearest rounding.
 
 from __future__ import annotations
 
+import math
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +51,7 @@ class HessianCollector:
         self.accumulators: dict[str, HessianAccumulator] = {}
         self.forwards = 0  # calibration forwards seen: fold = forward index mod folds
         self._last_run: Any = None  # weakref to the CalibrateRun of the forward now running
+        self._warned_unreached = False
         self.synced_at: int | None = None  # ``forwards`` when the sums were last summed across ranks
         self.rounded: dict[str, GPTQRecord] = {}  # filled by convert
 
@@ -85,19 +88,30 @@ class HessianCollector:
         acc = self.accumulators.get(fqn)
         return acc is not None and bool(acc.nonempty_folds())
 
-    def round(self, fqn: str, module_type: str, w: Tensor, cfg: TensorQConfig, scale: Tensor,
+    def round(self, fqn: str, module_type: str, w: Tensor, cfg: TensorQConfig, scale: Tensor, nearest: Tensor,
               keep: bool = False) -> Tensor:
-        """The GPTQ-rounded FP8 weight of ``fqn`` on the grid of ``scale`` (the scale nearest rounding uses).
-        Frees the module's accumulator and records the damping (convert) unless ``keep`` (inspection of a
-        prepared model: convert still needs it)."""
+        """The GPTQ-rounded FP8 weight of ``fqn`` on the grid of ``scale`` (the scale nearest rounding uses;
+        ``nearest`` is that rounding, returned for a linear no calibration batch reached). Frees the module's
+        accumulator and records the damping (convert) unless ``keep`` (inspection of a prepared model)."""
         if cfg.granularity not in ("channel", "tensor"):
             raise ValueError(f"convert(): weight_rounding='gptq' on '{fqn}' ({module_type}) needs per-channel or "
                              f"per-tensor weights, not {cfg.granularity!r}: give it weight_rounding='nearest'")
         acc = self.accumulators.get(fqn) if keep else self.accumulators.pop(fqn, None)
         if acc is None or not acc.nonempty_folds():
-            raise ValueError(f"convert(): '{fqn}' ({module_type}) has weight_rounding='gptq' but saw no calibration "
-                             "tokens: run dbr_quant.calibrate(prepared, batches) with batches that reach it "
-                             "(GPTQ needs calibration also with dynamic=True)")
+            if self.forwards == 0:
+                raise ValueError(f"convert(): '{fqn}' ({module_type}) has weight_rounding='gptq' but the model saw no "
+                                 "calibration batches: run dbr_quant.calibrate(prepared, batches) first (GPTQ needs "
+                                 "calibration also with dynamic=True)")
+            # calibrated, but no batch reached this linear (an expert never routed to, a branch not taken):
+            # nothing to fit, so nearest rounding, as its activation scale comes from elsewhere too
+            if not keep:
+                self.rounded[fqn] = GPTQRecord(DampingChoice(math.inf, {}, False), 0.0, 0)
+                if not self._warned_unreached:
+                    self._warned_unreached = True
+                    warnings.warn(f"dbr_quant.convert(): no calibration batch reached '{fqn}' ({module_type}) and "
+                                  "maybe other weight_rounding='gptq' linears: they are rounded to nearest "
+                                  "(gptq_report(model) lists them with 0 tokens)", stacklevel=4)
+            return nearest
         start = time.perf_counter()
         o = self.options
         result = gptq_quantize(w, acc, cfg.format, cfg.granularity, scale=scale, candidates=o.dampings,

@@ -168,8 +168,35 @@ def test_errors_name_what_to_do():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         p = dq.prepare(model, batches[0], dq.QConfig(weight_rounding="gptq", dynamic=True))
-    with pytest.raises(ValueError, match="'fc1' \\(Linear\\).*no calibration tokens.*calibrate"):
+    with pytest.raises(ValueError, match="'fc1' \\(Linear\\).*no calibration batches.*calibrate"):
         dq.convert(p)
+
+
+class Branchy(nn.Module):
+    """``long`` runs only on sequences of 8 tokens or more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.long = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h + self.long(h) if x.shape[1] >= 8 else h
+
+
+def test_a_linear_no_calibration_batch_reached_is_rounded_to_nearest_with_a_warning():
+    torch.manual_seed(0)
+    model, g = Branchy().eval(), torch.Generator().manual_seed(0)
+    qconfig = dq.QConfig(weight_rounding="gptq", dynamic=True)
+    p = dq.prepare(model, torch.randn(2, 9, D, generator=g), qconfig)  # the trace takes the branch
+    dq.calibrate(p, [torch.randn(2, 4, D, generator=g) for _ in range(4)], progress=False)  # calibration does not
+    with pytest.warns(UserWarning, match="no calibration batch reached 'long'.*rounded to nearest"):
+        c = dq.convert(p)
+    nearest = dq.convert(dq.prepare(model, torch.randn(2, 9, D, generator=g), dq.QConfig(dynamic=True)))
+    got, want = fp8_weight_of(c.long).qdata, fp8_weight_of(nearest.long).qdata
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    report = gptq_report(c)
+    assert report["long"].tokens == 0 and report["fc"].tokens == 4 * 2 * 4 and report["fc"].damping.cross_validated
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
