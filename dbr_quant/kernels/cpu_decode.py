@@ -36,8 +36,9 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 
-/* Written without branches so the compiler vectorizes the loops. One E4M3 code → its fp32 bit pattern. Normal codes: exponent and mantissa move up by 20 bits and the
-   exponent is re-biased (7 → 127) by adding 120 << 23. Subnormal codes (exponent 0): mantissa · 2^-9
+/* Written without branches so the compiler vectorizes the loops. One E4M3 code → its fp32 bit pattern.
+   Normal codes: exponent and mantissa move up by 20 bits and the exponent is re-biased (7 → 127) by
+   adding 120 << 23. Subnormal codes (exponent 0): mantissa · 2^-9
    through an exact int → float conversion. */
 static inline uint32_t e4m3_bits(uint32_t c) {
     uint32_t m = c & 0x7Fu;
