@@ -27,6 +27,17 @@ from ..weights import FP8Weight
 from .features import Feature, Quantized, TensorContext
 
 
+def experts_flops(op: Any) -> int:
+    """FLOPs of one expert tensor (an op of kind ``experts``) per call at prepare()'s traced shapes:
+    2 × routed rows × N × K, a routed row being one (token, top-k slot) pair — top_k × tokens rows over all
+    experts, whichever experts they go to; the same count as an ``nn.Linear`` on those rows. 0 when the trace
+    recorded no routing (the module was called with other arguments, moe.py)."""
+    if not op.inputs or not op.outputs:
+        return 0
+    rows, k = op.inputs[0].shape
+    return 2 * rows * k * op.outputs[0].shape[-1]
+
+
 def run_experts(inspector: Any, module: nn.Module, st: MoeState, x: torch.Tensor, ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
     """One experts call inside an inspect session (see the module docstring)."""

@@ -18,7 +18,9 @@ from torch import nn
 
 from ..auto_trace import disabled
 from ..mappings import LINEAR, MATMUL, SDPA
+from ..moe import EXPERTS
 from ..quantization_state import SeenOp
+from .experts import experts_flops
 from .features import DisableFP8, Feature
 from .inspector import Inspector, attached, named_ops, recorded_layers
 from .stats import sqnr_db
@@ -92,7 +94,10 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def op_flops(op: SeenOp) -> int:
-    """Multiply-adds × 2 of a recorded GEMM at its traced shapes (0 for other kinds)."""
+    """Multiply-adds × 2 of a recorded GEMM at its traced shapes (0 for other kinds); an MoE expert tensor
+    counts its routed rows, top_k per token (``experts.experts_flops``)."""
+    if op.kind == EXPERTS:
+        return experts_flops(op)
     shape = lambda i: op.inputs[i].shape if len(op.inputs) > i and op.inputs[i] is not None else None  # noqa: E731
     if op.kind == LINEAR:  # x (…, K) → y (…, N): 2·numel(x)·N
         return 2 * math.prod(shape(0)) * op.outputs[0].shape[-1]
@@ -107,8 +112,10 @@ def op_flops(op: SeenOp) -> int:
 def fp8_flop_fraction(model: nn.Module, high_precision: Iterable[str] = (), kinds: tuple[str, ...] = (LINEAR,)
                       ) -> float:
     """FLOPs of recorded ``kinds`` ops that run in FP8 (quantized and not in ``high_precision``, layer names)
-    over the FLOPs of all recorded ops of those kinds (including ones prepare() already left in high precision)."""
+    over the FLOPs of all recorded ops of those kinds (including ones prepare() already left in high precision).
+    MoE expert tensors are linears (one per expert): with ``LINEAR`` in ``kinds`` they count too."""
     hp = set(high_precision)
+    kinds = (*kinds, EXPERTS) if LINEAR in kinds and EXPERTS not in kinds else kinds
     ops = [(n, op) for n, op in named_ops(model) if op.kind in kinds]
     total = sum(op_flops(op) for _, op in ops)
     fp8 = sum(op_flops(op) for n, op in ops if op.quantize and n not in hp)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_moe import EXAMPLE, LAYERS, batches, build, logits  # tests/ is on sys.path (conftest)
+from test_moe import EXAMPLE, HIDDEN, LAYERS, TOP_K, batches, build, logits  # tests/ is on sys.path (conftest)
 
 import dbr_quant as dq
 import dbr_quant.inspect as dqi
@@ -38,6 +38,33 @@ def test_each_expert_tensor_has_its_own_sensitivity(mixtral):
         assert 20 < sens[name].sqnr_db < 80 and 0.99 < sens[name].cosine < 1.0, sens[name]
     values = {round(sens[n].sqnr_db, 6) for n in EXPERT_LAYERS}
     assert len(values) == len(EXPERT_LAYERS), "each expert tensor measured on its own"
+    rows = EXAMPLE[0] * EXAMPLE[1] * TOP_K  # traced: 2 tokens, top-2 → 4 routed rows per experts call
+    for i in range(LAYERS):  # [E, 2I, H] = [8, 128, 32] and [E, H, I] = [8, 32, 64]
+        assert sens[f"model.layers.{i}.mlp.experts.gate_up_proj"].flops == 2 * rows * 128 * HIDDEN
+        assert sens[f"model.layers.{i}.mlp.experts.down_proj"].flops == 2 * rows * HIDDEN * 64
+
+
+def test_fp8_share_of_linear_flops_counts_the_experts(mixtral):
+    """auto_fallback's "FP8 share of linear FLOPs" on an MoE model: the experts hold most of them. By hand at
+    the traced shapes (2 tokens): every nn.Linear 2·T·in·out (the router stays high precision), each expert
+    tensor 2·T·top_k·N·K."""
+    prepared, ev = mixtral
+    model = build("mixtral", "grouped_mm")
+    tokens = EXAMPLE[0] * EXAMPLE[1]
+    linears = {n: 2 * tokens * m.in_features * m.out_features for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear)}
+    router = sum(v for n, v in linears.items() if n.endswith("mlp.gate"))
+    experts = LAYERS * 2 * tokens * TOP_K * (128 * HIDDEN + HIDDEN * 64)
+    total = sum(linears.values()) + experts
+    assert experts / total > 0.6  # ignoring them would misstate the share badly
+    assert dqi.fp8_flop_fraction(prepared) == pytest.approx((total - router) / total, rel=1e-12)
+    assert dqi.fp8_flop_fraction(prepared, EXPERT_LAYERS) == pytest.approx((total - router - experts) / total,
+                                                                           rel=1e-12)
+    half = EXPERT_LAYERS[:2]  # layer 0's gate_up and down
+    assert dqi.fp8_flop_fraction(prepared, half) == pytest.approx((total - router - experts / 2) / total, rel=1e-12)
+    sens = [dqi.LayerSensitivity(n, "experts", 0.9, 10.0, 0) for n in EXPERT_LAYERS]  # a given ranking
+    res = dqi.auto_fallback(prepared, ev[:1], target=-1.0, output_fn=_fn, full_curve=False, sensitivity=sens)
+    assert res.fallback == () and res.fp8_flop_fraction == pytest.approx((total - router) / total, rel=1e-12)
 
 
 def test_session_on_converted_matches_the_fused_block_and_logs_each_expert_tensor(mixtral):
