@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_moe import EXAMPLE, HIDDEN, LAYERS, TOP_K, batches, build, logits  # tests/ is on sys.path (conftest)
+from test_moe import EXAMPLE, EXPERTS_N, HIDDEN, LAYERS, TOP_K, batches, build, logits  # tests/ on sys.path
 
 import dbr_quant as dq
 import dbr_quant.inspect as dqi
@@ -46,16 +46,17 @@ def test_each_expert_tensor_has_its_own_sensitivity(mixtral):
 
 def test_fp8_share_of_linear_flops_counts_the_experts(mixtral):
     """auto_fallback's "FP8 share of linear FLOPs" on an MoE model: the experts hold most of them. By hand at
-    the traced shapes (2 tokens): every nn.Linear 2·T·in·out (the router stays high precision), each expert
-    tensor 2·T·top_k·N·K."""
+    the traced shapes (2 tokens): every nn.Linear 2·T·in·out, the router (``F.linear`` on its [E, H] weight,
+    high precision) 2·T·E·H, each expert tensor 2·T·top_k·N·K."""
     prepared, ev = mixtral
     model = build("mixtral", "grouped_mm")
     tokens = EXAMPLE[0] * EXAMPLE[1]
     linears = {n: 2 * tokens * m.in_features * m.out_features for n, m in model.named_modules()
                if isinstance(m, torch.nn.Linear)}
-    router = sum(v for n, v in linears.items() if n.endswith("mlp.gate"))
+    assert not any(n.endswith("mlp.gate") for n in linears)
+    router = LAYERS * 2 * tokens * EXPERTS_N * HIDDEN
     experts = LAYERS * 2 * tokens * TOP_K * (128 * HIDDEN + HIDDEN * 64)
-    total = sum(linears.values()) + experts
+    total = sum(linears.values()) + router + experts
     assert experts / total > 0.6  # ignoring them would misstate the share badly
     assert dqi.fp8_flop_fraction(prepared) == pytest.approx((total - router) / total, rel=1e-12)
     assert dqi.fp8_flop_fraction(prepared, EXPERT_LAYERS) == pytest.approx((total - router - experts) / total,
