@@ -20,7 +20,7 @@ from ..auto_trace import disabled
 from ..mappings import LINEAR, MATMUL, SDPA
 from ..moe import EXPERTS
 from ..quantization_state import SeenOp
-from .experts import experts_flops
+from .experts import experts_flops, sibling_expert_flops
 from .features import DisableFP8, Feature
 from .inspector import Inspector, attached, named_ops, recorded_layers
 from .stats import sqnr_db
@@ -109,6 +109,12 @@ def op_flops(op: SeenOp) -> int:
     return 0
 
 
+def layer_flops(model: nn.Module) -> dict[str, int]:
+    """``op_flops`` of every recorded GEMM by layer name; ModuleList experts share their group's traced FLOPs
+    evenly (``experts.sibling_expert_flops``)."""
+    return sibling_expert_flops(model, {n: op_flops(op) for n, op in named_ops(model)})
+
+
 def fp8_flop_fraction(model: nn.Module, high_precision: Iterable[str] = (), kinds: tuple[str, ...] = (LINEAR,)
                       ) -> float:
     """FLOPs of recorded ``kinds`` ops that run in FP8 (quantized and not in ``high_precision``, layer names)
@@ -116,9 +122,10 @@ def fp8_flop_fraction(model: nn.Module, high_precision: Iterable[str] = (), kind
     MoE expert tensors are linears (one per expert): with ``LINEAR`` in ``kinds`` they count too."""
     hp = set(high_precision)
     kinds = (*kinds, EXPERTS) if LINEAR in kinds and EXPERTS not in kinds else kinds
+    flops = layer_flops(model)
     ops = [(n, op) for n, op in named_ops(model) if op.kind in kinds]
-    total = sum(op_flops(op) for _, op in ops)
-    fp8 = sum(op_flops(op) for n, op in ops if op.quantize and n not in hp)
+    total = sum(flops[n] for n, _ in ops)
+    fp8 = sum(flops[n] for n, op in ops if op.quantize and n not in hp)
     return fp8 / total if total else 0.0
 
 
@@ -158,7 +165,7 @@ def sensitivity(model: nn.Module, batches: Sequence[Any], *, output_fn: OutputFn
 
 def _sensitivity(ev: _Evaluator, layers: Iterable[str] | None, by: str) -> list[LayerSensitivity]:
     Metrics(0.0, 0.0).get(by)  # validate
-    flops = {n: op_flops(op) for n, op in named_ops(ev.model)}
+    flops = layer_flops(ev.model)
     names = list(layers) if layers is not None else ev.layers
     unknown = [n for n in names if n not in ev.kinds]
     if unknown:

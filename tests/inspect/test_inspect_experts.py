@@ -13,6 +13,7 @@ from test_moe import EXAMPLE, EXPERTS_N, HIDDEN, LAYERS, TOP_K, batches, build, 
 import dbr_quant as dq
 import dbr_quant.inspect as dqi
 from dbr_quant.inspect.config import InspectConfigError
+from dbr_quant.inspect.sensitivity import layer_flops
 
 EXPERT_LAYERS = [f"model.layers.{i}.mlp.experts.{p}" for i in range(LAYERS) for p in ("gate_up_proj", "down_proj")]
 
@@ -122,3 +123,29 @@ def test_scaling_an_expert_tensor_is_a_clear_error(mixtral):
         _fn(prepared, ev[0])
     with pytest.raises(InspectConfigError, match="kind must be"):
         dqi.session(prepared, "s:\n  layers: {kind: expert}\n  features:\n    DisableFP8: {}\n").__enter__()
+
+
+
+@pytest.mark.parametrize("style", ["gated", "switch"])
+def test_module_list_experts_share_their_traced_flops_evenly(style):
+    """The 2-token example reaches ≤ 4 of 8 ModuleList experts per layer; the others' records are copies. Each
+    expert linear gets 1/8 of what the trace routed to its layer's experts (tokens × top_k rows, by hand), not
+    a copy of a reached sibling's FLOPs (that counted 2.25× / 6× the routed FLOPs)."""
+    model = build(style)
+    prepared = dq.prepare(model, example_kwargs=batches(1, EXAMPLE, 1)[0])
+    rows = EXAMPLE[0] * EXAMPLE[1] * (TOP_K if style == "gated" else 1)  # routed (token, slot) pairs per layer
+    flops = layer_flops(prepared)
+    expert = next(iter(model.moes[0].experts.children()))
+    per_row = {rel: 2 * m.in_features * m.out_features for rel, m in expert.named_modules()
+               if isinstance(m, torch.nn.Linear)}
+    for i in range(LAYERS):
+        for name in model.moes[i].experts._modules:
+            for rel, f in per_row.items():
+                assert flops[f"moes.{i}.experts.{name}.{rel}"] == rows * f // EXPERTS_N, (i, name, rel)
+    others = sum(2 * EXAMPLE[0] * EXAMPLE[1] * m.in_features * m.out_features for n, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and ".experts." not in n)  # routers and head
+    experts_per_layer = rows * sum(per_row.values())
+    total = others + LAYERS * experts_per_layer
+    assert sum(flops.values()) == total
+    layer0 = [n for n in flops if n.startswith("moes.0.experts.")]
+    assert dqi.fp8_flop_fraction(prepared, layer0) == pytest.approx(1 - experts_per_layer / total, rel=1e-12)
