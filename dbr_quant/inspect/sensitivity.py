@@ -2,8 +2,14 @@
 
 Best on a prepared + calibrated model: its high-precision weights are intact, so the reference
 (``dbr_quant.disabled()``) is the exact fp32 model and "every other layer in high precision" is exact.
-On a converted model both use the dequantized FP8 weights; pass ``reference=`` (the original model)
-to measure against real fp32.
+On a converted model pass ``reference=`` (the original model): the reference is then real fp32, and
+layers run in high precision take their weights from it (without it, both use the dequantized FP8 weights).
+A prepared model with ``weight_rounding="gptq"`` is measured with the GPTQ weights convert will store.
+
+Error per FLOP: :func:`layer_error` is the output error a layer causes alone in FP8 (1 − cosine, or the
+noise-to-signal power ratio 10^(−SQNR/10)); ``rank_layers(..., by="error_per_flop")`` divides it by the
+FLOPs the layer would keep in high precision, the order ``auto_fallback(rank="error_per_flop")`` spends a
+FLOP budget in.
 """
 
 from __future__ import annotations
@@ -129,6 +135,36 @@ def fp8_flop_fraction(model: nn.Module, high_precision: Iterable[str] = (), kind
     return fp8 / total if total else 0.0
 
 
+RANKINGS = ("error", "error_per_flop")
+
+
+def layer_error(s: LayerSensitivity, metric: str = "cosine") -> float:
+    """Output error the layer causes alone in FP8: 1 − cosine, or 10^(−SQNR/10) for "sqnr_db"."""
+    value = Metrics(s.cosine, s.sqnr_db).get(metric)
+    return 1.0 - value if metric == "cosine" else 10.0 ** (-value / 10.0)  # 10^(-inf) = 0: no error
+
+
+def rank_layers(sens: Iterable[LayerSensitivity], metric: str = "cosine", by: str = "error"
+                ) -> list[LayerSensitivity]:
+    """Most harmful first: by the error a layer causes (``"error"``) or by that error per FLOP it would keep
+    in high precision (``"error_per_flop"``; a layer of 0 FLOPs is free to keep and comes first)."""
+    if by not in RANKINGS:
+        raise ValueError(f"rank must be one of {RANKINGS}, not {by!r}")
+    Metrics(0.0, 0.0).get(metric)
+
+    def key(s: LayerSensitivity) -> float:
+        err = layer_error(s, metric)
+        if by == "error":
+            return err
+        return err / s.flops if s.flops > 0 else math.inf
+    return sorted(sens, key=key, reverse=True)  # stable: ties keep the sensitivity order
+
+
+def linear_flops(model: nn.Module) -> int:
+    """FLOPs of every recorded linear op (quantized or not) at the traced shapes: the budget's denominator."""
+    return sum(op_flops(op) for _, op in named_ops(model) if op.kind == LINEAR)
+
+
 class _Evaluator:
     """Runs the model with a chosen set of layers in high precision (shares one weight cache)."""
 
@@ -142,6 +178,8 @@ class _Evaluator:
         self.kinds = {n: r.info.kind for n, r in layers.items()}
         self.ref = reference_outputs(model, self.batches, output_fn, reference)
         self.inspector = Inspector({}, layers)
+        if reference is not None:
+            self.inspector.hp_weights = _original_weights(model, reference)
         self.evaluations = 0
 
     def metrics(self, high_precision: Iterable[str]) -> Metrics:
@@ -152,6 +190,22 @@ class _Evaluator:
         self.evaluations += 1
         with attached(self.model, self.inspector):
             return compare(self.ref, outputs(self.model, self.batches, self.output_fn))
+
+
+def _original_weights(model: nn.Module, reference: nn.Module) -> dict[int, torch.Tensor]:
+    """id(linear module with an FP8 weight) → the weight of the same-named module of ``reference``, [N, K]."""
+    from ..mappings import is_transposed_linear
+    from ..weights import FP8Weight, fp8_weight_of
+
+    ref = dict(reference.named_modules())
+    out = {}
+    for name, mod in model.named_modules():
+        src = ref.get(name)
+        w = getattr(src, "weight", None) if src is not None and fp8_weight_of(mod) is not None else None
+        if isinstance(w, torch.Tensor) and not w.is_meta and type(w) is not FP8Weight:
+            w = w.detach()
+            out[id(mod)] = w.t() if is_transposed_linear(src) else w
+    return out
 
 
 def sensitivity(model: nn.Module, batches: Sequence[Any], *, output_fn: OutputFn | None = None,
