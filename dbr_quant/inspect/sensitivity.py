@@ -161,8 +161,10 @@ def rank_layers(sens: Iterable[LayerSensitivity], metric: str = "cosine", by: st
 
 
 def linear_flops(model: nn.Module) -> int:
-    """FLOPs of every recorded linear op (quantized or not) at the traced shapes: the budget's denominator."""
-    return sum(op_flops(op) for _, op in named_ops(model) if op.kind == LINEAR)
+    """FLOPs of every recorded linear op and MoE expert tensor (quantized or not) at the traced shapes
+    (``layer_flops``): the budget's denominator, the same as ``fp8_flop_fraction``'s."""
+    flops = layer_flops(model)
+    return sum(flops[n] for n, op in named_ops(model) if op.kind in (LINEAR, EXPERTS))
 
 
 class _Evaluator:

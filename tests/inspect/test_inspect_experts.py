@@ -59,6 +59,7 @@ def test_fp8_share_of_linear_flops_counts_the_experts(mixtral):
     experts = LAYERS * 2 * tokens * TOP_K * (128 * HIDDEN + HIDDEN * 64)
     total = sum(linears.values()) + router + experts
     assert experts / total > 0.6  # ignoring them would misstate the share badly
+    assert dqi.linear_flops(prepared) == total  # auto_fallback's max_high_precision_flops budget denominator
     assert dqi.fp8_flop_fraction(prepared) == pytest.approx((total - router) / total, rel=1e-12)
     assert dqi.fp8_flop_fraction(prepared, EXPERT_LAYERS) == pytest.approx((total - router - experts) / total,
                                                                            rel=1e-12)
@@ -146,6 +147,6 @@ def test_module_list_experts_share_their_traced_flops_evenly(style):
                  if isinstance(m, torch.nn.Linear) and ".experts." not in n)  # routers and head
     experts_per_layer = rows * sum(per_row.values())
     total = others + LAYERS * experts_per_layer
-    assert sum(flops.values()) == total
+    assert sum(flops.values()) == total == dqi.linear_flops(prepared)
     layer0 = [n for n in flops if n.startswith("moes.0.experts.")]
     assert dqi.fp8_flop_fraction(prepared, layer0) == pytest.approx(1 - experts_per_layer / total, rel=1e-12)
