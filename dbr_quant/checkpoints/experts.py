@@ -91,7 +91,8 @@ def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, tuple]
         raise CheckpointError(f"'{st.fqn}': converted experts module without FP8 weights (a dbr_quant bug)")
     w1, w2 = params
     names = projection_names(model, spec.gated)
-    _, act, dynamic, block, group = _scheme(st.fqn, w1, list(st.seen_ops))
+    scheme = _scheme(st.fqn, w1, list(st.seen_ops))  # (weights, activations, dynamic, block, group)
+    dynamic = scheme[2]
     granularity = "channel" if st.seen_ops[0].qconfig.weight.granularity == "channel" else "tensor"
     xs = hs = None
     if not dynamic:
@@ -117,7 +118,7 @@ def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, tuple]
             if not dynamic:
                 a = (xs if which == 0 else (hs[e] if hs.numel() > 1 else hs)).reshape(1)
                 entries.append(_entry(f"{prefix}.input_scale", a, _scale_dtype(a, w.dtype)))
-            schemes[prefix] = (granularity, act, dynamic, block, group)
+            schemes[prefix] = (granularity, *scheme[1:])
     info = {"names": list(names), "params": list(spec.names), "num_experts": spec.num_experts, "gated": spec.gated,
             "granularity": granularity, "dynamic": dynamic, "transposed": spec.transposed, "bias": spec.has_bias,
             "dtype": str(w1.dtype).removeprefix("torch.")}

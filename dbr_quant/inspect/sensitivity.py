@@ -24,7 +24,9 @@ from torch import nn
 
 from ..auto_trace import disabled
 from ..mappings import LINEAR, MATMUL, SDPA
+from ..moe import EXPERTS
 from ..quantization_state import SeenOp
+from .experts import experts_flops, sibling_expert_flops
 from .features import DisableFP8, Feature
 from .inspector import Inspector, attached, named_ops, recorded_layers
 from .stats import sqnr_db
@@ -98,7 +100,10 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def op_flops(op: SeenOp) -> int:
-    """Multiply-adds × 2 of a recorded GEMM at its traced shapes (0 for other kinds)."""
+    """Multiply-adds × 2 of a recorded GEMM at its traced shapes (0 for other kinds); an MoE expert tensor
+    counts its routed rows, top_k per token (``experts.experts_flops``)."""
+    if op.kind == EXPERTS:
+        return experts_flops(op)
     shape = lambda i: op.inputs[i].shape if len(op.inputs) > i and op.inputs[i] is not None else None  # noqa: E731
     if op.kind == LINEAR:  # x (…, K) → y (…, N): 2·numel(x)·N
         return 2 * math.prod(shape(0)) * op.outputs[0].shape[-1]
@@ -110,14 +115,23 @@ def op_flops(op: SeenOp) -> int:
     return 0
 
 
+def layer_flops(model: nn.Module) -> dict[str, int]:
+    """``op_flops`` of every recorded GEMM by layer name; ModuleList experts share their group's traced FLOPs
+    evenly (``experts.sibling_expert_flops``)."""
+    return sibling_expert_flops(model, {n: op_flops(op) for n, op in named_ops(model)})
+
+
 def fp8_flop_fraction(model: nn.Module, high_precision: Iterable[str] = (), kinds: tuple[str, ...] = (LINEAR,)
                       ) -> float:
     """FLOPs of recorded ``kinds`` ops that run in FP8 (quantized and not in ``high_precision``, layer names)
-    over the FLOPs of all recorded ops of those kinds (including ones prepare() already left in high precision)."""
+    over the FLOPs of all recorded ops of those kinds (including ones prepare() already left in high precision).
+    MoE expert tensors are linears (one per expert): with ``LINEAR`` in ``kinds`` they count too."""
     hp = set(high_precision)
+    kinds = (*kinds, EXPERTS) if LINEAR in kinds and EXPERTS not in kinds else kinds
+    flops = layer_flops(model)
     ops = [(n, op) for n, op in named_ops(model) if op.kind in kinds]
-    total = sum(op_flops(op) for _, op in ops)
-    fp8 = sum(op_flops(op) for n, op in ops if op.quantize and n not in hp)
+    total = sum(flops[n] for n, _ in ops)
+    fp8 = sum(flops[n] for n, op in ops if op.quantize and n not in hp)
     return fp8 / total if total else 0.0
 
 
@@ -147,8 +161,10 @@ def rank_layers(sens: Iterable[LayerSensitivity], metric: str = "cosine", by: st
 
 
 def linear_flops(model: nn.Module) -> int:
-    """FLOPs of every recorded linear op (quantized or not) at the traced shapes: the budget's denominator."""
-    return sum(op_flops(op) for _, op in named_ops(model) if op.kind == LINEAR)
+    """FLOPs of every recorded linear op and MoE expert tensor (quantized or not) at the traced shapes
+    (``layer_flops``): the budget's denominator, the same as ``fp8_flop_fraction``'s."""
+    flops = layer_flops(model)
+    return sum(flops[n] for n, op in named_ops(model) if op.kind in (LINEAR, EXPERTS))
 
 
 class _Evaluator:
@@ -205,7 +221,7 @@ def sensitivity(model: nn.Module, batches: Sequence[Any], *, output_fn: OutputFn
 
 def _sensitivity(ev: _Evaluator, layers: Iterable[str] | None, by: str) -> list[LayerSensitivity]:
     Metrics(0.0, 0.0).get(by)  # validate
-    flops = {n: op_flops(op) for n, op in named_ops(ev.model)}
+    flops = layer_flops(ev.model)
     names = list(layers) if layers is not None else ev.layers
     unknown = [n for n in names if n not in ev.kinds]
     if unknown:
