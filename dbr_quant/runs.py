@@ -250,7 +250,7 @@ def observed_inputs(kind: str, args: tuple, kwargs: dict) -> dict[str, torch.Ten
     return {}
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     subgraph: Subgraph
     calls: list[Call] = field(default_factory=list)
