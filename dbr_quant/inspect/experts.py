@@ -25,6 +25,7 @@ from ..moe import MoeState, _expert_key, _flat, expert_scales
 from ..quantization_state import observer_key
 from ..weights import FP8Weight
 from .features import Feature, Quantized, TensorContext
+from .inspector import feature_pass
 
 
 def experts_flops(op: Any) -> int:
@@ -107,20 +108,8 @@ def _projection(inspector: Any, module: nn.Module, st: MoeState, op: Any, rows: 
         quantize = quantizers[tensor]
         ctx = TensorContext(layer, tensor, inspector.step, fp8, inspector._logger(name, tensor), quantize) \
             if layer is not None else None
-        for f in features:
-            f.log_tensor(ctx, t)
-        p = t
-        for f in features:
-            p = f.process_tensor(ctx, p)
-        processed[tensor] = p
-        if want_q:
-            src = p if fp8 else t
-            q = quantize(None) if (tensor == "weight" and src is t) else quantize(src)
-            if fp8:
-                for f in features:
-                    q = f.process_quantized(ctx, q)
-            for f in features:
-                f.log_quantized(ctx, src, q)
+        processed[tensor], q = feature_pass(features, ctx, t, tensor == "weight", want_q, fp8, quantize)
+        if q is not None:
             quantized[tensor] = q
     y = _gemm(processed, quantized if fp8 else None, offsets, rows.dtype)
     if bias is not None:

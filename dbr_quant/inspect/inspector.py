@@ -39,6 +39,29 @@ def model_record(model: nn.Module) -> ModelRecord:
     return record
 
 
+def feature_pass(features: list, ctx: TensorContext | None, t: torch.Tensor, is_weight: bool, want_q: bool,
+                 fp8: bool, quantize) -> tuple[torch.Tensor, Quantized | None]:
+    """One input tensor of a layer through the features: log it, let them process it, and when asked
+    quantize it (what FP8 would compute: a high-precision layer is measured on what FP8 would do) and let
+    them process and log the quantized form. Returns (processed tensor, quantized or None). ``ctx`` may be
+    None only without features."""
+    for f in features:
+        f.log_tensor(ctx, t)
+    p = t
+    for f in features:
+        p = f.process_tensor(ctx, p)
+    if not want_q:
+        return p, None
+    src = p if fp8 else t
+    q = quantize(None) if (is_weight and src is t) else quantize(src)
+    if fp8:
+        for f in features:
+            q = f.process_quantized(ctx, q)
+    for f in features:
+        f.log_quantized(ctx, src, q)
+    return p, q
+
+
 @dataclass(frozen=True)
 class RecordedLayer:
     """A recorded quantized op under its layer name: the op's fqn, with ``#k`` appended to the k-th repeat
@@ -140,20 +163,8 @@ class Inspector:
             cfg = self._tensor_cfg(layer, name, features)
             quantize = self._quantizer(call, env, name, cfg, t)
             ctx = TensorContext(layer, name, self.step, fp8, self._logger(layer.name, name), quantize)
-            for f in features:
-                f.log_tensor(ctx, t)
-            p = t
-            for f in features:
-                p = f.process_tensor(ctx, p)
-            processed[name] = p
-            if want_q:
-                src = p if fp8 else t  # a high-precision layer is measured on what FP8 would do
-                q = quantize(None) if (name == "weight" and src is t) else quantize(src)
-                if fp8:
-                    for f in features:
-                        q = f.process_quantized(ctx, q)
-                for f in features:
-                    f.log_quantized(ctx, src, q)
+            processed[name], q = feature_pass(features, ctx, t, name == "weight", want_q, fp8, quantize)
+            if q is not None:
                 quantized[name] = q
         y = self._gemm(call, processed, quantized if fp8 else None)
         ctx = TensorContext(layer, "output", self.step, fp8, self._logger(layer.name, "output"),
