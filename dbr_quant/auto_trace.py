@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module_globals
 from torch.overrides import TorchFunctionMode
 
 from .offload import has_opaque_hook
@@ -80,6 +81,7 @@ def intercepting(run: Any, functions: bool = True) -> Iterator[None]:
         _patch_depth += 1
     previous = _tls.run
     _tls.run = run
+    run.routes_functions = functions
     try:
         with _FunctionMode(run) if functions else contextlib.nullcontext():
             yield
@@ -89,6 +91,17 @@ def intercepting(run: Any, functions: bool = True) -> Iterator[None]:
             _patch_depth -= 1
             if _patch_depth == 0:
                 nn.Module._call_impl = _outer_call
+
+
+@contextlib.contextmanager
+def routing_functions(run: Any) -> Iterator[None]:
+    """Route torch functions to ``run`` for the block too, when its ``intercepting`` block does not already
+    (a calibration run that intercepts module calls only, around a linear whose pre-hooks must run first)."""
+    if run.routes_functions:
+        yield
+        return
+    with _FunctionMode(run):
+        yield
 
 
 def current_run() -> Any:
@@ -123,6 +136,13 @@ class suspended:  # noqa: N801 - used like a function: ``with suspended(run):``
     def __exit__(self, *exc: Any) -> None:
         self.guard.__exit__(*exc)
         self.run.suspended = self.before
+
+
+def has_pre_hooks(module: nn.Module) -> bool:
+    """Forward pre-hooks (the module's, global ones, or an accelerate hook other than its transparent device
+    hooks): code that may change the module's input before its forward sees it."""
+    return bool(module._forward_pre_hooks or _module_globals._global_forward_pre_hooks) or (
+        "_hf_hook" in module.__dict__ and has_opaque_hook(module))
 
 
 def has_hooks(module: nn.Module) -> bool:

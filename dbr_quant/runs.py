@@ -17,7 +17,7 @@ from torch.nn.modules import module as _module_globals
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import kernels, moe, offload
-from .auto_trace import current_run, has_hooks, original_call, suspended
+from .auto_trace import current_run, has_hooks, has_pre_hooks, original_call, routing_functions, suspended
 from .basic_ops import PER_TOKEN_SLOTS, Call, linear_hp_weight, run_basic, stored_fp8_weight
 from .fusions import Fusion
 from .mappings import (
@@ -93,6 +93,7 @@ class Run:
         self.suspended = False
         self.cursors: dict[int, int] = {}  # id(state) → position of its next op in this forward
         self.hooked: list[tuple[nn.Module, Any]] = []  # linear modules with hooks now running: (module, body)
+        self.routes_functions = True  # whether torch functions reach this run (set by auto_trace.intercepting)
 
     def next_op(self, st: AutoQuantizationState | None, kind: str, fqn: str, warn: bool = True) -> SeenOp | None:
         """The record of the op now running in ``st``'s module, or None when the trace never saw it here
@@ -221,6 +222,14 @@ class CalibrateRun(Run):
             st.observe(op, slot, values[slot])
 
     def function_call(self, func, args, kwargs):
+        if self.hooked and func in HOOKED_BODY_FUNCS:  # a hooked linear's own F.linear / addmm: its input now
+            module = self.hooked[-1][0]                 # is what its pre-hooks made of it
+            if self.stack[-1] is module and any(a is module._parameters.get("weight") for a in args):
+                with suspended(self):
+                    self._observe(LINEAR, (args[0] if func is torch.nn.functional.linear else args[1],), {}, module)
+                    return func(*args, **kwargs)
+        if not self.routes_functions:  # functions routed here only for a hooked linear's body
+            return func(*args, **kwargs)
         kind = FUNC_KINDS.get(func)
         if kind in INDEXED:
             self._observe(kind, args, kwargs, None)
@@ -228,6 +237,9 @@ class CalibrateRun(Run):
 
     def module_call(self, module, args, kwargs):
         if is_linear_module(module):
+            if has_pre_hooks(module):  # observe what convert will quantize: the input after the pre-hooks
+                with routing_functions(self):
+                    return self.call_hooked(module, None, args, kwargs)
             with suspended(self):
                 self._observe(LINEAR, args, kwargs, module)
                 return original_call(module, *args, **kwargs)

@@ -220,3 +220,39 @@ def test_everything_fp8_warns_nothing():
         p = dq.prepare(m, (x,))
         dq.calibrate(p, [x], progress=False)
         dq.convert(p)
+
+
+class _Scaled(nn.Module):
+    """fc2 reads 10 × its input, written in the model's code (the reference for the hooked version);
+    ``functional`` adds an ``F.linear`` call, so calibration must route torch functions to the run."""
+
+    def __init__(self, in_code: bool, functional: bool) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.in_code = nn.Linear(8, 16), nn.Linear(16, 4), in_code
+        self.w = nn.Parameter(torch.randn(16, 16) / 4) if functional else None
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        if self.w is not None:
+            h = torch.tanh(F.linear(h, self.w))
+        return self.fc2(h * 10 if self.in_code else h)
+
+
+@pytest.mark.parametrize("functions", [True, False], ids=["functions-routed", "module-calls-only"])
+def test_calibration_observes_a_linear_input_after_its_pre_hooks(functions):
+    """A forward pre-hook that changes a linear's input: calibration must observe what the FP8 linear will
+    quantize (the input after the hook), as convert runs it. Both calibration modes: with torch functions
+    routed to the run (the model calls F.linear), and module calls only (every quantized op a module)."""
+    torch.manual_seed(0)
+    hooked, plain = _Scaled(False, functions), _Scaled(True, functions)
+    plain.load_state_dict(hooked.state_dict())
+    hooked.fc2.register_forward_pre_hook(lambda m, a: (a[0] * 10,))
+    x = torch.randn(4, 8)
+    p_hooked, p_plain = dq.prepare(hooked, (x,)), dq.prepare(plain, (x,))
+    assert p_hooked.__dict__["_dbr_record"].observes_functions == functions
+    batches = [torch.randn(4, 8) for _ in range(3)]
+    dq.calibrate(p_hooked, batches, progress=False)
+    dq.calibrate(p_plain, batches, progress=False)
+    c_hooked, c_plain = dq.convert(p_hooked), dq.convert(p_plain)
+    with torch.no_grad():
+        assert torch.equal(c_hooked(x), c_plain(x))  # same scales: the FP8 results agree bit for bit
