@@ -32,7 +32,8 @@ __all__ = [
     "use_cpu_gemm",
     "quantize", "dynamic_quantize", "dequantize", "dynamic_scale", "fp8_linear", "fp8_mlp", "fp8_matmul",
     "fp8_attention", "layer_norm_quantize", "MoeRouting", "moe_route", "moe_quantize", "fp8_grouped_linear",
-    "fp8_moe_block", "fp8_grouped_block_linear", "block_quantize_weight", "group_quantize", "layer_norm_group_quantize", "fp8_block_linear",
+    "fp8_moe_block", "fp8_grouped_block_linear", "block_quantize_weight", "group_quantize",
+    "layer_norm_group_quantize", "fp8_block_linear",
 ]
 
 
