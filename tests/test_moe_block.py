@@ -211,3 +211,12 @@ def test_rewrite_makes_block_experts_one_graph_op_equal_to_eager(block_mixtral):
         b = batches(1, shape, 5)[0]
         with torch.no_grad():
             assert torch.equal(logits(gm(**b)), logits(converted(**b))), shape
+
+
+def test_save_pretrained_refuses_block_experts_naming_the_module_and_what_to_do(tmp_path):
+    with no_warnings():
+        converted = _convert(_mixtral(hidden=48), dq.QConfig.fp8_block((16, 16)))  # whole groups: only experts fail
+    with pytest.raises(dq.CheckpointError, match=r"'model\.layers\.0\.mlp\.experts': block-scaled FP8 experts.*"
+                                                 r"granularity='channel'"):
+        dq.save_pretrained(converted, tmp_path)
+    assert not any(tmp_path.iterdir())  # nothing written

@@ -90,8 +90,13 @@ def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, tuple[str, s
     if not all(type(p) is FP8Weight for p in params):
         raise CheckpointError(f"'{st.fqn}': converted experts module without FP8 weights (a dbr_quant bug)")
     w1, w2 = params
+    if w1.block is not None or w2.block is not None:
+        raise CheckpointError(f"'{st.fqn}': block-scaled FP8 experts (QConfig.fp8_block) are not written to "
+                              "checkpoints yet; save the model with torch.save / state_dict(), or convert the "
+                              "experts with per-channel weights (Override(pattern=r'.*experts', weight="
+                              "TensorQConfig(granularity='channel'), activation=TensorQConfig(granularity='token')))")
     names = projection_names(model, spec.gated)
-    _, act, dynamic = _scheme(st.fqn, w1, list(st.seen_ops))
+    _, act, dynamic, _, _ = _scheme(st.fqn, w1, list(st.seen_ops))
     granularity = "channel" if st.seen_ops[0].qconfig.weight.granularity == "channel" else "tensor"
     xs = hs = None
     if not dynamic:
@@ -117,7 +122,7 @@ def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, tuple[str, s
             if not dynamic:
                 a = (xs if which == 0 else (hs[e] if hs.numel() > 1 else hs)).reshape(1)
                 entries.append(_entry(f"{prefix}.input_scale", a, _scale_dtype(a, w.dtype)))
-            schemes[prefix] = (granularity, act, dynamic)
+            schemes[prefix] = (granularity, act, dynamic, None, None)
     info = {"names": list(names), "params": list(spec.names), "num_experts": spec.num_experts, "gated": spec.gated,
             "granularity": granularity, "dynamic": dynamic, "transposed": spec.transposed, "bias": spec.has_bias,
             "dtype": str(w1.dtype).removeprefix("torch.")}
