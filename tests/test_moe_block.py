@@ -213,10 +213,39 @@ def test_rewrite_makes_block_experts_one_graph_op_equal_to_eager(block_mixtral):
             assert torch.equal(logits(gm(**b)), logits(converted(**b))), shape
 
 
-def test_save_pretrained_refuses_block_experts_naming_the_module_and_what_to_do(tmp_path):
+def test_block_experts_are_saved_per_expert_with_their_block_scales_and_load_back_bit_for_bit(tmp_path):
+    import json
+
+    from safetensors import safe_open
+
+    model = _mixtral(hidden=48)  # whole 16-channel groups everywhere: compressed-tensors' group strategy needs them
     with no_warnings():
-        converted = _convert(_mixtral(hidden=48), dq.QConfig.fp8_block((16, 16)))  # whole groups: only experts fail
-    with pytest.raises(dq.CheckpointError, match=r"'model\.layers\.0\.mlp\.experts': block-scaled FP8 experts.*"
-                                                 r"granularity='channel'"):
+        converted = _convert(model, dq.QConfig.fp8_block((16, 16)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # k/v_proj have 24 rows: vLLM's merged-qkv note, not about experts
         dq.save_pretrained(converted, tmp_path)
-    assert not any(tmp_path.iterdir())  # nothing written
+    gate_up, down = _experts(converted)[0].gate_up_proj, _experts(converted)[0].down_proj
+    prefix = "model.layers.0.block_sparse_moe.experts.3"
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys() if k.startswith(prefix + ".")}
+    assert sorted(t) == sorted(f"{prefix}.{p}.{k}" for p in ("w1", "w2", "w3") for k in ("weight", "weight_scale"))
+    assert t[f"{prefix}.w1.weight"].dtype == torch.float8_e4m3fn and t[f"{prefix}.w1.weight"].shape == (INTER, 48)
+    assert t[f"{prefix}.w2.weight_scale"].shape == (3, 4)  # down [48, 64]: 3 × 4 blocks of 16×16
+    assert torch.equal(t[f"{prefix}.w1.weight_scale"], gate_up.scale[3, :4])  # gate: the first I/16 row blocks
+    assert torch.equal(t[f"{prefix}.w3.weight_scale"], gate_up.scale[3, 4:])  # up: the next ones
+    assert torch.equal(t[f"{prefix}.w3.weight"].view(torch.uint8), gate_up.qdata[3, INTER:].view(torch.uint8))
+    assert torch.equal(t[f"{prefix}.w2.weight_scale"], down.scale[3])
+    qcfg = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    group = next(g for g in qcfg["config_groups"].values()
+                 if "Linear" in g["targets"] or any("experts.3.w1" in n for n in g["targets"]))
+    assert group["weights"]["strategy"] == "block" and group["weights"]["block_structure"] == [16, 16]
+    assert group["input_activations"]["strategy"] == "group" and group["input_activations"]["group_size"] == 16
+    loaded = dq.load_pretrained(tmp_path, _mixtral(hidden=48))
+    for a, b in zip(_experts(loaded), _experts(converted)):
+        for name in ("gate_up_proj", "down_proj"):
+            pa, pb = a._parameters[name], b._parameters[name]
+            assert pa.block == (16, 16) and torch.equal(pa.scale, pb.scale)
+            assert torch.equal(pa.qdata.view(torch.uint8), pb.qdata.view(torch.uint8))
+    b = batches(1, (2, 6), 4)[0]
+    with torch.no_grad():
+        assert torch.equal(logits(loaded(**b)), logits(converted(**b)))
