@@ -221,9 +221,10 @@ def test_block_experts_are_saved_per_expert_with_their_block_scales_and_load_bac
     model = _mixtral(hidden=48)  # whole 16-channel groups everywhere: compressed-tensors' group strategy needs them
     with no_warnings():
         converted = _convert(model, dq.QConfig.fp8_block((16, 16)))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # k/v_proj have 24 rows: vLLM's merged-qkv note, not about experts
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # also k/v_proj's 24 rows: vLLM's merged-qkv note, not about experts
         dq.save_pretrained(converted, tmp_path)
+    assert any("DecompressExperts" in str(w.message) for w in caught)  # transformers cannot load block experts
     gate_up, down = _experts(converted)[0].gate_up_proj, _experts(converted)[0].down_proj
     prefix = "model.layers.0.block_sparse_moe.experts.3"
     with safe_open(tmp_path / "model.safetensors", "pt") as f:

@@ -154,6 +154,12 @@ def vllm_notes(infos: dict[str, dict[str, Any]]) -> list[str]:
                      "per-channel weights only with dynamic per-token activations (and per-tensor weights with "
                      "static ones) and will refuse this checkpoint; for vLLM convert the experts with "
                      "weight granularity 'tensor' or dynamic per-token activations (transformers loads it)")
+    if any(i["granularity"] == "block" for i in infos.values()):
+        # transformers 5.x integrations/compressed_tensors.py DecompressExperts: (q · s) with s broadcast as per
+        # channel, which fails on a block grid ("size of tensor a (48) must match ... b (3)"), whoever wrote it
+        notes.append("block-scaled experts: transformers' compressed-tensors experts loader (DecompressExperts) "
+                     "multiplies FP8 by the scale without expanding blocks and cannot load them; "
+                     "dbr_quant.load_pretrained does")
     if any(not i["dynamic"] for i in infos.values()):
         notes.append("vLLM uses one input scale per MoE layer for all experts (the max of the per-expert scales)")
     return notes
