@@ -200,7 +200,7 @@ def test_the_triton_backend_says_block_experts_run_on_the_reference_path():
         kernels.fp8_grouped_block_linear(x_q, torch.ones(2, 2), w_q, torch.ones(2, 1, 2), routing, block=(16, 16))
 
 
-def test_rewrite_makes_block_experts_one_graph_op_equal_to_eager(block_mixtral):
+def test_rewrite_and_export_make_block_experts_one_graph_op_equal_to_eager(block_mixtral, tmp_path):
     from dbr_quant.fx_rewriter import rewrite
 
     _, converted = block_mixtral
@@ -211,6 +211,13 @@ def test_rewrite_makes_block_experts_one_graph_op_equal_to_eager(block_mixtral):
         b = batches(1, shape, 5)[0]
         with torch.no_grad():
             assert torch.equal(logits(gm(**b)), logits(converted(**b))), shape
+    auto = torch.export.Dim.AUTO  # export: the block arguments are in the saved op's schema
+    ep = torch.export.export(gm, (), dict(batches(1, (3, 6), 4)[0]), dynamic_shapes={"input_ids": {0: auto, 1: auto}})
+    torch.export.save(ep, tmp_path / "moe_block.pt2")
+    loaded = torch.export.load(tmp_path / "moe_block.pt2").module()
+    b = batches(1, (2, 11), 6)[0]
+    with torch.no_grad():
+        assert torch.equal(logits(loaded(**b)), logits(converted(**b)))
 
 
 def test_block_experts_are_saved_per_expert_with_their_block_scales_and_load_back_bit_for_bit(tmp_path):
