@@ -14,12 +14,12 @@ from .formats import FP8Format
 from .fusions import Fusion, register_fusion
 from .fx_rewriter import ops as _ops  # noqa: F401  (defines the dbr_quant:: ops, so saved ExportedPrograms load)
 from .observers import MSE, AmaxHistory, MovingAverage, Percentile, RunningMax
-from .qconfig import Override, QConfig, TensorQConfig
+from .qconfig import GPTQOptions, Override, QConfig, TensorQConfig
 from .quantization_state import AutoQuantizationState, UncalibratedError, UnseenOpError
 
 __all__ = [
     "prepare", "calibrate", "convert", "sync_observers", "disabled", "report", "format_report", "quant_state",
-    "QConfig", "TensorQConfig", "Override", "FP8Format",
+    "QConfig", "TensorQConfig", "Override", "GPTQOptions", "FP8Format",
     "RunningMax", "MovingAverage", "AmaxHistory", "Percentile", "MSE",
     "AutoQuantizationState", "Fusion", "register_fusion", "kernels",
     "PrepareError", "UncalibratedError", "UnseenOpError", "SyncError",

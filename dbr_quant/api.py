@@ -19,6 +19,7 @@ from .distributed import sync_observers
 from .mappings import LINEAR, QUANTIZEABLE, is_container, is_linear_module, is_transposed_linear, linear_weight
 from .qconfig import QConfig
 from .quantization_state import AutoQuantizationState, UncalibratedError
+from .rounding import collect
 from .runs import CalibrateRun, ConvertRun, HighPrecisionRun, InspectRun, ModelRecord, state_of
 from .tracer import TraceRun
 from .weight_quantization import all_finite, quantize_weight
@@ -159,6 +160,7 @@ def prepare(
     record.observes_functions = any(op.quantize and op.slots and not (op.kind == LINEAR and op.weight_owner)
                                     for st in record.states for op in st.seen_ops)
     del record.trace_run
+    record.hessians = collect.collector_for(qconfig, record.states)  # None unless some linear asks for GPTQ
     record.phase = "prepared"
     if not any(op.kind in QUANTIZEABLE for st in record.states for op in st.seen_ops):
         warnings.warn("dbr_quant.prepare(): the forward ran no quantizeable op (linear, matmul, "
@@ -243,6 +245,7 @@ def convert(prepared: nn.Module, *, inplace: bool = False, sync: Any = True) -> 
     """
     if sync is not False:  # data-parallel calibration; a no-op without torch.distributed
         sync_observers(prepared, None if sync is True else sync)
+        collect.sync_hessians(prepared, None if sync is True else sync)  # GPTQ: sum Hessians across ranks
     record = _record(prepared, "prepared", "convert")
     missing = [entry for st in record.states for entry in st.uncalibrated()]
     if missing:
@@ -336,6 +339,8 @@ def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
             attach_fp8_weight(module, q.contiguous(), scale, w.dtype, transposed=transposed, block=cfg.block)
         else:
             q, scale = quantize_weight(w, cfg)  # in row blocks: temporaries of a block, not a layer
+            if record.hessians is not None and any(op.qconfig.weight_rounding == "gptq" for op in ops):
+                q = record.hessians.round(fqn, type(module).__name__, w, cfg, scale, q)  # same scale, GPTQ's points
             attach_fp8_weight(module, q, scale, w.dtype, transposed=transposed)
         if home is not None:
             home.store(module)  # FP8 goes back where accelerate kept the weight; the module keeps meta

@@ -19,7 +19,7 @@ from .quantization_state import AutoQuantizationState, SeenOp
 from .weights import adjacent_rows, fp8_weight_of
 
 
-@dataclass
+@dataclass(slots=True)  # created per intercepted op: slots make it cheaper to build and read
 class Call:
     """One intercepted call as it arrived at run time."""
 

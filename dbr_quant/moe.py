@@ -38,7 +38,7 @@ from torch import nn
 
 from . import kernels
 from .auto_trace import has_hooks, original_call, suspended
-from .quantization_state import AutoQuantizationState, SeenOp, observer_key
+from .quantization_state import AutoQuantizationState, SeenOp, TensorInfo, observer_key
 from .weights import FP8Weight
 
 EXPERTS = "experts"  # the op kind of one 3-D expert tensor (a report row; not matched by the runtime)
@@ -351,8 +351,9 @@ def _new_state(run: Any, module: nn.Module, bound: tuple | None) -> MoeState:
     ops = []
     for i, (name, qc) in enumerate(zip(spec.names, qcs)):
         w = module._parameters[name]
-        ops.append(SeenOp(index=i, kind=EXPERTS, fqn=f"{fqn}.{name}", target=type(module).__name__, inputs=(),
-                          outputs=(), qconfig=qc, quantize=not reason, reason=reason,
+        io = _routed_rows(bound, w, spec.transposed)
+        ops.append(SeenOp(index=i, kind=EXPERTS, fqn=f"{fqn}.{name}", target=type(module).__name__, inputs=io[:1],
+                          outputs=io[1:], qconfig=qc, quantize=not reason, reason=reason,
                           slots=("input",) if not reason else (), weight_owner=fqn,
                           fusion=f"moe_block[{w.shape[0]} experts]" if not reason else None))
     return MoeState(fqn, dataclasses.replace(spec, reason=reason), ops)
@@ -372,6 +373,18 @@ def _block_reason(module: nn.Module, spec: ExpertsSpec, qcs: list) -> str:
         return (f"block-scaled experts need the intermediate size ({inter}) to be a multiple of the block's rows "
                 f"({blocks[0][0]}): gate and up are blocked on their own in [gate; up]; pick a block that divides it")
     return ""
+
+
+def _routed_rows(bound: tuple | None, w: torch.Tensor, transposed: bool) -> tuple[TensorInfo, ...]:
+    """(input [rows, K], output [rows, N]) of one expert tensor at the trace: one row per (token, top-k slot)
+    routed, all experts together (what ``dq.inspect`` counts FLOPs on). The rows exist only inside the call,
+    so they have no trace id (-1)."""
+    if bound is None:
+        return ()
+    x, ids, _ = bound
+    rows = int(math.prod(ids.shape))
+    n, k = (w.shape[2], w.shape[1]) if transposed else (w.shape[1], w.shape[2])
+    return TensorInfo(-1, x.dtype, (rows, int(k))), TensorInfo(-1, x.dtype, (rows, int(n)))
 
 
 # ------------------------------------------------------------------------------------------- compute

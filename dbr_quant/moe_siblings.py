@@ -41,6 +41,7 @@ class ExpertState(AutoQuantizationState):
         super().__init__(fqn)
         self.group = group
         self.rel = rel  # the module's path inside its expert ("" for the expert itself)
+        self.traced = True  # False: a copy of a reached sibling's record (its shapes are the sibling's)
         group.members.append(self)
 
     def _siblings_observers(self, key: str) -> list[nn.Module]:
@@ -188,6 +189,7 @@ def _clone_member(model: nn.Module, run: Any, record: Any, group: ExpertGroup,
     for rel, tst in template.items():
         sfqn = f"{fqn}.{rel}" if rel else fqn
         st = ExpertState(sfqn, group, rel)
+        st.traced = False
         ops = []
         for op in tst.seen_ops:
             new_fqn = _rename(op.fqn, tfqn, fqn)

@@ -15,11 +15,14 @@ from torch import nn
 from .formats import FP8Format
 from .kernels.reference_block import check_block, check_group
 from .observers import ObserverConfig, RunningMax
+from .rounding.damping import DEFAULT_DAMPINGS
 
 Granularity = Literal["tensor", "channel", "token", "block", "group"]
 GRANULARITIES = ("tensor", "channel", "token", "block", "group")
 WEIGHT_GRANULARITIES = ("tensor", "channel", "block")
 ACTIVATION_GRANULARITIES = ("tensor", "token", "group")
+WeightRounding = Literal["nearest", "gptq"]
+WEIGHT_ROUNDINGS = ("nearest", "gptq")
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,43 @@ class TensorQConfig:
 
 
 @dataclass(frozen=True)
+class GPTQOptions:
+    """Settings of ``weight_rounding="gptq"`` (see ``dbr_quant.rounding``).
+
+    act_order: round input channels in order of decreasing Hessian diagonal (largest inputs first).
+    block_size: columns rounded between two lazy updates of the remaining weight (speed only).
+    folds: calibration batches are dealt round robin into this many folds (one forward = one batch); the
+        damping is chosen by cross-validation over them. Memory during calibration: folds · in_features² · 8
+        bytes per GPTQ linear (fp64 sums), e.g. 2 · 384² · 8 = 2.4 MB for a MiniLM attention projection,
+        2 · 4096² · 8 = 268 MB for a 4096-wide one.
+    dampings: candidate dampings (multiples of the mean Hessian diagonal; ``math.inf`` = round to nearest).
+    """
+
+    act_order: bool = False
+    block_size: int = 128
+    folds: int = 2
+    dampings: tuple[float, ...] = DEFAULT_DAMPINGS
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"GPTQOptions.block_size must be an int >= 1, got {self.block_size!r}")
+        if isinstance(self.folds, bool) or not isinstance(self.folds, int) or self.folds < 2:
+            raise ValueError(f"GPTQOptions.folds must be an int >= 2 (cross-validation needs two), got {self.folds!r}")
+        object.__setattr__(self, "dampings", tuple(float(d) for d in self.dampings))
+        if not self.dampings or any(not d >= 0 for d in self.dampings):
+            raise ValueError(f"GPTQOptions.dampings must be non-empty numbers >= 0, got {self.dampings!r}")
+
+
+def _check_rounding(rounding: str | None, weight: TensorQConfig, where: str) -> None:
+    if rounding is not None and rounding not in WEIGHT_ROUNDINGS:
+        raise ValueError(f"{where}: weight_rounding must be 'nearest' or 'gptq', not {rounding!r}")
+    if rounding == "gptq" and weight.granularity == "block":
+        raise ValueError(f"{where}: weight_rounding='gptq' supports per-channel and per-tensor weights, not "
+                         "granularity 'block'; use weight_rounding='nearest' for block-scaled weights (or an Override "
+                         "that gives those modules nearest rounding)")
+
+
+@dataclass(frozen=True)
 class Override:
     """Per-module settings. ``pattern`` is a regex matched (re.search) against the op's fqn (for a
     module call, the module's name, e.g. ``encoder.layer.0.output.dense``; for a functional op,
@@ -67,6 +107,7 @@ class Override:
     activation: TensorQConfig | None = None
     weight: TensorQConfig | None = None
     dynamic: bool | None = None
+    weight_rounding: WeightRounding | None = None
 
     def __post_init__(self) -> None:
         if self.pattern is None and self.module_type is None:
@@ -96,6 +137,11 @@ class QConfig:
     quantize_attention: also run attention in FP8 — scaled_dot_product_attention and matmul/bmm
     between two activations (q·kᵀ, p·v). Off by default, as in Transformer Engine (fp8_dpa): softmax
     amplifies the rounding of q·kᵀ (all-MiniLM-L6-v2: embedding cosine 0.9975 → 0.9970 with it on).
+    weight_rounding: "nearest" rounds each linear weight to the nearest FP8 value; "gptq" rounds with GPTQ
+    error feedback from the Hessian of the linear's calibration inputs, with the damping chosen by
+    cross-validation over calibration batches (``gptq`` holds its options; ``dbr_quant.rounding.collect``
+    says what calibration keeps). Same scales and FP8 layout as nearest: only which grid point each weight
+    takes changes. Needs calibration batches also with ``dynamic=True``.
     """
 
     activation: TensorQConfig = field(default_factory=TensorQConfig)
@@ -105,14 +151,23 @@ class QConfig:
     fuse: bool = True
     quantize_attention: bool = False
     overrides: tuple[Override, ...] = ()
+    weight_rounding: WeightRounding = "nearest"
+    gptq: GPTQOptions = field(default_factory=GPTQOptions)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "overrides", tuple(self.overrides))
         check_combination(self.activation, self.weight, self.dynamic, "QConfig")
+        _check_rounding(self.weight_rounding, self.weight, "QConfig")
+        if not isinstance(self.gptq, GPTQOptions):
+            raise TypeError(f"QConfig.gptq must be a GPTQOptions, got {type(self.gptq).__name__}")
         for ov in self.overrides:
             r = self.for_op_override(ov)
-            check_combination(r.activation, r.weight, r.dynamic, f"Override(pattern={ov.pattern!r}, "
-                              f"module_type={getattr(ov.module_type, '__name__', ov.module_type)}) with QConfig")
+            kind = getattr(ov.module_type, "__name__", ov.module_type)
+            where = f"Override(pattern={ov.pattern!r}, module_type={kind}) with QConfig"
+            check_combination(r.activation, r.weight, r.dynamic, where)
+            _check_rounding(ov.weight_rounding, r.weight, where)
+            if not r.skip:
+                _check_rounding(r.weight_rounding, r.weight, where)
 
     @classmethod
     def fp8_block(cls, block: tuple[int, int] = (128, 128), fmt: FP8Format | str = FP8Format.E4M3,
@@ -130,12 +185,14 @@ class QConfig:
         for ov in self.overrides:
             if ov.matches(fqn, enclosing_types):
                 return self.for_op_override(ov)
-        return OpQConfig(skip=False, activation=self.activation, weight=self.weight, dynamic=self.dynamic)
+        return OpQConfig(skip=False, activation=self.activation, weight=self.weight, dynamic=self.dynamic,
+                         weight_rounding=self.weight_rounding)
 
     def for_op_override(self, ov: Override) -> OpQConfig:
         """The settings of an op that ``ov`` matches: its fields, unset ones from self."""
         return OpQConfig(skip=ov.skip, activation=ov.activation or self.activation, weight=ov.weight or self.weight,
-                         dynamic=self.dynamic if ov.dynamic is None else ov.dynamic)
+                         dynamic=self.dynamic if ov.dynamic is None else ov.dynamic,
+                         weight_rounding=ov.weight_rounding or self.weight_rounding)
 
 
 def check_combination(activation: TensorQConfig, weight: TensorQConfig, dynamic: bool, where: str) -> None:
@@ -173,4 +230,5 @@ class OpQConfig:
     activation: TensorQConfig
     weight: TensorQConfig
     dynamic: bool
+    weight_rounding: WeightRounding = "nearest"  # convert's rounding of this op's weight (not saved: load reads bytes)
 

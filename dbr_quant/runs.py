@@ -59,6 +59,7 @@ class ModelRecord:
     inspector: Any = None  # set by dbr_quant.inspect while a session runs: then forwards are InspectRuns
     calibration_lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
     observes_functions: bool = True  # whether calibration must see torch function calls (set by prepare)
+    hessians: Any = None  # rounding.collect.HessianCollector when some op asks for GPTQ rounding (set by prepare)
 
     def __getstate__(self) -> dict:  # deepcopy / pickle: a lock cannot be copied; the copy gets its own
         state = dict(self.__dict__)
@@ -211,6 +212,8 @@ class CalibrateRun(Run):
         if st is None:
             return
         op = self.next_op(st, kind, self.op_fqn(kind, module), self.warns(kind))
+        if op is not None and module is not None and self.record.hessians is not None:
+            self.record.hessians.observe(self, op, call_args, kwargs)  # GPTQ rounding (rounding/collect.py)
         if op is None or not op.quantize or op.qconfig.dynamic:
             return
         values = observed_inputs(kind, call_args, kwargs)
@@ -247,7 +250,7 @@ def observed_inputs(kind: str, args: tuple, kwargs: dict) -> dict[str, torch.Ten
     return {}
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     subgraph: Subgraph
     calls: list[Call] = field(default_factory=list)

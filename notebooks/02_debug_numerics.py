@@ -253,5 +253,54 @@ print(f"KEY block_cosine={scheme_cos['group 128 / block 128x128']:.5f} "
 # people ship, and headroom for models whose activations do have outlier channels (a per-token scale spans
 # all of a token's channels; a group scale 128 of them).
 
+# %% [markdown]
+# ## 6. GPTQ weight rounding, and a fallback that spends a FLOP budget
+#
+# Weights cause more of MiniLM's FP8 error than activations. `QConfig(weight_rounding="gptq")` rounds each
+# linear's weights onto the same FP8 grid (same scales, same checkpoint layout) with GPTQ error feedback:
+# `calibrate` accumulates the Hessian of each linear's inputs, one fold per calibration batch, and `convert`
+# chooses the damping by cross-validation between folds — so calibrate with several batches (here 4 of 4
+# sentences). To keep this cell short it tries 4 dampings instead of the default 10
+# (`benchmarks/gptq_fallback_minilm.py` runs the defaults). Then
+# `auto_fallback(rank="error_per_flop", max_high_precision_flops=0.1)` keeps in high precision the layers
+# with the most output error per FLOP, within 10 % of the linear FLOPs. The fallback is chosen on 4
+# calibration sentences; every cosine below is on the 32 held-out evaluation sentences.
+
+# %%
+import math  # noqa: E402
+
+from dbr_quant.rounding.collect import gptq_report  # noqa: E402
+
+calib_batches = [minilm.encode(tokenizer, minilm.CALIBRATION_SENTENCES[i:i + 4]) for i in range(0, 16, 4)]
+choose_on = [calib_batches[0]]
+gptq_options = dq.GPTQOptions(dampings=(0.3, 1.0, 3.0, math.inf))
+print("rounding  convert s  all FP8: mean / min cos   fallback ≤ 10 % FLOPs: mean / min cos, FP8 FLOPs, layers")
+for rounding in ("nearest", "gptq"):
+    p = dq.prepare(model, example_kwargs=calibration, qconfig=dq.QConfig(weight_rounding=rounding, gptq=gptq_options))
+    dq.calibrate(p, calib_batches, progress=False)
+    t = time.perf_counter()
+    c = dq.convert(p)
+    seconds = time.perf_counter() - t
+    cos = (minilm.sentence_embeddings(c, evaluation) * reference).sum(-1)
+    res = dqi.auto_fallback(c, choose_on, reference=model, output_fn=minilm.sentence_embeddings,
+                            rank="error_per_flop", max_high_precision_flops=0.1)
+    with dqi.fallback_applied(c, res.fallback, reference=model):  # high-precision layers: original weights
+        cos_fb = (minilm.sentence_embeddings(c, evaluation) * reference).sum(-1)
+    print(f"{rounding:<8} {seconds:>9.1f}  {cos.mean():.5f} / {cos.min():.5f}          {cos_fb.mean():.5f} / "
+          f"{cos_fb.min():.5f}, {100 * res.fp8_flop_fraction:.1f} %, {len(res.fallback)}")
+    print(f"KEY {rounding}_cosine={cos.mean():.5f} {rounding}_fallback_cosine={cos_fb.mean():.5f} "
+          f"{rounding}_fallback_fp8={res.fp8_flop_fraction:.4f}")
+dampings = [r.damping.damping for r in gptq_report(c).values()]
+print("GPTQ dampings chosen:", {f"{d:g}": dampings.count(d) for d in sorted(set(dampings))})
+print(res.curve_table())
+
+# %% [markdown]
+# Measured when this notebook was written (1 thread, shared CPU): all FP8 0.99777 → 0.99809 mean cosine with
+# GPTQ, at the same scales and checkpoint layout, while the worst sentence does not improve (0.99695 → 0.99674);
+# with ≤ 10 % of the linear FLOPs in high precision, 0.99846 (nearest) and 0.99871 (GPTQ) at 90.3 % FP8. The
+# issue's goal (≥ 0.9983 all FP8, ≥ 0.999 at ≥ 90 % FP8, held out) is not reached. The curve above is measured
+# on the calibration sentences, which GPTQ has fitted: it promises more than the held-out sentences give — choose
+# the fallback on sentences GPTQ did not see when you can.
+
 # %%
 print(f"notebook ran in {time.perf_counter() - t_start:.1f} s")

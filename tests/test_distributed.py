@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import dbr_quant as dq
+from dbr_quant.rounding.collect import gptq_report
+from dbr_quant.weights import fp8_weight_of
 
 WORLD = 3
 DIM = 16
@@ -121,6 +123,13 @@ def _run_rank(rank: int, world: int, tmp: str) -> None:
         dq.sync_observers(p)
         dq.calibrate(p, [batches[rank] * 3], progress=False)
         out["resync_error"] = _error(lambda: dq.convert(p))
+        # GPTQ rounding: the Hessians are summed across ranks, so every rank stores the same weights
+        p = dq.calibrate(dq.prepare(_model(), torch.randn(2, 9, DIM), dq.QConfig(weight_rounding="gptq")),
+                         _shard(batches, rank, world), progress=False)
+        converted = dq.convert(p)
+        out["gptq"] = {n: fp8_weight_of(m).qdata.view(torch.uint8).clone() for n, m in converted.named_modules()
+                       if fp8_weight_of(m) is not None}
+        out["gptq_tokens"] = {n: r.tokens for n, r in gptq_report(converted).items()}
         # sync=False: each rank keeps its own scales
         p = dq.calibrate(_prepared("running_max"), _shard(batches, rank, world), progress=False)
         out["unsynced"] = _scales(dq.convert(p, sync=False))
@@ -251,6 +260,15 @@ def test_sync_without_torch_distributed_does_nothing():
     assert dq.sync_observers(p) is p
     assert all(torch.equal(before[k], v) for k, v in p.state_dict().items())
 
+
+def test_gptq_hessians_are_summed_across_ranks(ranks):
+    """Every rank rounds with the Hessians of all ranks' batches: the same FP8 bytes everywhere, and each
+    linear's token count is that of all batches (8 batches of 2×9 tokens)."""
+    first = ranks[0]["gptq"]
+    assert first.keys() == {"qkv", "fc1", "fc2", "long"}
+    for r in ranks[1:]:
+        assert all(torch.equal(first[n], r["gptq"][n]) for n in first)
+    assert all(r["gptq_tokens"] == dict.fromkeys(first, 8 * 2 * 9) for r in ranks)
 
 
 @pytest.mark.parametrize("kind", list(OBSERVERS))

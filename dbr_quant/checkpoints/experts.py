@@ -77,7 +77,7 @@ def _scale_dtype(scale: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
     return scale_dtype(scale, dtype)
 
 
-def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, tuple[str, str, bool]]
+def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, tuple]
                  ) -> tuple[list[Entry], dict[str, Any]]:
     """The per-expert entries of one experts module (model names; renamed with the rest of the plan) and
     its ``dbr_quant.json`` record; adds each projection's compressed-tensors scheme to ``schemes``."""

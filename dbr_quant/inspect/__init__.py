@@ -13,7 +13,7 @@ Features are frozen dataclasses registered with ``@register_feature`` (see featu
 """
 
 from .config import InspectConfig, InspectConfigError, Section, Selector, load_config, parse_config
-from .fallback import CurvePoint, FallbackResult, auto_fallback, plot_tradeoff
+from .fallback import CurvePoint, FallbackResult, auto_fallback, fallback_applied, plot_tradeoff
 from .features import (
     FEATURES,
     DisableFP8,
@@ -35,8 +35,11 @@ from .sensitivity import (
     Metrics,
     compare,
     fp8_flop_fraction,
+    layer_error,
+    linear_flops,
     op_flops,
     plot_sensitivity,
+    rank_layers,
     sensitivity,
 )
 from .session import Session, format_records, session
@@ -49,6 +52,7 @@ __all__ = [
     "StepRange", "LogTensorStats", "LogFP8Stats", "DisableFP8", "FakeQuant", "Scaling",
     "Inspector", "RecordedLayer", "recorded_layers", "named_ops",
     "sensitivity", "LayerSensitivity", "Metrics", "compare", "plot_sensitivity", "op_flops", "fp8_flop_fraction",
-    "auto_fallback", "FallbackResult", "CurvePoint", "plot_tradeoff",
+    "layer_error", "rank_layers", "linear_flops",
+    "auto_fallback", "fallback_applied", "FallbackResult", "CurvePoint", "plot_tradeoff",
     "tensor_stats", "fp8_stats", "sqnr_db",
 ]

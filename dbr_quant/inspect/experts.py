@@ -27,6 +27,41 @@ from ..weights import FP8Weight
 from .features import Feature, Quantized, TensorContext
 
 
+def experts_flops(op: Any) -> int:
+    """FLOPs of one expert tensor (an op of kind ``experts``) per call at prepare()'s traced shapes:
+    2 × routed rows × N × K, a routed row being one (token, top-k slot) pair — top_k × tokens rows over all
+    experts, whichever experts they go to; the same count as an ``nn.Linear`` on those rows. 0 when the trace
+    recorded no routing (the module was called with other arguments, moe.py)."""
+    if not op.inputs or not op.outputs:
+        return 0
+    rows, k = op.inputs[0].shape
+    return 2 * rows * k * op.outputs[0].shape[-1]
+
+
+def sibling_expert_flops(model: nn.Module, flops: dict[str, int]) -> dict[str, int]:
+    """``flops`` (layer name → FLOPs at the traced shapes) with the layers of ``ModuleList`` / ``ModuleDict``
+    experts (moe_siblings.py) evened out: the trace ran only the experts the example reached, and an unreached
+    expert's record is a copy of a reached one's, shapes included. Each layer of a sibling group gets the
+    group's traced FLOPs (over the reached experts: the rows really routed, top_k per token) divided by the
+    number of experts — its share under uniform routing; the group's total stays what the trace computed."""
+    from ..moe_siblings import ExpertState
+    from .inspector import model_record, named_ops
+
+    names = {id(op): n for n, op in named_ops(model)}
+    groups: dict[tuple, list[tuple[str, bool]]] = {}
+    for st in model_record(model).states:
+        if isinstance(st, ExpertState):
+            for op in st.seen_ops:
+                if id(op) in names:
+                    groups.setdefault((id(st.group), st.rel, op.index), []).append((names[id(op)], st.traced))
+    out = dict(flops)
+    for members in groups.values():
+        total = sum(flops.get(n, 0) for n, traced in members if traced)
+        for n, _ in members:
+            out[n] = round(total / len(members))
+    return out
+
+
 def run_experts(inspector: Any, module: nn.Module, st: MoeState, x: torch.Tensor, ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
     """One experts call inside an inspect session (see the module docstring)."""

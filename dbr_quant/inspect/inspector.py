@@ -103,6 +103,9 @@ class Inspector:
         self.sink = sink
         self.step = 0
         self._weights: dict[tuple, Quantized] = {}
+        # id(linear module) → its original weight, for layers run in high precision on a converted model (set by
+        # sensitivity/auto_fallback from ``reference=``: else they run with their dequantized FP8 weight)
+        self.hp_weights: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ entry point (InspectRun)
     def execute(self, call: Call, env: Any) -> torch.Tensor:
@@ -126,6 +129,8 @@ class Inspector:
         if call.kind == LINEAR:
             x, _, bias = linear_operands(call)
             w = linear_hp_weight(call.module)[0] if call.module is not None else linear_operands(call)[1]
+            if not fp8 and call.module is not None:
+                w = self.hp_weights.get(id(call.module), w)
             inputs = {"input": x, "weight": w}
         else:
             inputs = observed_inputs(call.kind, call.args, call.kwargs)
@@ -176,7 +181,7 @@ class Inspector:
         """quantize(x) with this tensor's scale; quantize(None) on a weight gives the cached FP8 weight."""
         if name == "weight":
             def weight(x: torch.Tensor | None) -> Quantized:
-                return self._fp8_weight(call, cfg) if x is None or x is t else _quantize_weight(x, cfg)
+                return self._fp8_weight(call, cfg, env) if x is None or x is t else _quantize_weight(x, cfg)
             return weight
         op_cfg = call.op.qconfig.activation
 
@@ -196,7 +201,7 @@ class Inspector:
             return Quantized(kernels.quantize(x, scale, cfg.format), scale, cfg.format)
         return activation
 
-    def _fp8_weight(self, call: Call, cfg: TensorQConfig) -> Quantized:
+    def _fp8_weight(self, call: Call, cfg: TensorQConfig, env: Any = None) -> Quantized:
         m = call.module
         key = (id(call.op), cfg) if m is not None else None
         if key is not None and key in self._weights:
@@ -210,6 +215,14 @@ class Inspector:
         else:
             w = linear_hp_weight(m)[0] if m is not None else linear_operands(call)[1]
             q = _quantize_weight(w.detach(), cfg)
+            hessians = getattr(getattr(env, "record", None), "hessians", None)
+            if stored is None and hessians is not None and cfg == call.op.qconfig.weight \
+                    and hessians.wants(call.op) and hessians.has_data(call.op.weight_owner):
+                # a prepared model whose convert will round with GPTQ: measure that rounding, not nearest
+                scale = q.scale.reshape(-1) if q.scale.dim() else q.scale
+                data = hessians.round(call.op.weight_owner, type(m).__name__, w.detach(), cfg, scale, q.data,
+                                      keep=True)
+                q = Quantized(data, q.scale, cfg.format)
         if key is not None:
             self._weights[key] = q
         return q

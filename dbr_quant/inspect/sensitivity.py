@@ -2,8 +2,14 @@
 
 Best on a prepared + calibrated model: its high-precision weights are intact, so the reference
 (``dbr_quant.disabled()``) is the exact fp32 model and "every other layer in high precision" is exact.
-On a converted model both use the dequantized FP8 weights; pass ``reference=`` (the original model)
-to measure against real fp32.
+On a converted model pass ``reference=`` (the original model): the reference is then real fp32, and
+layers run in high precision take their weights from it (without it, both use the dequantized FP8 weights).
+A prepared model with ``weight_rounding="gptq"`` is measured with the GPTQ weights convert will store.
+
+Error per FLOP: :func:`layer_error` is the output error a layer causes alone in FP8 (1 − cosine, or the
+noise-to-signal power ratio 10^(−SQNR/10)); ``rank_layers(..., by="error_per_flop")`` divides it by the
+FLOPs the layer would keep in high precision, the order ``auto_fallback(rank="error_per_flop")`` spends a
+FLOP budget in.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ from torch import nn
 
 from ..auto_trace import disabled
 from ..mappings import LINEAR, MATMUL, SDPA
+from ..moe import EXPERTS
 from ..quantization_state import SeenOp
+from .experts import experts_flops, sibling_expert_flops
 from .features import DisableFP8, Feature
 from .inspector import Inspector, attached, named_ops, recorded_layers
 from .stats import sqnr_db
@@ -92,7 +100,10 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def op_flops(op: SeenOp) -> int:
-    """Multiply-adds × 2 of a recorded GEMM at its traced shapes (0 for other kinds)."""
+    """Multiply-adds × 2 of a recorded GEMM at its traced shapes (0 for other kinds); an MoE expert tensor
+    counts its routed rows, top_k per token (``experts.experts_flops``)."""
+    if op.kind == EXPERTS:
+        return experts_flops(op)
     shape = lambda i: op.inputs[i].shape if len(op.inputs) > i and op.inputs[i] is not None else None  # noqa: E731
     if op.kind == LINEAR:  # x (…, K) → y (…, N): 2·numel(x)·N
         return 2 * math.prod(shape(0)) * op.outputs[0].shape[-1]
@@ -104,15 +115,56 @@ def op_flops(op: SeenOp) -> int:
     return 0
 
 
+def layer_flops(model: nn.Module) -> dict[str, int]:
+    """``op_flops`` of every recorded GEMM by layer name; ModuleList experts share their group's traced FLOPs
+    evenly (``experts.sibling_expert_flops``)."""
+    return sibling_expert_flops(model, {n: op_flops(op) for n, op in named_ops(model)})
+
+
 def fp8_flop_fraction(model: nn.Module, high_precision: Iterable[str] = (), kinds: tuple[str, ...] = (LINEAR,)
                       ) -> float:
     """FLOPs of recorded ``kinds`` ops that run in FP8 (quantized and not in ``high_precision``, layer names)
-    over the FLOPs of all recorded ops of those kinds (including ones prepare() already left in high precision)."""
+    over the FLOPs of all recorded ops of those kinds (including ones prepare() already left in high precision).
+    MoE expert tensors are linears (one per expert): with ``LINEAR`` in ``kinds`` they count too."""
     hp = set(high_precision)
+    kinds = (*kinds, EXPERTS) if LINEAR in kinds and EXPERTS not in kinds else kinds
+    flops = layer_flops(model)
     ops = [(n, op) for n, op in named_ops(model) if op.kind in kinds]
-    total = sum(op_flops(op) for _, op in ops)
-    fp8 = sum(op_flops(op) for n, op in ops if op.quantize and n not in hp)
+    total = sum(flops[n] for n, _ in ops)
+    fp8 = sum(flops[n] for n, op in ops if op.quantize and n not in hp)
     return fp8 / total if total else 0.0
+
+
+RANKINGS = ("error", "error_per_flop")
+
+
+def layer_error(s: LayerSensitivity, metric: str = "cosine") -> float:
+    """Output error the layer causes alone in FP8: 1 − cosine, or 10^(−SQNR/10) for "sqnr_db"."""
+    value = Metrics(s.cosine, s.sqnr_db).get(metric)
+    return 1.0 - value if metric == "cosine" else 10.0 ** (-value / 10.0)  # 10^(-inf) = 0: no error
+
+
+def rank_layers(sens: Iterable[LayerSensitivity], metric: str = "cosine", by: str = "error"
+                ) -> list[LayerSensitivity]:
+    """Most harmful first: by the error a layer causes (``"error"``) or by that error per FLOP it would keep
+    in high precision (``"error_per_flop"``; a layer of 0 FLOPs is free to keep and comes first)."""
+    if by not in RANKINGS:
+        raise ValueError(f"rank must be one of {RANKINGS}, not {by!r}")
+    Metrics(0.0, 0.0).get(metric)
+
+    def key(s: LayerSensitivity) -> float:
+        err = layer_error(s, metric)
+        if by == "error":
+            return err
+        return err / s.flops if s.flops > 0 else math.inf
+    return sorted(sens, key=key, reverse=True)  # stable: ties keep the sensitivity order
+
+
+def linear_flops(model: nn.Module) -> int:
+    """FLOPs of every recorded linear op and MoE expert tensor (quantized or not) at the traced shapes
+    (``layer_flops``): the budget's denominator, the same as ``fp8_flop_fraction``'s."""
+    flops = layer_flops(model)
+    return sum(flops[n] for n, op in named_ops(model) if op.kind in (LINEAR, EXPERTS))
 
 
 class _Evaluator:
@@ -128,6 +180,8 @@ class _Evaluator:
         self.kinds = {n: r.info.kind for n, r in layers.items()}
         self.ref = reference_outputs(model, self.batches, output_fn, reference)
         self.inspector = Inspector({}, layers)
+        if reference is not None:
+            self.inspector.hp_weights = _original_weights(model, reference)
         self.evaluations = 0
 
     def metrics(self, high_precision: Iterable[str]) -> Metrics:
@@ -138,6 +192,22 @@ class _Evaluator:
         self.evaluations += 1
         with attached(self.model, self.inspector):
             return compare(self.ref, outputs(self.model, self.batches, self.output_fn))
+
+
+def _original_weights(model: nn.Module, reference: nn.Module) -> dict[int, torch.Tensor]:
+    """id(linear module with an FP8 weight) → the weight of the same-named module of ``reference``, [N, K]."""
+    from ..mappings import is_transposed_linear
+    from ..weights import FP8Weight, fp8_weight_of
+
+    ref = dict(reference.named_modules())
+    out = {}
+    for name, mod in model.named_modules():
+        src = ref.get(name)
+        w = getattr(src, "weight", None) if src is not None and fp8_weight_of(mod) is not None else None
+        if isinstance(w, torch.Tensor) and not w.is_meta and type(w) is not FP8Weight:
+            w = w.detach()
+            out[id(mod)] = w.t() if is_transposed_linear(src) else w
+    return out
 
 
 def sensitivity(model: nn.Module, batches: Sequence[Any], *, output_fn: OutputFn | None = None,
@@ -151,7 +221,7 @@ def sensitivity(model: nn.Module, batches: Sequence[Any], *, output_fn: OutputFn
 
 def _sensitivity(ev: _Evaluator, layers: Iterable[str] | None, by: str) -> list[LayerSensitivity]:
     Metrics(0.0, 0.0).get(by)  # validate
-    flops = {n: op_flops(op) for n, op in named_ops(ev.model)}
+    flops = layer_flops(ev.model)
     names = list(layers) if layers is not None else ev.layers
     unknown = [n for n in names if n not in ev.kinds]
     if unknown:

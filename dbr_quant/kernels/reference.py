@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import FP8Format
-from . import cpu
+from . import cpu, cpu_decode
 
 # 2**120 re-biases the exponent after the bit move (bf16 bias 127 vs E4M3 bias 7). Multiplying in bf16
 # is exact and lifts E4M3 subnormals out of bf16's subnormal range, which AVX512-BF16 dot products flush.
@@ -136,14 +136,18 @@ def fp8_to_bf16(q: torch.Tensor, reuse_buffer: bool = False) -> torch.Tensor:
     """Exact upcast. ``reuse_buffer`` (weights only) writes into a per-shape scratch buffer that the next
     call with that shape overwrites: use it for one operand of one GEMM at a time."""
     if q.dtype == torch.float8_e4m3fn:
-        return e4m3_to_bf16(q, reuse_buffer)
+        out = _scratch(q.shape, q.device, torch.bfloat16) if reuse_buffer else None
+        decoded = cpu_decode.decode_e4m3(q, torch.bfloat16, out)  # one pass of C where it could be built
+        return decoded if decoded is not None else e4m3_to_bf16(q, reuse_buffer)
     return q.to(torch.bfloat16)  # E5M2 is the top byte of fp16; torch's cast is exact
 
 
 def fp8_to_fp32(q: torch.Tensor, reuse_buffer: bool = False) -> torch.Tensor:
     """Exact upcast to fp32 (``reuse_buffer`` as in :func:`fp8_to_bf16`)."""
     if q.dtype == torch.float8_e4m3fn:
-        return e4m3_to_fp32(q, reuse_buffer)
+        out = _scratch(q.shape, q.device, torch.float32) if reuse_buffer else None
+        decoded = cpu_decode.decode_e4m3(q, torch.float32, out)
+        return decoded if decoded is not None else e4m3_to_fp32(q, reuse_buffer)
     # E5M2 is the top byte of fp16 (inf and NaN included): ×256 after the widen puts it there, and
     # fp16 → fp32 is an exact, vectorized cast
     return q.view(torch.int8).to(torch.int16).mul_(256).view(torch.float16).float()

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from dbr_quant.formats import FP8Format
+from dbr_quant.kernels import reference
 
 from .gptq import (
     HessianNotPositiveDefiniteError,
@@ -24,8 +25,10 @@ from .gptq import (
     _broadcastable,
     _check_hessian,
     _check_weight,
+    _gptq_columns_batched,
     _gptq_round_checked,
     _resolve_scale,
+    feedback_factor,
 )
 from .hessian import HessianAccumulator
 
@@ -72,19 +75,32 @@ def choose_damping(w: Tensor, hessians: HessianAccumulator, fmt: FP8Format | str
     total_tokens = int(hessians.tokens[folds].sum())
     scores = dict.fromkeys(candidates, 0.0)
     deq_scale = _broadcastable(scale, granularity)
+    col_scale = deq_scale.reshape(-1)
     for held_out in folds:
         train = _check_hessian(hessians.hessian([f for f in folds if f != held_out]), w32.shape[1]).to(w32.device)
         test = hessians.hessian([held_out]).to(device=w32.device, dtype=torch.float32)
         weight = int(hessians.tokens[held_out]) / total_tokens
+        # the same rounding as _gptq_round_checked per candidate (bit for bit), all finite dampings in one loop
+        perm = torch.argsort(train.diagonal(), descending=True, stable=True) if act_order else None
+        w_p, h_p = (w32[:, perm], train[perm][:, perm]) if perm is not None else (w32, train)
+        factors, batched = [], []
         for damping in candidates:
             if math.isinf(scores[damping]):
                 continue
+            if math.isinf(damping):
+                q = reference.quantize(w32, deq_scale, fmt)
+                scores[damping] += weight * _heldout_error(w32, q, deq_scale, test)
+                continue
             try:
-                q, _ = _gptq_round_checked(w32, train, fmt, granularity, scale, damping, block_size, act_order)
+                factors.append(feedback_factor(h_p, damping).to(w32.dtype))
+                batched.append(damping)
             except HessianNotPositiveDefiniteError:
                 scores[damping] = math.inf
-                continue
-            scores[damping] += weight * _heldout_error(w32, q, deq_scale, test)
+        if batched:
+            qs = _gptq_columns_batched(w_p, torch.stack(factors), col_scale, fmt, block_size)
+            for damping, q in zip(batched, qs, strict=True):
+                q = q[:, torch.argsort(perm)] if perm is not None else q
+                scores[damping] += weight * _heldout_error(w32, q, deq_scale, test)
     best = min(sorted(candidates, reverse=True), key=lambda d: scores[d])  # min keeps the first: larger wins ties
     return DampingChoice(best, scores, True)
 

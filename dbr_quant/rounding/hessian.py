@@ -58,8 +58,12 @@ class HessianAccumulator:
         return self.sums.numel() * self.sums.element_size()
 
     @torch.no_grad()
-    def add(self, x: Tensor) -> None:
-        """Fold one calibration batch of inputs (any shape ``[..., in_features]``) into the next fold."""
+    def add(self, x: Tensor, fold: int | None = None) -> None:
+        """Fold one calibration batch of inputs (any shape ``[..., in_features]``) into the next fold, or into
+        ``fold`` when given (calibrate: a linear called several times per forward adds each call to the fold
+        of that forward; ``batches`` then counts calls)."""
+        if fold is not None and (isinstance(fold, bool) or not isinstance(fold, int) or not 0 <= fold < self.folds):
+            raise ValueError(f"HessianAccumulator.add: fold must be an int in [0, {self.folds}), got {fold!r}")
         if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() == 0 \
                 or x.shape[-1] != self.in_features:
             shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
@@ -70,7 +74,8 @@ class HessianAccumulator:
         if not bool(finite.all()):
             self.skipped_tokens += int((~finite).sum())
             rows = rows[finite]
-        fold = self.batches % self.folds
+        if fold is None:
+            fold = self.batches % self.folds
         self.batches += 1
         if rows.shape[0] == 0:
             return

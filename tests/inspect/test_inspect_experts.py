@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_moe import EXAMPLE, LAYERS, batches, build, logits  # tests/ is on sys.path (conftest)
+from test_moe import EXAMPLE, EXPERTS_N, HIDDEN, LAYERS, TOP_K, batches, build, logits  # tests/ on sys.path
 
 import dbr_quant as dq
 import dbr_quant.inspect as dqi
 from dbr_quant.inspect.config import InspectConfigError
+from dbr_quant.inspect.sensitivity import layer_flops
 
 EXPERT_LAYERS = [f"model.layers.{i}.mlp.experts.{p}" for i in range(LAYERS) for p in ("gate_up_proj", "down_proj")]
 
@@ -38,6 +39,35 @@ def test_each_expert_tensor_has_its_own_sensitivity(mixtral):
         assert 20 < sens[name].sqnr_db < 80 and 0.99 < sens[name].cosine < 1.0, sens[name]
     values = {round(sens[n].sqnr_db, 6) for n in EXPERT_LAYERS}
     assert len(values) == len(EXPERT_LAYERS), "each expert tensor measured on its own"
+    rows = EXAMPLE[0] * EXAMPLE[1] * TOP_K  # traced: 2 tokens, top-2 → 4 routed rows per experts call
+    for i in range(LAYERS):  # [E, 2I, H] = [8, 128, 32] and [E, H, I] = [8, 32, 64]
+        assert sens[f"model.layers.{i}.mlp.experts.gate_up_proj"].flops == 2 * rows * 128 * HIDDEN
+        assert sens[f"model.layers.{i}.mlp.experts.down_proj"].flops == 2 * rows * HIDDEN * 64
+
+
+def test_fp8_share_of_linear_flops_counts_the_experts(mixtral):
+    """auto_fallback's "FP8 share of linear FLOPs" on an MoE model: the experts hold most of them. By hand at
+    the traced shapes (2 tokens): every nn.Linear 2·T·in·out, the router (``F.linear`` on its [E, H] weight,
+    high precision) 2·T·E·H, each expert tensor 2·T·top_k·N·K."""
+    prepared, ev = mixtral
+    model = build("mixtral", "grouped_mm")
+    tokens = EXAMPLE[0] * EXAMPLE[1]
+    linears = {n: 2 * tokens * m.in_features * m.out_features for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear)}
+    assert not any(n.endswith("mlp.gate") for n in linears)
+    router = LAYERS * 2 * tokens * EXPERTS_N * HIDDEN
+    experts = LAYERS * 2 * tokens * TOP_K * (128 * HIDDEN + HIDDEN * 64)
+    total = sum(linears.values()) + router + experts
+    assert experts / total > 0.6  # ignoring them would misstate the share badly
+    assert dqi.linear_flops(prepared) == total  # auto_fallback's max_high_precision_flops budget denominator
+    assert dqi.fp8_flop_fraction(prepared) == pytest.approx((total - router) / total, rel=1e-12)
+    assert dqi.fp8_flop_fraction(prepared, EXPERT_LAYERS) == pytest.approx((total - router - experts) / total,
+                                                                           rel=1e-12)
+    half = EXPERT_LAYERS[:2]  # layer 0's gate_up and down
+    assert dqi.fp8_flop_fraction(prepared, half) == pytest.approx((total - router - experts / 2) / total, rel=1e-12)
+    sens = [dqi.LayerSensitivity(n, "experts", 0.9, 10.0, 0) for n in EXPERT_LAYERS]  # a given ranking
+    res = dqi.auto_fallback(prepared, ev[:1], target=-1.0, output_fn=_fn, full_curve=False, sensitivity=sens)
+    assert res.fallback == () and res.fp8_flop_fraction == pytest.approx((total - router) / total, rel=1e-12)
 
 
 def test_session_on_converted_matches_the_fused_block_and_logs_each_expert_tensor(mixtral):
@@ -94,3 +124,29 @@ def test_scaling_an_expert_tensor_is_a_clear_error(mixtral):
         _fn(prepared, ev[0])
     with pytest.raises(InspectConfigError, match="kind must be"):
         dqi.session(prepared, "s:\n  layers: {kind: expert}\n  features:\n    DisableFP8: {}\n").__enter__()
+
+
+
+@pytest.mark.parametrize("style", ["gated", "switch"])
+def test_module_list_experts_share_their_traced_flops_evenly(style):
+    """The 2-token example reaches ≤ 4 of 8 ModuleList experts per layer; the others' records are copies. Each
+    expert linear gets 1/8 of what the trace routed to its layer's experts (tokens × top_k rows, by hand), not
+    a copy of a reached sibling's FLOPs (that counted 2.25× / 6× the routed FLOPs)."""
+    model = build(style)
+    prepared = dq.prepare(model, example_kwargs=batches(1, EXAMPLE, 1)[0])
+    rows = EXAMPLE[0] * EXAMPLE[1] * (TOP_K if style == "gated" else 1)  # routed (token, slot) pairs per layer
+    flops = layer_flops(prepared)
+    expert = next(iter(model.moes[0].experts.children()))
+    per_row = {rel: 2 * m.in_features * m.out_features for rel, m in expert.named_modules()
+               if isinstance(m, torch.nn.Linear)}
+    for i in range(LAYERS):
+        for name in model.moes[i].experts._modules:
+            for rel, f in per_row.items():
+                assert flops[f"moes.{i}.experts.{name}.{rel}"] == rows * f // EXPERTS_N, (i, name, rel)
+    others = sum(2 * EXAMPLE[0] * EXAMPLE[1] * m.in_features * m.out_features for n, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and ".experts." not in n)  # routers and head
+    experts_per_layer = rows * sum(per_row.values())
+    total = others + LAYERS * experts_per_layer
+    assert sum(flops.values()) == total == dqi.linear_flops(prepared)
+    layer0 = [n for n in flops if n.startswith("moes.0.experts.")]
+    assert dqi.fp8_flop_fraction(prepared, layer0) == pytest.approx(1 - experts_per_layer / total, rel=1e-12)

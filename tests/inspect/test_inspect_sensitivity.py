@@ -115,9 +115,12 @@ def test_auto_fallback_sqnr_and_unreachable(outlier):
     ev = [torch.randn(8, 16)]
     res = dqi.auto_fallback(p, ev, target=40.0, metric="sqnr_db", full_curve=False)
     assert res.met and res.sqnr_db >= 40.0 and len(res.curve) <= 4
-    c = dq.convert(p)  # converted: high precision means dequantized FP8 weights → real fp32 is out of reach
-    res2 = dqi.auto_fallback(c, ev, target=1.0, reference=model, full_curve=False)
-    assert not res2.met and res2.cosine < 1.0
+    c = dq.convert(p)
+    # converted with reference=: high-precision layers run with the reference's weights, all of them give fp32
+    res2 = dqi.auto_fallback(c, ev, target=1.0, reference=model, full_curve=False, prune=False)
+    assert res2.met and res2.sqnr_db == math.inf and len(res2.fallback) == 3
+    res3 = dqi.auto_fallback(c, ev, target=1.5, reference=model)  # unreachable: the best point, not met
+    assert not res3.met and res3.cosine == max(pt.cosine for pt in res3.curve)
     with pytest.raises(ValueError, match="metric"):
         dqi.auto_fallback(p, ev, target=1.0, metric="psnr")
 

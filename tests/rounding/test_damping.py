@@ -134,3 +134,26 @@ def test_no_calibration_data_is_an_error():
         gptq_quantize(torch.randn(3, K), HessianAccumulator(K), E4M3)
     with pytest.raises(ValueError, match="candidates"):
         choose_damping(torch.randn(3, K), HessianAccumulator(K), E4M3, candidates=())
+
+
+@pytest.mark.parametrize("granularity", ["channel", "tensor"])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_scores_round_each_candidate_exactly_as_gptq_round(granularity, act_order):
+    """choose_damping rounds all candidates in one batched column loop: each must be gptq_round's result bit for
+    bit, so its score is the float computed from gptq_round's weight (checked exactly, not approximately)."""
+    from dbr_quant.rounding.damping import _heldout_error
+    from dbr_quant.rounding.gptq import _broadcastable
+
+    w, data, _, _ = _calibration(seed=3, tokens_per_batch=40, batches=4)
+    acc = _accumulate(data)
+    candidates = (1e-3, 0.1, 1.0, math.inf)
+    choice = choose_damping(w, acc, E4M3, granularity, candidates=candidates, block_size=16, act_order=act_order)
+    _, scale = round_to_nearest(w, E4M3, granularity)
+    for damping in candidates:
+        expected = 0.0
+        for held in (0, 1):
+            q, _ = gptq_round(w, acc.hessian([1 - held]), E4M3, granularity, scale, damping, 16, act_order)
+            test = acc.hessian([held]).float()
+            expected += int(acc.tokens[held]) / int(acc.tokens.sum()) * _heldout_error(
+                w, q, _broadcastable(scale, granularity), test)
+        assert choice.scores[damping] == expected, damping
