@@ -257,3 +257,33 @@ def test_block_experts_are_saved_per_expert_with_their_block_scales_and_load_bac
     b = batches(1, (2, 6), 4)[0]
     with torch.no_grad():
         assert torch.equal(logits(loaded(**b)), logits(converted(**b)))
+
+
+def test_inspect_session_on_block_experts_matches_the_converted_model_and_measures_them(block_mixtral):
+    """dq.inspect computes an experts call expert by expert; with block experts each projection is a block GEMM
+    with per-token-group inputs, so an all-FP8 session equals the converted model; FP8 stats see block weights."""
+    import dbr_quant.inspect as dqi
+
+    _, converted = block_mixtral
+    b = batches(1, (3, 9), 7)[0]
+    cfg = """
+experts:
+  layers: {kind: experts}
+  features:
+    LogTensorStats: {tensors: [weight], stats: [amax]}
+    LogFP8Stats: {tensors: [input], stats: [sqnr_db]}
+"""
+    with torch.no_grad():
+        want = logits(converted(**b))
+        with dqi.session(converted, cfg) as s:
+            got = logits(converted(**b))
+    assert torch.equal(got, want)
+    rec = {(r["layer"], r["tensor"], r["stat"]): r["value"] for r in s.records}
+    fqn = "model.layers.0.mlp.experts.down_proj"
+    w = _experts(converted)[0].down_proj
+    assert rec[(fqn, "weight", "amax")] == pytest.approx(w.dequantize().abs().max().item(), rel=1e-6)
+    assert 20 < rec[(fqn, "input", "sqnr_db")] < 60  # per-token-group FP8 of the routed rows
+    prepared = dq.prepare(_mixtral(), example_kwargs=batches(1, (1, 2), 1)[0], qconfig=dq.QConfig.fp8_block(BLOCK))
+    sens = {r.layer: r for r in dqi.sensitivity(prepared, [b], output_fn=lambda m, x: logits(m(**x)))
+            if r.kind == EXPERTS}
+    assert len(sens) == 4 and all(20 < r.sqnr_db < 80 for r in sens.values())
