@@ -346,6 +346,8 @@ def _new_state(run: Any, module: nn.Module, bound: tuple | None) -> MoeState:
         reason = "skipped by a QConfig override (both expert projections run as one block)"
     if not reason and (qcs[0].dynamic != qcs[1].dynamic or qcs[0].activation.format != qcs[1].activation.format):
         reason = "the two expert projections resolve to different activation settings; the MoE block takes one"
+    if not reason:
+        reason = _block_reason(module, spec, qcs)
     ops = []
     for i, (name, qc) in enumerate(zip(spec.names, qcs)):
         w = module._parameters[name]
@@ -355,6 +357,22 @@ def _new_state(run: Any, module: nn.Module, bound: tuple | None) -> MoeState:
                           slots=("input",) if not reason else (), weight_owner=fqn,
                           fusion=f"moe_block[{w.shape[0]} experts]" if not reason else None))
     return MoeState(fqn, dataclasses.replace(spec, reason=reason), ops)
+
+
+def _block_reason(module: nn.Module, spec: ExpertsSpec, qcs: list) -> str:
+    """Why block-scaled weights cannot run this experts module ("" when they can, or are not asked for)."""
+    blocks = [qc.weight.block if qc.weight.granularity == "block" else None for qc in qcs]
+    if blocks[0] is None and blocks[1] is None:
+        return ""
+    if blocks[0] != blocks[1]:
+        return (f"the two expert projections resolve to different weight granularities ({blocks[0] or 'not block'} "
+                f"vs {blocks[1] or 'not block'}); the MoE block takes one: give both the same block")
+    w1 = module._parameters[spec.first]
+    inter = (w1.shape[2] if spec.transposed else w1.shape[1]) // (2 if spec.gated else 1)
+    if spec.gated and inter % blocks[0][0]:
+        return (f"block-scaled experts need the intermediate size ({inter}) to be a multiple of the block's rows "
+                f"({blocks[0][0]}): gate and up are blocked on their own in [gate; up]; pick a block that divides it")
+    return ""
 
 
 def _routed_rows(bound: tuple | None, w: torch.Tensor, transposed: bool) -> tuple[TensorInfo, ...]:
@@ -428,6 +446,8 @@ def _fp8_experts(module: nn.Module, st: MoeState, x: torch.Tensor, ids: torch.Te
             xs, hs = xs.to(x.device), hs.to(x.device)
     kw = dict(activation=spec.activation, fmt=gate_up.qconfig.activation.format,
               per_token=gate_up.qconfig.activation.granularity == "token", out_dtype=x.dtype)
+    if p1.block is not None:  # block-scaled weights (both: checked when the state was made)
+        kw.update(block=p1.block, group=gate_up.qconfig.activation.granularity == "group")
     args = (x2, ids2, w2, p1.qdata, p1.scale, p2.qdata, p2.scale, xs, hs, b1, b2)
     ops = kernels.graph_ops()
     if ops is not None:
@@ -443,12 +463,18 @@ def fp8_experts_compute(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
                         w13_scale: torch.Tensor, w2_q: torch.Tensor, w2_scale: torch.Tensor,
                         x_scale: torch.Tensor | None, h_scale: torch.Tensor | None, bias13: torch.Tensor | None,
                         bias2: torch.Tensor | None, *, activation: str | None, fmt: Any, per_token: bool,
-                        out_dtype: torch.dtype) -> torch.Tensor:
+                        out_dtype: torch.dtype, block: tuple[int, int] | None = None,
+                        group: bool = False) -> torch.Tensor:
     """An experts call on flat inputs (x [T, H], ids / weights [T, k]) → [T, H_out]: routing plan, then
     static scales (``x_scale``, ``h_scale`` given) → ``kernels.fp8_moe_block`` (3 launches after routing);
     dynamic → quantize, gate_up (high-precision out), quantize, down + scatter-add (4 launches). The eager
-    model and the graph op ``dbr_quant::fp8_moe_experts`` both run this."""
+    model and the graph op ``dbr_quant::fp8_moe_experts`` both run this. ``block``: block-scaled weights
+    (scales [E, ⌈N/bn⌉, ⌈K/bk⌉]), see :func:`_block_experts`."""
     routing = kernels.moe_route(ids, w13_q.shape[0])
+    if block is not None:
+        return _block_experts(x, routing, weights, w13_q, w13_scale, w2_q, w2_scale, x_scale, h_scale, bias13, bias2,
+                              activation=activation, fmt=fmt, per_token=per_token, group=group, block=block,
+                              out_dtype=out_dtype)
     if h_scale is not None:
         return kernels.fp8_moe_block(x, routing, weights, w13_q, w13_scale, w2_q, w2_scale, h_scale,
                                      x_scale=x_scale, activation=activation, fmt=fmt, bias13=bias13, bias2=bias2,
@@ -461,6 +487,40 @@ def fp8_experts_compute(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
                                       topk_weights=weights, out_dtype=out_dtype)
 
 
+def _block_experts(x: torch.Tensor, routing: Any, weights: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor,
+                   w2_q: torch.Tensor, w2_scale: torch.Tensor, x_scale: torch.Tensor | None,
+                   h_scale: torch.Tensor | None, bias13: torch.Tensor | None, bias2: torch.Tensor | None, *,
+                   activation: str | None, fmt: Any, per_token: bool, group: bool, block: tuple[int, int],
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """Block-scaled experts (the DeepSeek-V3 layout): quantize x (per-token groups of ``block[1]`` channels,
+    or per-token / static scales repeated per group, as the dense block linear takes them), gate_up block GEMM
+    per expert (high-precision out), quantize h the same way (static: each row with its expert's scale), down
+    block GEMM per expert with the routing-weighted scatter-add (kernels.fp8_grouped_block_linear: reference
+    path only)."""
+    bk = block[1]
+    x_q, xs = _group_layout(x, x_scale, fmt, per_token, group, bk)
+    h = kernels.fp8_grouped_block_linear(x_q, xs, w13_q, w13_scale, routing, block=block, bias=bias13,
+                                         activation=activation, out_dtype=out_dtype)
+    row_scale = None if h_scale is None else h_scale if h_scale.numel() == 1 else h_scale[routing.row_experts]
+    h_q, hs = _group_layout(h, row_scale, fmt, per_token, group, bk)
+    return kernels.fp8_grouped_block_linear(h_q, hs, w2_q, w2_scale, routing, block=block, x_sorted=True,
+                                            bias=bias2, topk_weights=weights, out_dtype=out_dtype)
+
+
+def _group_layout(x: torch.Tensor, scale: torch.Tensor | None, fmt: Any, per_token: bool, group: bool,
+                  bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 x [rows, K], scale [rows, ⌈K/bk⌉]): dynamic per-token-group, or any coarser scale (dynamic per
+    tensor / per token, static one value / one per row) repeated over the groups."""
+    if scale is None and group:
+        return kernels.group_quantize(x, bk, fmt)
+    if scale is None:
+        x_q, s = kernels.dynamic_quantize(x, fmt, per_token)
+    else:
+        s = scale.float().reshape(-1, 1) if scale.numel() > 1 else scale.float().reshape(())
+        x_q = kernels.quantize(x, s, fmt)
+    return x_q, s.reshape(-1, 1).expand(x.shape[0], -(-x.shape[-1] // bk))
+
+
 # ------------------------------------------------------------------------------------------- report
 def report_rows(st: MoeState) -> list[dict[str, Any]]:
     """``dbr_quant.report`` rows of an experts module: one per 3-D expert tensor, FP8 or not and why (or
@@ -470,6 +530,11 @@ def report_rows(st: MoeState) -> list[dict[str, Any]]:
         note = op.reason
         if op.quantize and op.qconfig.dynamic:
             note = "dynamic activation scales"
+            if op.qconfig.weight.granularity == "block":
+                bn, bk = op.qconfig.weight.block
+                groups = f"per token per {bk} channels" if op.qconfig.activation.granularity == "group" else \
+                    f"per {op.qconfig.activation.granularity}"
+                note = f"dynamic activation scales ({groups}), {bn}×{bk} weight blocks"
         elif op.quantize and op.index == 1 and st.converted:
             note = fallback_note(st.fallback, st.spec.num_experts)
         rows.append({"fqn": op.fqn, "kind": EXPERTS, "module": st.fqn, "fp8": op.quantize, "fusion": op.fusion,

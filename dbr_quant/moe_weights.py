@@ -2,7 +2,10 @@
 
 Each quantized experts module's parameters (``gate_up_proj`` / ``up_proj``, ``down_proj``) become an
 ``FP8Weight`` parameter: ``qdata`` [E, N, K] (transposed once when the module stores [E, in, out]), one
-fp32 scale per expert and output channel (weight granularity "channel") or per expert ("tensor", [E, 1]).
+fp32 scale per expert and output channel (weight granularity "channel"), per expert ("tensor", [E, 1]) or
+per expert and (bn × bk) block ("block", [E, ⌈N/bn⌉, ⌈K/bk⌉]; a stacked [gate; up] weight is blocked half by
+half as gate_proj and up_proj are in block-scaled checkpoints, which is the same as blocking it whole since
+``moe`` takes block-scaled gated experts only when bn divides the intermediate size I).
 It reports the original dtype and shape, so model code reading ``experts.gate_up_proj`` keeps working and
 ``Module.to(dtype)`` changes the compute dtype only. In ``state_dict()`` a parameter is two entries:
 ``<name>`` (FP8) and ``<name>_scale`` (fp32).
@@ -38,6 +41,10 @@ def quantize_expert_weights(model: nn.Module, record: Any) -> None:
             num_e, n, k = w3.shape
             cfg = op.qconfig.weight
             observer = cfg.observer.create(cfg.format, 0)
+            if cfg.granularity == "block":
+                q, scale = block_quantize_experts(w3, cfg.block, cfg.format)
+                attach_fp8_param(module, name, q, scale, w.dtype, st.spec.transposed, cfg.block)
+                continue
             if cfg.granularity == "channel":
                 observer(w3.reshape(num_e * n, k))
                 scale = observer.scale().reshape(num_e, n)
@@ -48,11 +55,18 @@ def quantize_expert_weights(model: nn.Module, record: Any) -> None:
             attach_fp8_param(module, name, q, scale, w.dtype, st.spec.transposed)
 
 
+def block_quantize_experts(w3: torch.Tensor, block: tuple[int, int], fmt) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled FP8 of stacked expert weights [E, N, K]: (qdata [E, N, K], scale [E, ⌈N/bn⌉, ⌈K/bk⌉]), each
+    expert blocked on its own (blocks never straddle two experts)."""
+    pairs = [kernels.block_quantize_weight(w3[e], block, fmt) for e in range(w3.shape[0])]
+    return torch.stack([q for q, _ in pairs]).contiguous(), torch.stack([s for _, s in pairs])
+
+
 def attach_fp8_param(module: nn.Module, name: str, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                     transposed: bool) -> None:
+                     transposed: bool, block: tuple[int, int] | None = None) -> None:
     """``module.<name>`` becomes an FP8Weight parameter; its state_dict entries ``<name>`` (FP8) and
     ``<name>_scale`` (fp32)."""
-    module._parameters[name] = nn.Parameter(FP8Weight(qdata, scale, dtype, transposed), requires_grad=False)
+    module._parameters[name] = nn.Parameter(FP8Weight(qdata, scale, dtype, transposed, block), requires_grad=False)
     if not module.__dict__.get("_dbr_fp8_param_hooks"):
         module._register_state_dict_hook(_state_dict_hook)
         module._register_load_state_dict_pre_hook(_load_hook, with_module=True)
@@ -83,7 +97,7 @@ def _load_hook(module, state_dict, prefix, local_metadata, strict, missing, unex
                           f"converted model {w.qdata.dtype} {list(w.qdata.shape)} with scale {list(w.scale.shape)}")
             del state_dict[key]
         else:
-            state_dict[key] = FP8Weight(q, s, w.dtype, w.transposed)
+            state_dict[key] = FP8Weight(q, s, w.dtype, w.transposed, w.block)
 
 
 def expert_weight_bytes(model: nn.Module) -> tuple[int, int]:

@@ -40,8 +40,9 @@ class FP8Weight(torch.Tensor):
     ``transposed`` marks Hugging Face ``Conv1D`` (GPT-2), whose weight is ``[in, out]``: the logical tensor
     is ``qdata.T`` while ``qdata`` stays ``[out, in]`` for the GEMM (blocks tile ``qdata``). ``block`` is the
     (rows, columns) tile of a block-scaled weight, None for per-tensor / per-channel scales. A 3-D ``qdata``
-    ``[E, out, in]`` is the stacked weights of an MoE experts module (``dbr_quant.moe``; ``scale`` ``[E, out]``
-    or ``[E, 1]``); ``transposed`` then swaps the last two dims (experts stored ``[E, in, out]``).
+    ``[E, out, in]`` is the stacked weights of an MoE experts module (``dbr_quant.moe``; ``scale`` ``[E, out]``,
+    ``[E, 1]``, or ``[E, ⌈out/bn⌉, ⌈in/bk⌉]`` with ``block``); ``transposed`` then swaps the last two dims
+    (experts stored ``[E, in, out]``).
     """
 
     qdata: torch.Tensor
@@ -114,6 +115,8 @@ class FP8Weight(torch.Tensor):
         if self.block is not None:
             from .kernels.reference_block import expand_block_scale
 
+            if self.qdata.dim() == 3:  # MoE experts: scale [E, ⌈N/bn⌉, ⌈K/bk⌉], each expert blocked on its own
+                return torch.stack([expand_block_scale(s, tuple(self.qdata.shape[1:]), self.block) for s in self.scale])
             return expand_block_scale(self.scale, tuple(self.qdata.shape), self.block)
         return self.scale.unsqueeze(-1) if self.scale.dim() else self.scale
 

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import kernels
 from ..moe import MoeState
 from ..moe_weights import attach_fp8_param
 from ..weights import FP8Weight
@@ -91,9 +90,12 @@ def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, tuple]
         raise CheckpointError(f"'{st.fqn}': converted experts module without FP8 weights (a dbr_quant bug)")
     w1, w2 = params
     names = projection_names(model, spec.gated)
-    scheme = _scheme(st.fqn, w1, list(st.seen_ops))  # (weights, activations, dynamic, block, group)
-    dynamic = scheme[2]
-    granularity = "channel" if st.seen_ops[0].qconfig.weight.granularity == "channel" else "tensor"
+    # per 3-D weight: (weight strategy, activation strategy, dynamic, block, group) — _scheme refuses what the
+    # format lacks (E5M2, in_features not whole activation groups), naming the tensor
+    proj_schemes = [_scheme(f"{st.fqn}.{n}", w, [op]) for n, w, op in zip(spec.names, params, st.seen_ops)]
+    _, act, dynamic, block, _ = proj_schemes[0]
+    granularity = "block" if block is not None else \
+        "channel" if st.seen_ops[0].qconfig.weight.granularity == "channel" else "tensor"
     xs = hs = None
     if not dynamic:
         xs, hs = (st.scale(op, "input").detach().float() for op in st.seen_ops)
@@ -108,8 +110,12 @@ def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, tuple]
             w, b = params[which], biases[which]
             prefix = f"{st.fqn}.{e}.{pname}"
             q = w.qdata[e] if rows is None else w.qdata[e, rows]
-            s = w.scale[e] if rows is None or granularity == "tensor" else w.scale[e, rows]
-            s = s.float().reshape(-1, 1) if granularity == "channel" else s.float().reshape(1)
+            if granularity == "block":  # gate / up: their own row blocks (moe.py takes I a multiple of bn)
+                s = (w.scale[e] if rows is None else
+                     w.scale[e, rows.start // block[0]:-(-rows.stop // block[0])]).float()
+            else:
+                s = w.scale[e] if rows is None or granularity == "tensor" else w.scale[e, rows]
+                s = s.float().reshape(-1, 1) if granularity == "channel" else s.float().reshape(1)
             entries.append(Entry(f"{prefix}.weight", q.dtype, tuple(q.shape), lambda q=q: q.contiguous()))
             entries.append(_entry(f"{prefix}.weight_scale", s, _scale_dtype(s, w.dtype)))
             if b is not None:
@@ -118,10 +124,13 @@ def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, tuple]
             if not dynamic:
                 a = (xs if which == 0 else (hs[e] if hs.numel() > 1 else hs)).reshape(1)
                 entries.append(_entry(f"{prefix}.input_scale", a, _scale_dtype(a, w.dtype)))
-            schemes[prefix] = (granularity, *scheme[1:])
+            schemes[prefix] = proj_schemes[which] if granularity == "block" else (granularity, act, dynamic, None,
+                                                                                 None)
     info = {"names": list(names), "params": list(spec.names), "num_experts": spec.num_experts, "gated": spec.gated,
             "granularity": granularity, "dynamic": dynamic, "transposed": spec.transposed, "bias": spec.has_bias,
             "dtype": str(w1.dtype).removeprefix("torch.")}
+    if block is not None:
+        info["block"] = list(block)
     return entries, info
 
 
@@ -145,6 +154,12 @@ def vllm_notes(infos: dict[str, dict[str, Any]]) -> list[str]:
                      "per-channel weights only with dynamic per-token activations (and per-tensor weights with "
                      "static ones) and will refuse this checkpoint; for vLLM convert the experts with "
                      "weight granularity 'tensor' or dynamic per-token activations (transformers loads it)")
+    if any(i["granularity"] == "block" for i in infos.values()):
+        # transformers 5.x integrations/compressed_tensors.py DecompressExperts: (q · s) with s broadcast as per
+        # channel, which fails on a block grid ("size of tensor a (48) must match ... b (3)"), whoever wrote it
+        notes.append("block-scaled experts: transformers' compressed-tensors experts loader (DecompressExperts) "
+                     "multiplies FP8 by the scale without expanding blocks and cannot load them; "
+                     "dbr_quant.load_pretrained does")
     if any(not i["dynamic"] for i in infos.values()):
         notes.append("vLLM uses one input scale per MoE layer for all experts (the max of the per-expert scales)")
     return notes
@@ -176,12 +191,20 @@ def expected_experts(model: nn.Module, meta: dict[str, Any]) -> tuple[dict[str, 
                     n = n_all if rows is None else n_all // 2
                     prefix = f"{fqn}.{e}.{name}"
                     out[f"{prefix}.weight"] = ((torch.float8_e4m3fn,), (n, k))
-                    out[f"{prefix}.weight_scale"] = (floats, (n, 1) if info["granularity"] == "channel" else (1,))
+                    out[f"{prefix}.weight_scale"] = (floats, _scale_shape(info, n, k))
                     if info["bias"]:
                         out[f"{prefix}.bias"] = ((p.dtype,), (n,))
                     if not info["dynamic"]:
                         out[f"{prefix}.input_scale"] = (floats, (1,))
     return out, replaced
+
+
+def _scale_shape(info: dict[str, Any], n: int, k: int) -> tuple[int, ...]:
+    """One expert projection's weight_scale shape: [⌈n/bn⌉, ⌈k/bk⌉] blocks, [n, 1] channels, [1] tensor."""
+    if info["granularity"] == "block":
+        bn, bk = info["block"]
+        return (-(-n // bn), -(-k // bk))
+    return (n, 1) if info["granularity"] == "channel" else (1,)
 
 
 def _layouts(info: dict[str, Any]) -> list[list[tuple[str, int | None]]]:
@@ -200,8 +223,11 @@ def _stacked(fqn: str, info: dict[str, Any], layout: list, values: dict[str, tor
 
 def _fp8(fqn: str, info: dict[str, Any], layout: list, values: dict[str, torch.Tensor]
          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(qdata [E, N, K], scale [E, N] per channel or [E, 1] per expert) of one 3-D parameter."""
+    """(qdata [E, N, K], scale [E, N] per channel, [E, 1] per expert or [E, row blocks, K blocks]) of one 3-D
+    parameter."""
     q = _stacked(fqn, info, layout, values, "weight")
+    if info["granularity"] == "block":  # [E, gate row blocks + up row blocks, K blocks]
+        return q, _stacked(fqn, info, layout, values, "weight_scale").float()
     s = _stacked(fqn, info, layout, values, "weight_scale").float().reshape(q.shape[0], -1)
     if info["granularity"] != "channel":
         if not bool((s == s[:, :1]).all()):
@@ -219,7 +245,7 @@ def load_experts_high_precision(prepared: nn.Module, meta: dict[str, Any], value
         for pname, layout in zip(info["params"], _layouts(info)):
             p = module._parameters[pname]
             q, s = _fp8(fqn, info, layout, values)
-            w = kernels.dequantize(q, s.unsqueeze(-1), p.dtype)
+            w = FP8Weight(q, s, p.dtype, False, info.get("block")).dequantize(p.dtype)
             p.copy_((w.transpose(-2, -1) if info["transposed"] else w).to(p.device))
             if info["bias"]:
                 module._parameters[f"{pname}_bias"].copy_(_stacked(fqn, info, layout, values, "bias"))
@@ -238,8 +264,11 @@ def load_experts_fp8(converted: nn.Module, meta: dict[str, Any], values: dict[st
             if q.shape != w.qdata.shape or s.shape != w.scale.shape:
                 raise CheckpointError(f"'{fqn}.{pname}': saved FP8 experts {list(q.shape)} / scale {list(s.shape)}, "
                                       f"converted {list(w.qdata.shape)} / {list(w.scale.shape)}")
+            block = tuple(info["block"]) if "block" in info else None
+            if block != w.block:
+                raise CheckpointError(f"'{fqn}.{pname}': saved with weight blocks {block}, converted with {w.block}")
             attach_fp8_param(module, pname, q.contiguous().to(w.qdata.device), s.to(w.scale.device), w.dtype,
-                             w.transposed)
+                             w.transposed, block)
 
 
 def file_to_model_names(stored: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:

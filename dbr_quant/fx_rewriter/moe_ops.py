@@ -22,20 +22,22 @@ from torch import Tensor
 def fp8_moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13_q: Tensor, w13_scale: Tensor,
                     w2_q: Tensor, w2_scale: Tensor, x_scale: Tensor | None, h_scale: Tensor | None,
                     bias13: Tensor | None, bias2: Tensor | None, activation: str, fmt: str, per_token: bool,
-                    out_dtype: torch.dtype) -> Tensor:
+                    out_dtype: torch.dtype, block: list[int] | None = None, group: bool = False) -> Tensor:
     """x [T, H], topk_ids / topk_weights [T, k], w13_q [E, N1, H], w2_q [E, H_out, I] → [T, H_out].
-    Static activation scales when ``x_scale`` and ``h_scale`` are given, else dynamic (``per_token``)."""
+    Static activation scales when ``x_scale`` and ``h_scale`` are given, else dynamic (``per_token``, or per
+    token-group with ``group``). ``block``: block-scaled weights (scales [E, ⌈N/bn⌉, ⌈K/bk⌉])."""
     from ..formats import FP8Format
     from ..moe import fp8_experts_compute
 
     return fp8_experts_compute(x, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale, x_scale, h_scale,
                                bias13, bias2, activation=activation, fmt=FP8Format.parse(fmt),
-                               per_token=per_token, out_dtype=out_dtype)
+                               per_token=per_token, out_dtype=out_dtype,
+                               block=None if block is None else (block[0], block[1]), group=group)
 
 
 @fp8_moe_experts.register_fake
 def _(x, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale, x_scale, h_scale, bias13, bias2, activation,
-      fmt, per_token, out_dtype):
+      fmt, per_token, out_dtype, block=None, group=False):
     from .ops import _ensure_lowerings
 
     _ensure_lowerings()
@@ -54,8 +56,8 @@ fp8_moe_experts.register_autograd(_no_gradient, setup_context=lambda ctx, inputs
 
 
 def graph_fp8_moe_experts(x, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale, x_scale, h_scale, bias13,
-                          bias2, *, activation, fmt, per_token, out_dtype):
+                          bias2, *, activation, fmt, per_token, out_dtype, block=None, group=False):
     """The ``GraphOps`` entry (``fmt`` an ``FP8Format``)."""
     return torch.ops.dbr_quant.fp8_moe_experts(x, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale,
                                                x_scale, h_scale, bias13, bias2, activation or "", fmt.value,
-                                               per_token, out_dtype)
+                                               per_token, out_dtype, None if block is None else list(block), group)

@@ -125,7 +125,7 @@ def _projection(inspector: Any, module: nn.Module, st: MoeState, op: Any, rows: 
 
 def _hp_weight(param: torch.Tensor, transposed: bool) -> torch.Tensor:
     if type(param) is FP8Weight:
-        return kernels.dequantize(param.qdata, param.scale.unsqueeze(-1), param.dtype)
+        return kernels.dequantize(param.qdata, param.elementwise_scale(), param.dtype)
     w = param.detach()
     return w.transpose(-2, -1) if transposed else w
 
@@ -137,6 +137,9 @@ def _quantize_rows(st: MoeState, op: Any, index: int, rows: torch.Tensor | None,
     if rows is None:
         raise RuntimeError("expert input rows are needed to quantize them")
     cfg = op.qconfig.activation
+    if op.qconfig.dynamic and cfg.granularity == "group":  # block-scaled experts: per token per group
+        q, scale = kernels.group_quantize(rows, cfg.group_size, cfg.format)
+        return Quantized(q, scale, cfg.format, group=cfg.group_size)
     if op.qconfig.dynamic:
         scale = kernels.dynamic_scale(rows, cfg.format, per_token=cfg.granularity == "token")
     else:
@@ -157,10 +160,17 @@ def _static_scale(st: MoeState, op: Any, index: int) -> torch.Tensor:
 def _quantize_weight(st: MoeState, op: Any, param: torch.Tensor, w: torch.Tensor | None) -> Quantized:
     """The stored FP8 weight (converted, ``w`` None), or ``w`` [E, N, K] quantized as convert does."""
     cfg = op.qconfig.weight
+    if w is None and type(param) is FP8Weight and param.block is not None:
+        return Quantized(param.qdata, param.scale, cfg.format, block=param.block)
     if w is None and type(param) is FP8Weight:
         return Quantized(param.qdata, param.scale.unsqueeze(-1), cfg.format)
     if w is None:
         w = _hp_weight(param, st.spec.transposed)
+    if cfg.granularity == "block":  # as convert stores it (moe_weights.block_quantize_experts)
+        from ..moe_weights import block_quantize_experts
+
+        q, scale = block_quantize_experts(w, cfg.block, cfg.format)
+        return Quantized(q, scale, cfg.format, block=cfg.block)
     num_e, n, k = w.shape
     observer = cfg.observer.create(cfg.format, 0)
     if cfg.granularity == "channel":
@@ -185,6 +195,12 @@ def _gemm(x: dict[str, torch.Tensor], q: dict[str, Quantized] | None, offsets: l
             continue
         qi, qw = q["input"], q["weight"]
         xs = qi.scale[lo:hi] if qi.scale.dim() else qi.scale
+        if qw.block is not None:  # block GEMM: one x scale per row per K block (coarser ones repeated)
+            kb = -(-qw.data.shape[-1] // qw.block[1])
+            xs = xs if qi.group is not None else xs.float().reshape(-1, 1).expand(hi - lo, kb)
+            out[lo:hi] = kernels.fp8_block_linear(qi.data[lo:hi], xs, qw.data[e], qw.scale[e], block=qw.block,
+                                                  out_dtype=dtype)
+            continue
         out[lo:hi] = kernels.fp8_linear(qi.data[lo:hi], xs, qw.data[e], qw.scale[e].reshape(-1), out_dtype=dtype)
     return out
 

@@ -58,6 +58,9 @@ class Quantized:
     def elementwise_scale(self) -> torch.Tensor:
         from ..kernels import reference_block
 
+        if self.block is not None and self.data.dim() == 3:  # MoE experts [E, N, K]: a block grid per expert
+            return torch.stack([reference_block.expand_block_scale(s, tuple(self.data.shape[1:]), self.block)
+                                for s in self.scale])
         if self.block is not None:
             return reference_block.expand_block_scale(self.scale, tuple(self.data.shape), self.block)
         if self.group is not None:

@@ -32,7 +32,8 @@ __all__ = [
     "use_cpu_gemm",
     "quantize", "dynamic_quantize", "dequantize", "dynamic_scale", "fp8_linear", "fp8_mlp", "fp8_matmul",
     "fp8_attention", "layer_norm_quantize", "MoeRouting", "moe_route", "moe_quantize", "fp8_grouped_linear",
-    "fp8_moe_block", "block_quantize_weight", "group_quantize", "layer_norm_group_quantize", "fp8_block_linear",
+    "fp8_moe_block", "fp8_grouped_block_linear", "block_quantize_weight", "group_quantize",
+    "layer_norm_group_quantize", "fp8_block_linear",
 ]
 
 
@@ -158,6 +159,24 @@ def fp8_grouped_linear(x_q, x_scale, w_q, w_scale, routing: MoeRouting, *, x_sor
     if impl is not reference_grouped and deterministic and topk_weights is not None and routing.top_k > 1:
         record_launch("moe_sum")  # the Triton path's fixed-order combine (the reference's is part of its loop)
     return impl.fp8_grouped_linear(x_q, x_scale, w_q, w_scale, routing, deterministic=deterministic, **kw)
+
+
+def fp8_grouped_block_linear(x_q, x_scale, w_q, w_scale, routing: MoeRouting, *, block, x_sorted=False, bias=None,
+                             activation=None, out_dtype=torch.float32, topk_weights=None) -> torch.Tensor:
+    """Block-scaled MoE experts: every expert's rows (per-token-group scales ``x_scale`` [rows, ⌈K/bk⌉])
+    against its weight ``w_q[e]`` with block scales ``w_scale[e]`` (see
+    reference_grouped.fp8_grouped_block_linear). Reference path only: one block GEMM per expert hit."""
+    kw = dict(block=block, x_sorted=x_sorted, bias=bias, activation=activation, out_dtype=out_dtype,
+              topk_weights=topk_weights)
+    if (ops := graph_ops()) is not None:
+        return _graph_op(ops, "fp8_grouped_block_linear")(x_q, x_scale, w_q, w_scale, routing, **kw)
+    if _impl(x_q, reference_grouped) is not reference_grouped:
+        raise NotImplementedError(
+            "fp8_grouped_block_linear: the Triton grouped GEMM has no block scales yet; run block-scaled MoE "
+            "experts on the reference backend (kernels.use_backend('reference'), or DBR_QUANT_BACKEND=reference), "
+            "or convert the experts with per-channel weights (QConfig override on '.*experts')")
+    record_launch("fp8_grouped_block_linear")
+    return reference_grouped.fp8_grouped_block_linear(x_q, x_scale, w_q, w_scale, routing, **kw)
 
 
 def fp8_moe_block(x: torch.Tensor, routing: MoeRouting, topk_weights: torch.Tensor, w13_q: torch.Tensor,

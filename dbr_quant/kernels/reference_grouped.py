@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import FP8Format
-from . import reference
+from . import reference, reference_block
 from .moe_routing import MoeRouting, expert_out_scale, expert_weight_scale, input_scale_kind
 
 
@@ -75,6 +75,57 @@ def fp8_grouped_linear(
         y_rows[lo:hi] = reference.fp8_linear(
             x_q[src], xs, w_q[e], ws, bias=None if bias is None else bias[e], activation=activation,
             out_dtype=torch.float32 if scatter else out_dtype, out_scale=os, out_fmt=out_fmt, exact=exact)
+    if not scatter:
+        return y_rows
+    y_rows.mul_(routing.row_weights(topk_weights)[:, None])
+    out = torch.zeros((routing.num_tokens, n), dtype=torch.float32, device=x_q.device)
+    return out.index_add_(0, tokens, y_rows).to(out_dtype)
+
+
+def fp8_grouped_block_linear(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    routing: MoeRouting,
+    *,
+    block: tuple[int, int],
+    x_sorted: bool = False,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    topk_weights: torch.Tensor | None = None,
+    exact: bool = False,
+) -> torch.Tensor:
+    """Block-scaled experts: per expert ``e``, :func:`reference_block.fp8_block_linear` of its rows with
+    ``w_scale[e]`` [⌈N/bn⌉, ⌈K/bk⌉] (gated: [gate; up] blocked half by half, 2·⌈N/2/bn⌉ rows) and the rows'
+    per-token-group scales ``x_scale`` [rows, ⌈K/bk⌉] (token order, or sorted rows with ``x_sorted``), applied
+    per K block in fp32. Output, ``topk_weights`` combine and ``x_sorted`` as :func:`fp8_grouped_linear`
+    (no FP8 output: the next projection's group scales come from this output)."""
+    op = "fp8_grouped_block_linear"
+    check_grouped_args(x_q, w_q, routing, x_sorted, activation, None, topk_weights, op)
+    bn, bk = reference_block.check_block(block)
+    num_e, n_w, k = w_q.shape
+    rows_in = x_q.shape[0]
+    if tuple(x_scale.shape) != (rows_in, -(-k // bk)):
+        raise ValueError(f"{op}: x_scale must be [{rows_in}, {-(-k // bk)}] (one scale per row per group of {bk} "
+                         f"channels), got {tuple(x_scale.shape)}")
+    if w_scale.dim() != 3 or w_scale.shape[0] != num_e:
+        raise ValueError(f"{op}: w_scale must be [E={num_e}, row blocks, K blocks] (one block grid per expert), got "
+                         f"{tuple(w_scale.shape)}")
+    n = n_w // 2 if activation in reference.GATED else n_w
+    scatter = topk_weights is not None
+    tokens = routing.tokens
+    y_rows = torch.empty((routing.num_rows, n), dtype=torch.float32 if scatter else out_dtype, device=x_q.device)
+    offsets = routing.expert_offsets.tolist()
+    for e in range(num_e):
+        lo, hi = offsets[e], offsets[e + 1]
+        if lo == hi:
+            continue
+        src = slice(lo, hi) if x_sorted else tokens[lo:hi]
+        y_rows[lo:hi] = reference_block.fp8_block_linear(
+            x_q[src], x_scale[src], w_q[e], w_scale[e], block=(bn, bk), bias=None if bias is None else bias[e],
+            activation=activation, out_dtype=torch.float32 if scatter else out_dtype, exact=exact)
     if not scatter:
         return y_rows
     y_rows.mul_(routing.row_weights(topk_weights)[:, None])

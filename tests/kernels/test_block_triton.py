@@ -18,7 +18,7 @@ from unittest import mock
 import pytest
 import torch
 import triton
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_triton_gemm import _jit_signature, _Recorder
 from test_triton_norm import fp8_ordinal
@@ -75,6 +75,8 @@ def _magnitude(x_q, x_s, w_q, w_s, block, bias, gated):
     out=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, FP8Format.E4M3, FP8Format.E5M2]),
     seed=st.integers(0, 2**16),
 )
+@example(m=1, n=17, k=64, lead=(2,), block=(7, 32), fmt_x=FP8Format.E4M3, fmt_w=FP8Format.E5M2, has_bias=False,
+         activation="gelu", residual=None, out=FP8Format.E5M2, seed=709)  # gelu's tail in E5M2 subnormals
 def test_fp8_block_linear_matches_reference(m, n, k, lead, block, fmt_x, fmt_w, has_bias, activation, residual, out,
                                             seed):
     gen = torch.Generator().manual_seed(seed)
@@ -94,7 +96,14 @@ def test_fp8_block_linear_matches_reference(m, n, k, lead, block, fmt_x, fmt_w, 
     if isinstance(out, FP8Format):
         want = R.quantize(ref, out_scale, out)
         steps = (fp8_ordinal(got) - fp8_ordinal(want)).abs()
-        assert steps.max() <= 1 and (steps != 0).sum() <= max(1, int(0.01 * got.numel()))
+        # Far in an activation's tail fp32 itself is noise: gelu(-5.35) = 0.5·x·(1 + erf) cancels to a multiple
+        # of |x|·2**-24 (torch fp32 -1.59e-7, the exact reference -3.19e-7, true -2.36e-7), and E5M2 subnormals
+        # are finer than that (seed 709: 4 steps). Such elements are compared absolutely, with the float tolerance.
+        tol = REL * (_magnitude(x_q, x_s, w_q, w_s, block, bias, gated) + ref.abs().max().item()) + 1e-30
+        noise = (got.float() * out_scale - ref).abs() <= tol
+        off = (steps != 0) & ~noise
+        assert not ((steps > 1) & ~noise).any()
+        assert off.sum() <= max(1, int(0.01 * got.numel()))
         return
     assert got.dtype == out
     tol = REL * (_magnitude(x_q, x_s, w_q, w_s, block, bias, gated) + ref.abs().max().item()) + 1e-30
