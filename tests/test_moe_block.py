@@ -20,6 +20,7 @@ from transformers import MixtralConfig, MixtralForCausalLM
 
 import dbr_quant as dq
 from dbr_quant import kernels
+from dbr_quant.kernels import reference
 from dbr_quant.moe import EXPERTS
 from dbr_quant.weights import FP8Weight
 
@@ -89,19 +90,22 @@ def test_every_expert_weight_has_its_own_block_grid_with_the_layouts_scales(bloc
 
 def _emulate(x, ids, weights, w13, w2, bn, bk):
     """The experts call from the stored FP8 bytes and block scales alone: per token-group dynamic scales
-    (amax / 448 of each 1×bk slice), per expert fp64 partial products of each K block rounded to bf16 (the CPU
-    reference's bf16 GEMMs) times x-group scale times weight-block scale, SwiGLU, h quantized the same way,
+    (amax / 448 of each 1×bk slice), per expert fp64 partial products of each K block, rounded to bf16 where
+    the CPU reference runs bf16 GEMMs, times x-group scale times weight-block scale, SwiGLU, h quantized the same way,
     then the routing-weighted sum."""
     def group_q(v):  # [K] → (fp8 values [K], scale per element [K])
         s = torch.stack([v[j:j + bk].abs().max() / FP8_MAX for j in range(0, v.shape[0], bk)]).float()
         s = torch.where(s > 0, s, torch.ones_like(s)).repeat_interleave(bk)[: v.shape[0]]
         return _fp8(v, s), s.double()
 
-    def gemm(vq, vs, wq, ws):  # vq, vs [K]; wq [N, K] fp8; ws [⌈N/bn⌉, ⌈K/bk⌉]
+    def gemm(vq, vs, wq, ws, e):  # vq, vs [K]; wq [N, K] fp8; ws [⌈N/bn⌉, ⌈K/bk⌉]
         n, k = wq.shape
+        rows = torch.empty(int((ids == e).sum()), k)  # expert e's rows: the operand the reference GEMM sees
+        bf16 = reference.gemm_dtype(rows, wq) == torch.bfloat16  # small operands: exact fp32 GEMMs
         acc = torch.zeros(n, dtype=torch.float64)
         for kb, j in enumerate(range(0, k, bk)):
-            part = (wq[:, j:j + bk].double() @ vq[j:j + bk]).to(torch.bfloat16).double()
+            part = wq[:, j:j + bk].double() @ vq[j:j + bk]
+            part = part.to(torch.bfloat16).double() if bf16 else part
             acc += part * vs[j] * ws[:, kb].double().repeat_interleave(bn)[:n]
         return acc
 
@@ -110,10 +114,10 @@ def _emulate(x, ids, weights, w13, w2, bn, bk):
         xq, xs = group_q(x[t])
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
-            gu = gemm(xq, xs, w13.qdata[e], w13.scale[e])
+            gu = gemm(xq, xs, w13.qdata[e], w13.scale[e], e)
             h = (F.silu(gu[: INTER]) * gu[INTER:]).float()  # the GEMM output is fp32 (the model's dtype)
             hq, hs = group_q(h)
-            out[t] += weights[t, j].double() * gemm(hq, hs, w2.qdata[e], w2.scale[e])
+            out[t] += weights[t, j].double() * gemm(hq, hs, w2.qdata[e], w2.scale[e], e)
     return out
 
 

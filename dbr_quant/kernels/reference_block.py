@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import FP8Format, safe_scale
-from .reference import GATED, fp8_to_bf16, linear_epilogue, quantize
+from .reference import GATED, fp8_upcast, gemm_dtype, linear_epilogue, quantize
 
 DEFAULT_BLOCK = (128, 128)
 DEFAULT_GROUP = 128
@@ -170,10 +170,12 @@ def check_block_linear_operands(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: t
 
 
 def block_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-               block: tuple[int, int], exact: bool = False) -> torch.Tensor:
+               block: tuple[int, int], exact: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:
     """fp32 ``Σ_kb (x_q[:, kb] · w_q[:, kb]ᵀ) · x_scale[:, kb] · w_scale[n // bn, kb]`` for x_q [M, K], x_scale
-    [M, KB], w_q [N, K], w_scale [⌈N/bn⌉, KB]. ``exact``: fp32 partial products; else bf16 GEMMs of the exact
-    FP8 values (fp32 accumulate inside, each partial rounded once to bf16, as reference.fp8_linear's fast path)."""
+    [M, KB], w_q [N, K], w_scale [⌈N/bn⌉, KB]. ``exact``: fp32 partial products; else GEMMs of the exact FP8
+    values in the CPU GEMM path's dtype (fp32 accumulate inside; on the bf16 path each partial is rounded once
+    to bf16, as reference.fp8_linear's fast path). ``dtype``: that GEMM dtype when the caller decided it for a
+    larger weight (the halves of a gated one run as the whole weight would)."""
     bn, bk = block
     k, n = x_q.shape[-1], w_q.shape[0]
     w_cols = w_scale.float().repeat_interleave(bn, 0)[:n]  # [N, KB]: the scale of each output column
@@ -181,7 +183,8 @@ def block_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_sc
     if exact:
         x_c, w_c = x_q.float(), w_q.float()
     else:
-        x_c, w_c = fp8_to_bf16(x_q), fp8_to_bf16(w_q, reuse_buffer=True)  # scratch: read only in this call
+        dtype = dtype or gemm_dtype(x_q, w_q)  # the CPU GEMM path's (bf16 only where the CPU has BF16 dot products)
+        x_c, w_c = fp8_upcast(x_q, dtype), fp8_upcast(w_q, dtype, reuse_buffer=True)  # scratch: read only here
     acc = torch.zeros(x_q.shape[0], n, dtype=torch.float32, device=x_q.device)
     for kb, start in enumerate(range(0, k, bk)):
         part = F.linear(x_c[:, start:start + bk], w_c[:, start:start + bk]).float()
@@ -218,7 +221,8 @@ def fp8_block_linear(
     x2, xs2 = x_q.reshape(-1, k), x_scale.reshape(-1, x_scale.shape[-1])
     if gated:
         halves = ((w_q[:n], w_scale[:rows]), (w_q[n:], w_scale[rows:]))
-        acc = torch.cat([block_gemm(x2, xs2, w, s, (bn, bk), exact) for w, s in halves], dim=-1)
+        dtype = gemm_dtype(x2, w_q)  # decided on the whole [gate; up]: as an ungated GEMM of it would run
+        acc = torch.cat([block_gemm(x2, xs2, w, s, (bn, bk), exact, dtype) for w, s in halves], dim=-1)
     else:
         acc = block_gemm(x2, xs2, w_q, w_scale, (bn, bk), exact)
     if bias is not None:
