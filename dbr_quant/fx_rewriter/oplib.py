@@ -31,6 +31,7 @@ LIB = torch.library.Library("dbr_quant", "FRAGMENT")  # a module global: the reg
 _BELOW_AUTOGRAD = _C._after_autograd_keyset
 _BELOW_INPLACE_OR_VIEW = _C._after_ADInplaceOrView_keyset
 _PLAIN_BACKENDS = frozenset({_C.DispatchKey.CPU, _C.DispatchKey.CUDA})
+OPS: dict[str, Op] = {}  # every op defined here, by name (tests check each one's registrations)
 _plain_keysets: dict[int, bool] = {}  # DispatchKeySet.raw_repr() → nothing but a CPU/CUDA kernel below autograd
 
 
@@ -85,6 +86,7 @@ class Op:
                 return op.redispatch(keyset & _BELOW_AUTOGRAD, *args)
 
         LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+        OPS[name] = self
 
     def register_fake(self, fake: Callable) -> Callable:
         torch.library.register_fake(f"dbr_quant::{self.name}", fake, lib=LIB)
