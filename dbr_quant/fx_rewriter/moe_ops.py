@@ -17,8 +17,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .oplib import define
 
-@torch.library.custom_op("dbr_quant::fp8_moe_experts", mutates_args=())
+
+@define("fp8_moe_experts")
 def fp8_moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13_q: Tensor, w13_scale: Tensor,
                     w2_q: Tensor, w2_scale: Tensor, x_scale: Tensor | None, h_scale: Tensor | None,
                     bias13: Tensor | None, bias2: Tensor | None, activation: str, fmt: str, per_token: bool,
@@ -43,16 +45,6 @@ def _(x, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale, x_scale, h_sc
     _ensure_lowerings()
     torch._check(topk_ids.shape[0] == x.shape[0], lambda: "fp8_moe_experts: topk_ids must have one row per token")
     return x.new_empty((x.shape[0], w2_q.shape[1]), dtype=out_dtype)
-
-
-def _no_gradient(ctx, *grads):
-    raise RuntimeError(
-        "dbr_quant::fp8_moe_experts has no gradient: FP8 models from dbr_quant.convert are for inference. Run "
-        "them under torch.no_grad() / torch.inference_mode(); fine-tune the high-precision model, then "
-        "prepare/convert again.")
-
-
-fp8_moe_experts.register_autograd(_no_gradient, setup_context=lambda ctx, inputs, output: None)
 
 
 def graph_fp8_moe_experts(x, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale, x_scale, h_scale, bias13,

@@ -1,9 +1,11 @@
-"""``torch.library`` custom ops (namespace ``dbr_quant``): the FP8 kernels as opaque graph leaves.
+"""``torch.library`` ops (namespace ``dbr_quant``, registered by ``oplib.define``): the FP8 kernels as opaque
+graph leaves.
 
 Each op runs the same kernel dispatch as eager (``dbr_quant.kernels``) and has a fake implementation
 that only computes the output's shape and dtype, so ``torch.export`` and ``torch.compile`` trace them
 as single nodes. :class:`GraphOps` is the table that kernel entry points call while a graph is
-captured (see ``kernels.dispatch.capture_with``).
+captured (see ``kernels.dispatch.capture_with``). A backward through any op is a clear error (``oplib``):
+these ops are for inference.
 """
 
 from __future__ import annotations
@@ -15,13 +17,18 @@ from .. import kernels
 from ..formats import FP8Format
 from ..kernels.reference import GATED
 from .moe_ops import graph_fp8_moe_experts
+from .oplib import define
+
+_FORMATS = {f.value: f for f in FP8Format}
 
 
 def _fmt(name: str) -> FP8Format:
-    return FP8Format.parse(name)
+    """The format an op's ``fmt`` string names (a dict look-up: this runs on every op call)."""
+    fmt = _FORMATS.get(name)
+    return fmt if fmt is not None else FP8Format.parse(name)
 
 
-@torch.library.custom_op("dbr_quant::quantize", mutates_args=())
+@define("quantize")
 def quantize(x: Tensor, scale: Tensor, fmt: str) -> Tensor:
     return kernels.quantize(x, scale, _fmt(fmt))
 
@@ -32,7 +39,7 @@ def _(x, scale, fmt):
     return torch.empty_like(x, dtype=_fmt(fmt).dtype)
 
 
-@torch.library.custom_op("dbr_quant::dequantize", mutates_args=())
+@define("dequantize")
 def dequantize(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     return kernels.dequantize(q, scale, dtype)
 
@@ -43,7 +50,7 @@ def _(q, scale, dtype):
     return torch.empty_like(q, dtype=dtype)
 
 
-@torch.library.custom_op("dbr_quant::fp8_to_bf16", mutates_args=())
+@define("fp8_to_bf16")
 def fp8_to_bf16(q: Tensor) -> Tensor:
     """Exact FP8 → bf16 upcast (the reference backend's bit moves). Not emitted by rewrite(): the inductor
     lowering of fp8_linear calls it for weights, whose upcast inductor's own code does 10× slower."""
@@ -58,7 +65,7 @@ def _(q):
     return torch.empty_like(q, dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("dbr_quant::fp8_to_fp32", mutates_args=())
+@define("fp8_to_fp32")
 def fp8_to_fp32(q: Tensor) -> Tensor:
     """Exact FP8 → fp32 upcast (bit moves), for the fp32 CPU GEMM path; used like ``fp8_to_bf16``."""
     from ..kernels import reference
@@ -72,7 +79,7 @@ def _(q):
     return torch.empty_like(q, dtype=torch.float32)
 
 
-@torch.library.custom_op("dbr_quant::dynamic_scale", mutates_args=())
+@define("dynamic_scale")
 def dynamic_scale(x: Tensor, fmt: str, per_token: bool) -> Tensor:
     return kernels.dynamic_scale(x, _fmt(fmt), per_token)
 
@@ -84,7 +91,7 @@ def _(x, fmt, per_token):
     return x.new_empty(shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("dbr_quant::dynamic_quantize", mutates_args=())
+@define("dynamic_quantize")
 def dynamic_quantize(x: Tensor, fmt: str, per_token: bool) -> tuple[Tensor, Tensor]:
     q, scale = kernels.dynamic_quantize(x, _fmt(fmt), per_token)
     return q, scale
@@ -97,7 +104,7 @@ def _(x, fmt, per_token):
     return torch.empty_like(x, dtype=_fmt(fmt).dtype), x.new_empty(shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("dbr_quant::fp8_linear", mutates_args=())
+@define("fp8_linear")
 def fp8_linear(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, bias: Tensor | None,
                activation: str, residual: Tensor | None, out_dtype: torch.dtype, out_scale: Tensor | None,
                out_fmt: str) -> Tensor:
@@ -113,7 +120,7 @@ def _(x_q, x_scale, w_q, w_scale, bias, activation, residual, out_dtype, out_sca
     return x_q.new_empty((*x_q.shape[:-1], n), dtype=dtype)
 
 
-@torch.library.custom_op("dbr_quant::fp8_mlp", mutates_args=())
+@define("fp8_mlp")
 def fp8_mlp(x_q: Tensor, x_scale: Tensor, w1_q: Tensor, w1_scale: Tensor, b1: Tensor | None, activation: str,
             h_scale: Tensor, h_fmt: str, w2_q: Tensor, w2_scale: Tensor, b2: Tensor | None, residual: Tensor | None,
             out_dtype: torch.dtype) -> Tensor:
@@ -127,7 +134,7 @@ def _(x_q, x_scale, w1_q, w1_scale, b1, activation, h_scale, h_fmt, w2_q, w2_sca
     return x_q.new_empty((*x_q.shape[:-1], w2_q.shape[0]), dtype=out_dtype)
 
 
-@torch.library.custom_op("dbr_quant::layer_norm_quantize", mutates_args=())
+@define("layer_norm_quantize")
 def layer_norm_quantize(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, scale: Tensor,
                         fmt: str, rms: bool) -> tuple[Tensor, Tensor]:
     y, q = kernels.layer_norm_quantize(x, weight, bias, eps, scale, _fmt(fmt), rms=rms)
@@ -140,7 +147,7 @@ def _(x, weight, bias, eps, scale, fmt, rms):
     return torch.empty_like(x), torch.empty_like(x, dtype=_fmt(fmt).dtype)
 
 
-@torch.library.custom_op("dbr_quant::fp8_matmul", mutates_args=())
+@define("fp8_matmul")
 def fp8_matmul(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor) -> Tensor:
     return kernels.fp8_matmul(a_q, a_scale, b_q, b_scale)
 
@@ -153,7 +160,7 @@ def _(a_q, a_scale, b_q, b_scale):
                        dtype=torch.float32, device=a_q.device)
 
 
-@torch.library.custom_op("dbr_quant::fp8_attention", mutates_args=())
+@define("fp8_attention")
 def fp8_attention(q_q: Tensor, q_scale: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Tensor,
                   attn_mask: Tensor | None, is_causal: bool, softmax_scale: float | None, p_scale: Tensor | None,
                   fmt: str) -> Tensor:
@@ -169,7 +176,7 @@ def _(q_q, q_scale, k_q, k_scale, v_q, v_scale, attn_mask, is_causal, softmax_sc
 
 # ----------------------------------------------------------------------------- block-scaled FP8 (opaque ops:
 # no inductor decomposition yet, so under torch.compile they run the eager kernels as single graph nodes)
-@torch.library.custom_op("dbr_quant::block_quantize_weight", mutates_args=())
+@define("block_quantize_weight")
 def block_quantize_weight(w: Tensor, block: list[int], fmt: str) -> tuple[Tensor, Tensor]:
     q, scale = kernels.block_quantize_weight(w, tuple(block), _fmt(fmt))
     return q, scale
@@ -186,7 +193,7 @@ def _group_scale_shape(x: Tensor, group: int) -> tuple:
     return (*x.shape[:-1], -(-x.shape[-1] // group))
 
 
-@torch.library.custom_op("dbr_quant::group_quantize", mutates_args=())
+@define("group_quantize")
 def group_quantize(x: Tensor, group: int, fmt: str) -> tuple[Tensor, Tensor]:
     q, scale = kernels.group_quantize(x, group, _fmt(fmt))
     return q, scale
@@ -198,7 +205,7 @@ def _(x, group, fmt):
     return torch.empty_like(x, dtype=_fmt(fmt).dtype), x.new_empty(_group_scale_shape(x, group), dtype=torch.float32)
 
 
-@torch.library.custom_op("dbr_quant::layer_norm_group_quantize", mutates_args=())
+@define("layer_norm_group_quantize")
 def layer_norm_group_quantize(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, group: int,
                               fmt: str, rms: bool) -> tuple[Tensor, Tensor, Tensor]:
     y, q, scale = kernels.layer_norm_group_quantize(x, weight, bias, eps, group, _fmt(fmt), rms=rms)
@@ -212,7 +219,7 @@ def _(x, weight, bias, eps, group, fmt, rms):
             x.new_empty(_group_scale_shape(x, group), dtype=torch.float32))
 
 
-@torch.library.custom_op("dbr_quant::fp8_block_linear", mutates_args=())
+@define("fp8_block_linear")
 def fp8_block_linear(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, block: list[int],
                      bias: Tensor | None, activation: str, residual: Tensor | None, out_dtype: torch.dtype,
                      out_scale: Tensor | None, out_fmt: str) -> Tensor:
@@ -227,31 +234,6 @@ def _(x_q, x_scale, w_q, w_scale, block, bias, activation, residual, out_dtype, 
     n = w_q.shape[0] // 2 if activation in ("swiglu", "geglu") else w_q.shape[0]
     dtype = out_dtype if out_scale is None else _fmt(out_fmt).dtype
     return x_q.new_empty((*x_q.shape[:-1], n), dtype=dtype)
-
-
-def _inference_only(name: str):
-    """Autograd for an FP8 op: these ops are for inference, a backward through them is a clear error.
-
-    Registered so that the graph still runs (eager or compiled) with grad mode on — the default state of
-    a script — when nothing needs a gradient; only a backward that reaches an FP8 op raises."""
-
-    def backward(ctx, *grads):
-        raise RuntimeError(
-            f"dbr_quant::{name} has no gradient: FP8 models from dbr_quant.convert are for inference. Run them "
-            "under torch.no_grad() / torch.inference_mode() and do not call backward through them (inputs and "
-            "parameters that require grad do); fine-tune the high-precision model, then prepare/convert again.")
-
-    def setup_context(ctx, inputs, output):
-        pass
-
-    return backward, setup_context
-
-
-for _op in (quantize, dequantize, fp8_to_bf16, dynamic_scale, dynamic_quantize, fp8_linear, fp8_mlp,
-            layer_norm_quantize, fp8_matmul, fp8_attention, block_quantize_weight, group_quantize,
-            layer_norm_group_quantize, fp8_block_linear):
-    _backward, _setup = _inference_only(_op._name.split("::")[-1])
-    _op.register_autograd(_backward, setup_context=_setup)
 
 
 class GraphOps:
