@@ -108,6 +108,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="sentences per calibration batch")
     parser.add_argument("--tune-sentences", type=int, default=64, help="calibration sentences the fallback is tuned on")
     parser.add_argument("--budget", type=float, default=0.1, help="max_high_precision_flops of the fallback row")
+    parser.add_argument("--act-order", action="store_true", help="GPTQOptions(act_order=True)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -129,7 +130,8 @@ def main() -> None:
         tune = [encode(tok, tune_s[i:i + args.batch]) for i in range(0, len(tune_s), args.batch)]
         real_tokens = sum(int(b["attention_mask"].sum()) for b in calib)
         for rounding in args.roundings.split(","):
-            p = dq.prepare(model, example_kwargs=calib[0], qconfig=dq.QConfig(weight_rounding=rounding))
+            p = dq.prepare(model, example_kwargs=calib[0], qconfig=dq.QConfig(weight_rounding=rounding,
+                                                                          gptq=dq.GPTQOptions(act_order=args.act_order)))
             dq.calibrate(p, calib, progress=False)
             cpu = time.process_time()
             c = dq.convert(p)
