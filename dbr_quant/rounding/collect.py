@@ -9,7 +9,11 @@ modulo ``GPTQOptions.folds``, so a batch's tokens are never split across folds.
 Memory: folds · in_features² · 8 bytes (fp64 sums) per GPTQ linear, on the device its inputs arrive on, held
 from the first calibration batch until convert (e.g. 2 folds: 2.4 MB for a 384-wide MiniLM linear, 268 MB
 for a 4096-wide one, 3.3 GB for a 14336-wide down projection). Where that does not fit, restrict GPTQ to the
-linears that need it with ``Override(pattern=..., weight_rounding="gptq")`` and a ``"nearest"`` default.
+linears that need it with ``Override(pattern=..., weight_rounding="gptq")`` and a ``"nearest"`` default, or go
+module by module: one prepare → calibrate → convert pass per group of linears that fits, GPTQ only for that
+group, keeping that group's ``weight`` entries from each pass's state_dict. Calibration runs in fp32, so every
+pass has the same scales and the merged state_dict equals the one-pass model (tested); it costs one
+calibration per group.
 ``convert`` frees each accumulator as soon as its linear is rounded; ``convert(inplace=False)`` copies the
 prepared model (and its accumulators) first, as it copies the weights.
 

@@ -151,6 +151,31 @@ def test_nearest_keeps_no_hessians_and_override_picks_the_gptq_linears():
         assert torch.equal(_weights(c)[name][0].view(torch.uint8), nearest[name][0].view(torch.uint8))
 
 
+def test_module_by_module_passes_merge_into_the_one_pass_model():
+    """Where all Hessians do not fit at once (rounding/collect.py): one calibrate/convert pass per group of
+    linears, GPTQ only for that group; calibration runs in fp32, so each group's bytes and every scale equal
+    the single pass's, and the passes' state_dicts merge into the one-pass model."""
+    model, batches = _model(), _batches(6)
+    one_pass = _convert(model, dq.QConfig(weight_rounding="gptq"), batches)
+    target = _convert(model, dq.QConfig(), batches)  # nearest everywhere until the passes' weights load
+    merged = dict(target.state_dict())
+    for name in ("fc1", "fc2", "out"):
+        c = _convert(model, dq.QConfig(overrides=(dq.Override(pattern=f"^{name}$", weight_rounding="gptq"),)),
+                     batches)
+        assert gptq_report(c).keys() == {name}
+        merged[f"{name}.weight"] = c.state_dict()[f"{name}.weight"]
+        for other, (q, s) in _weights(one_pass).items():
+            assert torch.equal(s, _weights(c)[other][1])
+            if other == name:
+                assert torch.equal(q.view(torch.uint8), _weights(c)[name][0].view(torch.uint8))
+    with torch.no_grad():
+        assert not torch.equal(target(torch.ones(1, 2, D)), one_pass(torch.ones(1, 2, D)))
+    target.load_state_dict(merged)
+    x = torch.randn(3, 7, D)
+    with torch.no_grad():
+        assert torch.equal(target(x), one_pass(x))
+
+
 def test_errors_name_what_to_do():
     with pytest.raises(ValueError, match="granularity 'block'"):
         dq.QConfig.fp8_block(weight_rounding="gptq")
