@@ -32,7 +32,7 @@ test: $(VENV_STAMP) $(NEXT_STAMP)
 	DBR_TRITON_NEXT_PYTHON=$(CURDIR)/$(NEXT_PY) $(PY) -m pytest -q -ra
 
 bench: $(VENV_STAMP)
-	$(PY) benchmarks/run.py --rounds 25
+	$(PY) benchmarks/run.py --threads 1 --rounds 7
 
 clean:
 	rm -rf .venv .venv-triton-next .pytest_cache build *.egg-info
