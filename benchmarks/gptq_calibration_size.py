@@ -45,20 +45,24 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 import pathlib
 import random
 import re
+import sys
 import sysconfig
 import time
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 import dbr_quant as dq
 import dbr_quant.inspect as dqi
 from dbr_quant.examples.minilm import CALIBRATION_SENTENCES, EVAL_SENTENCES, encode, load_minilm, sentence_embeddings
 from dbr_quant.rounding.collect import gptq_report
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gptq_fallback_minilm import heldout  # noqa: E402  (the same held-out measurement)
 
 _SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "turtledemo", "__pycache__"}
 _SPLIT = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
@@ -99,12 +103,6 @@ def calibration_set(tokenizer, corpus: list[str], tokens: int) -> list[str]:
         sentences.append(s)
         count += int(encode(tokenizer, [s])["attention_mask"].sum())
     return sentences
-
-
-def heldout(converted, model, evaluation, ref, fallback=()) -> torch.Tensor:
-    with dqi.fallback_applied(converted, fallback, reference=model):
-        emb = sentence_embeddings(converted, evaluation)
-    return F.cosine_similarity(emb, ref, dim=-1)
 
 
 def main() -> None:
