@@ -140,8 +140,13 @@ def _gemm_operand(q: Tensor, dtype: torch.dtype) -> Tensor:
 
 def fp8_linear(x_q, x_scale, w_q, w_scale, bias, activation, residual, out_dtype, out_scale, out_fmt) -> Tensor:
     dtype = reference.gemm_dtype(x_q, w_q)
-    acc = F.linear(_gemm_operand(x_q, dtype), _gemm_operand(w_q, dtype))  # fp32 accumulation, as the reference
-    y = reference.dequantize_accumulator(acc, x_scale * w_scale, bias)
+    if dtype == torch.float32:  # operands dequantized first, as reference.dequantize_operand
+        w_rows = w_scale.reshape(-1, 1) if w_scale.dim() else w_scale
+        y = F.linear(_gemm_operand(x_q, dtype) * x_scale.float(), _gemm_operand(w_q, dtype) * w_rows.float(),
+                     None if bias is None else bias.float())
+    else:
+        acc = F.linear(_gemm_operand(x_q, dtype), _gemm_operand(w_q, dtype))  # fp32 accumulation, as the reference
+        y = reference.dequantize_accumulator(acc, x_scale * w_scale, bias)
     return reference.linear_epilogue(y, activation or None, residual, out_dtype, out_scale,
                                      FP8Format.parse(out_fmt), quantize=quantize, inplace=False)
 
