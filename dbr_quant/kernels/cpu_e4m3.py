@@ -130,8 +130,47 @@ void dbr_quantize_e4m3_bf16(const uint16_t *x, uint8_t *dst, int64_t rows, int64
         }
     }
 }
+
+/* A small FP8 linear in one call (both operands ≤ SMALL elements, checked by the caller), where torch's per-op
+   cost, not arithmetic, is the time: y[m,n] = act(Σ_k (x[m,k]·sx[m]) · (w[n,k]·sw[n]) + b[n]) + r[m,n], the
+   operands dequantized first as the reference's fp32 GEMMs do, the sum in k order with every product and
+   every addition rounded to fp32 (built with -ffp-contract=off: no fused multiply-adds). act: 0 none, 1 relu
+   (torch's: NaN and -0 pass). Output fp32, or E4M3 codes of y·(1/so) when out_q is given. */
+#define SMALL 4096
+void dbr_small_linear(const uint8_t *xq, const float *xs, int64_t xs_stride, const uint8_t *wq, const float *ws,
+                      int64_t ws_stride, const float *bias, const float *residual, int32_t act, int64_t M,
+                      int64_t N, int64_t K, float *out, uint8_t *out_q, const float *out_scale) {
+    float xd[SMALL], wd[SMALL];
+    for (int64_t n = 0; n < N; ++n)
+        for (int64_t k = 0; k < K; ++k) {
+            uint32_t bits = e4m3_bits(wq[n * K + k]);
+            float v;
+            memcpy(&v, &bits, 4);
+            wd[n * K + k] = v * ws[n * ws_stride];
+        }
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) {
+            uint32_t bits = e4m3_bits(xq[m * K + k]);
+            float v;
+            memcpy(&v, &bits, 4);
+            xd[m * K + k] = v * xs[m * xs_stride];
+        }
+    const float inv = out_q ? 1.0f / out_scale[0] : 0.0f;
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < K; ++k) acc += xd[m * K + k] * wd[n * K + k];
+            float y = bias ? acc + bias[n] : acc;
+            if (act == 1) y = y < 0.0f ? 0.0f : y;
+            if (residual) y += residual[m * N + n];
+            if (out_q) out_q[m * N + n] = e4m3_code(y * inv);
+            else out[m * N + n] = y;
+        }
+}
 """
 
+# -ffp-contract=off: a·b + c stays two roundings (no FMA), so results do not depend on the CPU having FMA
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": the loaded library or None (build failed / disabled)
 
@@ -166,7 +205,7 @@ def _build() -> ctypes.CDLL | None:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    key = hashlib.sha256("\0".join([_SOURCE, cc, version, _cpu_flags()]).encode()).hexdigest()[:20]
+    key = hashlib.sha256("\0".join([_SOURCE, cc, version, _cpu_flags(), *_FLAGS]).encode()).hexdigest()[:20]
     target = _cache_dir() / f"e4m3_decode_{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -174,7 +213,7 @@ def _build() -> ctypes.CDLL | None:
             src = Path(tmp) / "decode.c"
             src.write_text(_SOURCE)
             out = Path(tmp) / "decode.so"
-            cmd = [cc, "-O3", "-march=native", "-fPIC", "-shared", "-o", str(out), str(src)]
+            cmd = [cc, *_FLAGS, "-o", str(out), str(src)]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
                 warnings.warn(f"dbr_quant: building the C E4M3 decoder failed ({' '.join(cmd)}): "
@@ -188,8 +227,10 @@ def _build() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = [ptr, ptr, i64]
     for name in ("dbr_e4m3_to_fp32_scaled", "dbr_quantize_e4m3_fp32", "dbr_quantize_e4m3_bf16"):
         getattr(lib, name).argtypes = [ptr, ptr, i64, i64, ptr, i64]  # src, dst, rows, cols, scale, scale stride
+    lib.dbr_small_linear.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int32, i64, i64, i64, ptr, ptr,
+                                     ptr]
     for name in ("dbr_e4m3_to_fp32", "dbr_e4m3_to_bf16", "dbr_e4m3_to_fp32_scaled", "dbr_quantize_e4m3_fp32",
-                 "dbr_quantize_e4m3_bf16"):
+                 "dbr_quantize_e4m3_bf16", "dbr_small_linear"):
         getattr(lib, name).restype = None
     return lib
 
@@ -248,10 +289,15 @@ def _rows(x: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, int] | None:
     return None
 
 
+def _raw_cpu(x: torch.Tensor) -> bool:
+    """A contiguous CPU tensor (or a module's parameter) the C loop may read raw."""
+    return (type(x) is torch.Tensor or type(x) is torch.nn.Parameter) and x.device.type == "cpu" and x.is_contiguous()
+
+
 def _plain_cpu(x: torch.Tensor) -> bool:
-    """A contiguous CPU tensor the C loop may read raw, with no autograd to record."""
-    return (type(x) is torch.Tensor and x.device.type == "cpu" and x.is_contiguous()
-            and not (x.requires_grad and torch.is_grad_enabled()))
+    """As :func:`_raw_cpu`, with no autograd to record (the quantize and upcast keep torch's graph where the
+    input asks for one; their bits are the same either way)."""
+    return _raw_cpu(x) and not (x.requires_grad and torch.is_grad_enabled())
 
 
 def quantize_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
@@ -283,3 +329,54 @@ def decode_e4m3_scaled(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor |
         out = torch.empty(q.shape, dtype=torch.float32)
     lib.dbr_e4m3_to_fp32_scaled(q.data_ptr(), out.data_ptr(), shape[0], shape[1], scale.data_ptr(), shape[2])
     return out
+
+
+SMALL = 4096  # the C buffers' size: both operands of small_linear hold at most this many elements
+_ACTIVATIONS = {None: 0, "relu": 1}  # the ones whose C result is torch's bit for bit
+
+
+def small_linear(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                 bias: torch.Tensor | None, activation: str | None, residual: torch.Tensor | None,
+                 out_dtype: torch.dtype, out_scale: torch.Tensor | None, out_e4m3: bool) -> torch.Tensor | None:
+    """``act(F.linear(x_q·x_scale, w_q·w_scale, bias)) + residual`` for E4M3 operands of at most :data:`SMALL`
+    elements each, in one C call (sum in k order, fp32), returned in fp32 or, with ``out_scale``, as E4M3
+    codes. ``x_scale``: one value or one per row; ``w_scale``: one value or one per output channel (N,).
+    None when the call does not fit (other dtypes, activations, layouts): the caller's torch path. Inference
+    only, like every FP8 kernel here (FP8 weights cannot require grad): a bias that requires grad is read as is
+    and the result records no graph, so the numbers never depend on the grad mode."""
+    lib = library()
+    if lib is None or activation not in _ACTIVATIONS or x_q.dtype != torch.float8_e4m3fn \
+            or w_q.dtype != torch.float8_e4m3fn or w_q.dim() != 2 or x_q.dim() == 0:
+        return None
+    n, k = w_q.shape
+    if x_q.shape[-1] != k or not 0 < w_q.numel() <= SMALL or not 0 < x_q.numel() <= SMALL:
+        return None
+    if out_scale is not None:
+        if not out_e4m3 or out_scale.numel() != 1 or out_scale.dtype != torch.float32 or not _raw_cpu(out_scale):
+            return None
+    elif out_dtype != torch.float32:
+        return None
+    if not (_raw_cpu(x_q) and _raw_cpu(w_q)):
+        return None
+    xs = _rows(x_q, x_scale)
+    if xs is None or w_scale.dtype != torch.float32 or not _raw_cpu(w_scale):
+        return None
+    if w_scale.numel() == 1 and w_scale.dim() <= 1:
+        w_stride = 0
+    elif w_scale.shape == (n,):
+        w_stride = 1
+    else:
+        return None
+    shape = (*x_q.shape[:-1], n)
+    for t, want in ((bias, (n,)), (residual, shape)):
+        if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != want or not _raw_cpu(t)):
+            return None
+    y = torch.empty(shape, dtype=torch.float8_e4m3fn if out_scale is not None else torch.float32)
+    null = None
+    lib.dbr_small_linear(x_q.data_ptr(), x_scale.data_ptr(), xs[2], w_q.data_ptr(), w_scale.data_ptr(), w_stride,
+                         null if bias is None else bias.data_ptr(), null if residual is None else residual.data_ptr(),
+                         _ACTIVATIONS[activation], x_q.numel() // k, n, k,
+                         null if out_scale is not None else y.data_ptr(),
+                         y.data_ptr() if out_scale is not None else null,
+                         null if out_scale is None else out_scale.data_ptr())
+    return y

@@ -42,7 +42,11 @@ SMALL_OPERAND = 4096
 
 
 def _small(t: torch.Tensor) -> bool:
-    n = t.numel()
+    return small_count(t.numel())
+
+
+def small_count(n) -> bool:
+    """``n`` (an int, or a symbolic size in a graph lowering: then only when provably) ≤ SMALL_OPERAND."""
     if isinstance(n, int):
         return n <= SMALL_OPERAND
     from torch.fx.experimental.symbolic_shapes import guard_or_false  # a symbolic size (a graph lowering)
@@ -227,6 +231,11 @@ def fp8_linear(
     """
     dtype = torch.float32 if exact else gemm_dtype(x_q, w_q)
     if dtype == torch.float32 and not exact:  # operands dequantized first (see dequantize_operand)
+        if _small(x_q) and _small(w_q):  # one C call instead of a dozen torch ops, where it applies
+            y = cpu_e4m3.small_linear(x_q, x_scale, w_q, w_scale, bias, activation, residual, out_dtype, out_scale,
+                                      out_fmt is FP8Format.E4M3)
+            if y is not None:
+                return y
         y = F.linear(dequantize_operand(x_q, x_scale),
                      dequantize_operand(w_q, w_scale.reshape(-1, 1) if w_scale.dim() else w_scale, reuse_buffer=True),
                      None if bias is None else bias.float())

@@ -180,3 +180,59 @@ def test_quantize_declines_what_it_cannot_index(decoder):
     assert cpu_e4m3.quantize_e4m3(x.requires_grad_(), torch.ones(1)) is None  # autograd records the torch ops
     for s in (torch.ones(8), torch.ones(1, 1, 1)):  # and the reference quantize still broadcasts them
         assert torch.equal(_bits(R.quantize(x.detach(), s, R.FP8Format.E4M3)), _bits(_torch_quantize(x.detach(), s)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(lead=st.lists(st.integers(1, 4), min_size=1, max_size=2), k=st.integers(1, 64), n=st.integers(1, 64),
+       per_row=st.booleans(), per_channel=st.booleans(), bias=st.booleans(), relu=st.booleans(),
+       residual=st.booleans(), fp8_out=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_small_linear_is_the_sequential_definition(decoder, lead, k, n, per_row, per_channel, bias, relu, residual,
+                                                   fp8_out, seed):
+    """One C call for a small FP8 linear equals the definition written as fp32 torch ops one k at a time
+    (operands dequantized first, every product and sum rounded, no fused multiply-add), bit for bit; with
+    ``out_scale`` its E4M3 output equals the reference quantize of that result; reference.fp8_linear takes it."""
+    from test_cpu_gemm import sequential_linear
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    xs = torch.rand(*lead, 1, generator=g) * 0.01 + 1e-3 if per_row else torch.tensor(0.004)
+    ws = torch.rand(n, generator=g) * 0.01 + 1e-3 if per_channel else torch.tensor(0.003)
+    xq = R.quantize(x, xs, R.FP8Format.E4M3)
+    wq = R.quantize(w, ws.reshape(-1, 1) if per_channel else ws, R.FP8Format.E4M3)
+    b = torch.randn(n, generator=g) if bias else None
+    r = torch.randn(*lead, n, generator=g) if residual else None
+    out_s = torch.tensor(0.01) if fp8_out else None
+    got = cpu_e4m3.small_linear(xq, xs, wq, ws, b, "relu" if relu else None, r, torch.float32, out_s, True)
+    want = sequential_linear(xq, xs, wq, ws, b, relu, r)
+    if fp8_out:
+        want = R.quantize(want, out_s, R.FP8Format.E4M3)
+    assert got is not None and torch.equal(_bits(got) if fp8_out else got, _bits(want) if fp8_out else want)
+    via_reference = R.fp8_linear(xq, xs, wq, ws, bias=b, activation="relu" if relu else None, residual=r,
+                                 out_scale=out_s)
+    assert torch.equal(_bits(via_reference) if fp8_out else via_reference, _bits(got) if fp8_out else got)
+
+
+def test_small_linear_declines_what_it_does_not_compute_exactly(decoder):
+    xq = torch.randn(3, 8).to(torch.float8_e4m3fn)
+    wq = torch.randn(4, 8).to(torch.float8_e4m3fn)
+    s = torch.tensor(0.5)
+    call = lambda **kw: cpu_e4m3.small_linear(**{**dict(  # noqa: E731
+        x_q=xq, x_scale=s, w_q=wq, w_scale=s, bias=None, activation=None, residual=None, out_dtype=torch.float32,
+        out_scale=None, out_e4m3=True), **kw})
+    assert call() is not None
+    assert call(activation="gelu") is None  # torch's erf is not C's: the torch path keeps the bits
+    assert call(out_dtype=torch.bfloat16) is None
+    assert call(out_scale=s, out_e4m3=False) is None  # E5M2 output
+    assert call(x_q=torch.randn(3, 8).to(torch.float8_e5m2)) is None
+    assert call(w_q=torch.randn(4, 2000).to(torch.float8_e4m3fn), x_q=torch.randn(3, 2000).to(torch.float8_e4m3fn)) \
+        is None  # 8000 weight elements: not small
+    assert call(bias=torch.randn(4, dtype=torch.bfloat16)) is None
+    assert call(w_scale=torch.rand(4, 1)) is None  # per-channel scales as (N,) or one value only
+    # inference only: a module's bias (a parameter that requires grad) is read as is, in or out of grad mode,
+    # so the bits never depend on the grad mode
+    bias = torch.nn.Parameter(torch.randn(4))
+    with torch.no_grad():
+        want = call(bias=bias)
+    got = call(bias=bias)
+    assert torch.equal(got, want) and got.grad_fn is None

@@ -236,7 +236,23 @@ def test_fp32_gemms_dequantize_operands_first(m, k, n, per_token, per_channel, b
     for path in cpu.GEMM_PATHS:
         with use_cpu_gemm(path):
             got = R.fp8_linear(xq, xs, wq, ws, bias=b)
-        if path == "fp32" or not large:
+        if large and path == "fp32":
             assert torch.equal(got, loader), path
+        elif not large:  # one C call (cpu_e4m3.small_linear): the same operands, summed in k order
+            assert torch.equal(got, sequential_linear(xq, xs, wq, ws, b)), path
+            torch.testing.assert_close(got, loader, rtol=1e-5, atol=1e-5)
     gpu_order = F.linear(xq.float(), wq.float()) * (xs * ws)
     assert torch.equal(R.fp8_linear(xq, xs, wq, ws, exact=True), gpu_order)
+
+
+def sequential_linear(xq, xs, wq, ws, bias=None, relu=False, residual=None):
+    """The small-linear definition in plain fp32 torch ops, one k at a time (every product and sum rounded):
+    ``act(Σ_k (x·s_x)(w·s_w) + b) + r`` with the operands dequantized first."""
+    xd = xq.float() * xs
+    wd = wq.float() * (ws.reshape(-1, 1) if ws.dim() else ws)
+    acc = torch.zeros(*xq.shape[:-1], wq.shape[0])
+    for k in range(xq.shape[-1]):
+        acc = acc + xd[..., k:k + 1] * wd[:, k]
+    y = acc if bias is None else acc + bias
+    y = torch.relu(y) if relu else y
+    return y if residual is None else y + residual
