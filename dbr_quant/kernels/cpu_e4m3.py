@@ -277,7 +277,7 @@ def decode_e4m3(q: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = 
 def _rows(x: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, int] | None:
     """(rows, cols, scale stride) when ``scale`` is one fp32 value or one per row of ``x``'s last dim (shape
     x.shape[:-1] + (1,)), contiguous, so the C loop can index it; None for any other broadcast."""
-    if scale.dtype != torch.float32 or scale.device.type != "cpu" or type(scale) is not torch.Tensor:
+    if scale.dtype != torch.float32 or not scale.is_cpu or type(scale) is not torch.Tensor:
         return None
     n = x.numel()
     if scale.numel() == 1 and scale.dim() <= x.dim():
@@ -291,7 +291,7 @@ def _rows(x: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, int] | None:
 
 def _raw_cpu(x: torch.Tensor) -> bool:
     """A contiguous CPU tensor (or a module's parameter) the C loop may read raw."""
-    return (type(x) is torch.Tensor or type(x) is torch.nn.Parameter) and x.device.type == "cpu" and x.is_contiguous()
+    return (type(x) is torch.Tensor or type(x) is torch.nn.Parameter) and x.is_cpu and x.is_contiguous()
 
 
 def _plain_cpu(x: torch.Tensor) -> bool:
