@@ -4,9 +4,9 @@ a scale per row) and the saturating quantize; torch ops as the fallback.
 Why: on the CPU reference path every GEMM upcasts its FP8 weight per call (no high-precision copy is
 kept), and every quantized activation goes through ``x · (1/s)``, a clamp and torch's FP8 cast. In torch
 the upcast needs four passes (at batch 1 it cost more than the GEMM: 1536×384 ≈ 580 µs to fp32, ≈ 250 µs
-to bf16 on one Zen 4 core; the loop below ≈ 70-80 µs for either, ``benchmarks/upcast.py``; its AVX-512 / AVX2 paths
-(the hardware fp16 → fp32 conversion) are 2.5× faster than the portable loop they fall back to), and torch's FP8 cast is
-scalar code (≈ 150 µs for 32 sentences' 1536-wide MiniLM activation), three passes before it. Here each is
+to bf16 on one Zen 4 core; the loop below ≈ 70-80 µs for either, ``benchmarks/upcast.py``; its AVX-512 /
+AVX2 paths, through the hardware fp16 → fp32 conversion, are 2.5× faster than its portable loop), and torch's
+FP8 cast is scalar code (≈ 150 µs for 32 sentences' 1536-wide MiniLM activation), three passes before it. Here each is
 one vectorized pass.
 
 The C file has no dependencies (no torch headers), so it builds in well under a second with the system C
@@ -237,7 +237,11 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def _build() -> ctypes.CDLL | None:
+def _build(march: str = "native") -> ctypes.CDLL | None:
+    """Compile (or find in the cache) the library for ``-march=<march>``: ``native`` in use; tests also build
+    other targets (e.g. ``x86-64-v3``: AVX2 without AVX-512; ``x86-64``: the portable loops) to check every
+    code path on any machine."""
+    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in _FLAGS)
     cc = _compiler()
     if cc is None:
         return None
@@ -245,7 +249,7 @@ def _build() -> ctypes.CDLL | None:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    key = hashlib.sha256("\0".join([_SOURCE, cc, version, _cpu_flags(), *_FLAGS]).encode()).hexdigest()[:20]
+    key = hashlib.sha256("\0".join([_SOURCE, cc, version, _cpu_flags(), *flags]).encode()).hexdigest()[:20]
     target = _cache_dir() / f"e4m3_decode_{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -253,7 +257,7 @@ def _build() -> ctypes.CDLL | None:
             src = Path(tmp) / "decode.c"
             src.write_text(_SOURCE)
             out = Path(tmp) / "decode.so"
-            cmd = [cc, *_FLAGS, "-o", str(out), str(src)]
+            cmd = [cc, *flags, "-o", str(out), str(src)]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
                 warnings.warn(f"dbr_quant: building the C E4M3 decoder failed ({' '.join(cmd)}): "

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sequential import sequential_linear
 
 from dbr_quant.kernels import cpu_e4m3
 from dbr_quant.kernels import reference as R
@@ -191,8 +192,6 @@ def test_small_linear_is_the_sequential_definition(decoder, lead, k, n, per_row,
     """One C call for a small FP8 linear equals the definition written as fp32 torch ops one k at a time
     (operands dequantized first, every product and sum rounded, no fused multiply-add), bit for bit; with
     ``out_scale`` its E4M3 output equals the reference quantize of that result; reference.fp8_linear takes it."""
-    from test_cpu_gemm import sequential_linear
-
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(*lead, k, generator=g)
     w = torch.randn(n, k, generator=g)
@@ -236,3 +235,30 @@ def test_small_linear_declines_what_it_does_not_compute_exactly(decoder):
         want = call(bias=bias)
     got = call(bias=bias)
     assert torch.equal(got, want) and got.grad_fn is None
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # AVX2 + F16C without AVX-512; the portable loops
+def test_every_vector_path_gives_the_same_bits(decoder, march, monkeypatch, tmp_path):
+    """This machine runs the library built for itself; the same source built for other x86 targets takes the
+    other code paths (their binaries run here: these targets are subsets of any AVX-512 or AVX2 CPU). Each
+    must give the native build's bits for every code, every length (vector bodies and scalar tails)."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"x86 targets only; this is {platform.machine()}")
+    monkeypatch.setenv("DBR_QUANT_CACHE_DIR", str(tmp_path))
+    other = cpu_e4m3._build(march)
+    assert other is not None
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 15, 16, 31, 32, 33, 100, 256 * 9 + 7):
+        q = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+        s = torch.tensor([0.37])
+        for lib in (decoder, other):
+            f32, bf16, scaled = torch.empty(n), torch.empty(n, dtype=torch.bfloat16), torch.empty(n)
+            lib.dbr_e4m3_to_fp32(q.data_ptr(), f32.data_ptr(), n)
+            lib.dbr_e4m3_to_bf16(q.data_ptr(), bf16.data_ptr(), n)
+            lib.dbr_e4m3_to_fp32_scaled(q.data_ptr(), scaled.data_ptr(), 1, n, s.data_ptr(), 0)
+            finite = torch.isfinite(q.float())
+            assert torch.equal(f32[finite].view(torch.int32), q.float()[finite].view(torch.int32)), (march, n)
+            assert torch.equal(bf16[finite].float(), q.float()[finite]) and torch.equal(scaled, f32 * s), (march, n)
+            assert torch.equal(f32[~finite].abs(), torch.full_like(f32[~finite], 480.0))

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sequential import sequential_linear
 
 from dbr_quant.formats import FP8Format, safe_scale
 from dbr_quant.kernels import cpu, use_cpu_gemm
@@ -244,15 +245,3 @@ def test_fp32_gemms_dequantize_operands_first(m, k, n, per_token, per_channel, b
     gpu_order = F.linear(xq.float(), wq.float()) * (xs * ws)
     assert torch.equal(R.fp8_linear(xq, xs, wq, ws, exact=True), gpu_order)
 
-
-def sequential_linear(xq, xs, wq, ws, bias=None, relu=False, residual=None):
-    """The small-linear definition in plain fp32 torch ops, one k at a time (every product and sum rounded):
-    ``act(Σ_k (x·s_x)(w·s_w) + b) + r`` with the operands dequantized first."""
-    xd = xq.float() * xs
-    wd = wq.float() * (ws.reshape(-1, 1) if ws.dim() else ws)
-    acc = torch.zeros(*xq.shape[:-1], wq.shape[0])
-    for k in range(xq.shape[-1]):
-        acc = acc + xd[..., k:k + 1] * wd[:, k]
-    y = acc if bias is None else acc + bias
-    y = torch.relu(y) if relu else y
-    return y if residual is None else y + residual
