@@ -379,6 +379,20 @@ SMALL = 4096  # the C buffers' size: both operands of small_linear hold at most 
 _ACTIVATIONS = {None: 0, "relu": 1}  # the ones whose C result is torch's bit for bit
 
 
+def tail_in_c(x_q: torch.Tensor, w_q: torch.Tensor, activation: str | None, residual: torch.Tensor | None,
+              out_dtype: torch.dtype, out_scale: torch.Tensor | None, out_e4m3: bool) -> bool:
+    """Whether :func:`small_linear` computes this epilogue itself; else the caller runs it in torch on the C
+    call's fp32 result (same bits: each step is the same fp32 operation either way)."""
+    if activation not in _ACTIVATIONS:
+        return False
+    if residual is not None and (residual.dtype != torch.float32 or not _raw_cpu(residual) or w_q.dim() != 2
+                                 or residual.shape != (*x_q.shape[:-1], w_q.shape[0])):
+        return False
+    if out_scale is not None:
+        return out_e4m3 and out_scale.numel() == 1 and out_scale.dtype == torch.float32 and _raw_cpu(out_scale)
+    return out_dtype == torch.float32
+
+
 def small_linear(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                  bias: torch.Tensor | None, activation: str | None, residual: torch.Tensor | None,
                  out_dtype: torch.dtype, out_scale: torch.Tensor | None, out_e4m3: bool) -> torch.Tensor | None:

@@ -232,10 +232,17 @@ def fp8_linear(
     dtype = torch.float32 if exact else gemm_dtype(x_q, w_q)
     if dtype == torch.float32 and not exact:  # operands dequantized first (see dequantize_operand)
         if _small(x_q) and _small(w_q):  # one C call instead of a dozen torch ops, where it applies
-            y = cpu_e4m3.small_linear(x_q, x_scale, w_q, w_scale, bias, activation, residual, out_dtype, out_scale,
-                                      out_fmt is FP8Format.E4M3)
-            if y is not None:
-                return y
+            # the GEMM is the C one whatever the epilogue, so a fused subgraph equals its ops one by one; an
+            # epilogue C does not compute (GELU: torch's erf is not C's) runs in torch on its fp32 result
+            if cpu_e4m3.tail_in_c(x_q, w_q, activation, residual, out_dtype, out_scale, out_fmt is FP8Format.E4M3):
+                y = cpu_e4m3.small_linear(x_q, x_scale, w_q, w_scale, bias, activation, residual, out_dtype,
+                                          out_scale, out_fmt is FP8Format.E4M3)
+                if y is not None:
+                    return y
+            else:
+                y = cpu_e4m3.small_linear(x_q, x_scale, w_q, w_scale, bias, None, None, torch.float32, None, True)
+                if y is not None:
+                    return linear_epilogue(y, activation, residual, out_dtype, out_scale, out_fmt)
         y = F.linear(dequantize_operand(x_q, x_scale),
                      dequantize_operand(w_q, w_scale.reshape(-1, 1) if w_scale.dim() else w_scale, reuse_buffer=True),
                      None if bias is None else bias.float())

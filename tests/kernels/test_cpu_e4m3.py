@@ -262,3 +262,22 @@ def test_every_vector_path_gives_the_same_bits(decoder, march, monkeypatch, tmp_
             assert torch.equal(f32[finite].view(torch.int32), q.float()[finite].view(torch.int32)), (march, n)
             assert torch.equal(bf16[finite].float(), q.float()[finite]) and torch.equal(scaled, f32 * s), (march, n)
             assert torch.equal(f32[~finite].abs(), torch.full_like(f32[~finite], 480.0))
+
+
+@pytest.mark.parametrize("act", [None, "relu", "gelu", "silu"])
+@pytest.mark.parametrize("residual_shape", [None, (3, 4), (4,), (1, 4)])
+@pytest.mark.parametrize("fp8_out", [False, True])
+def test_small_gemm_is_the_c_one_whatever_the_epilogue(decoder, act, residual_shape, fp8_out):
+    """A fused linear equals its ops one by one: whatever the epilogue (one C computes, or one torch runs on the
+    C result: GELU, a broadcast residual), the small GEMM is the C call's, bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    xq = torch.randn(3, 8, generator=g).to(torch.float8_e4m3fn)
+    wq = torch.randn(4, 8, generator=g).to(torch.float8_e4m3fn)
+    xs, ws, b = torch.tensor(0.03), torch.rand(4, generator=g) * 0.1, torch.randn(4, generator=g)
+    r = None if residual_shape is None else torch.randn(residual_shape, generator=g)
+    out_s = torch.tensor(0.05) if fp8_out else None
+    got = R.fp8_linear(xq, xs, wq, ws, bias=b, activation=act, residual=r, out_scale=out_s)
+    base = cpu_e4m3.small_linear(xq, xs, wq, ws, b, None, None, torch.float32, None, True)
+    assert torch.equal(base, sequential_linear(xq, xs, wq, ws, b))
+    want = R.linear_epilogue(base.clone(), act, r, torch.float32, out_s, R.FP8Format.E4M3)
+    assert torch.equal(_bits(got) if fp8_out else got, _bits(want) if fp8_out else want)
