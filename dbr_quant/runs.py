@@ -33,6 +33,7 @@ from .mappings import (
     is_linear_module,
     is_passthrough,
 )
+from .plan import plan_of
 from .quantization_state import AutoQuantizationState, SeenOp, observer_key
 
 
@@ -412,7 +413,17 @@ class ConvertRun(Run):
 
     def module_call(self, module, args, kwargs):
         d = module.__dict__
-        if _plain_container(type(module)) and "_hf_hook" not in d and d.get("_dbr_experts") is None \
+        role = _ROLES.get(type(module))
+        if role is None:
+            role = _role(type(module))
+        if (role is _LINEAR or role is _ACT) and "_hf_hook" not in d and len(args) == 1 and not kwargs \
+                and not module._forward_hooks and not module._forward_pre_hooks:
+            # the precompiled plan's fast paths (plan.py): a plain nn.Linear or activation module whose step
+            # is the expected one; NotImplemented when anything is unusual (then the general path below)
+            out = self._linear_fast(module, d, args[0]) if role is _LINEAR else self._act_fast(module, args[0])
+            if out is not NotImplemented:
+                return out
+        if role is _PLAIN and "_hf_hook" not in d and d.get("_dbr_experts") is None \
                 and not d.get("_dbr_norm") and not ((self.placeholders or self.resolved) and has_hooks(module)):
             return self.call_module(module, args, kwargs)  # the common case, decided by a few dict lookups
         if "_hf_hook" in d and (is_linear_module(module) or d.get("_dbr_norm")) and not has_hooks(module):
@@ -426,6 +437,73 @@ class ConvertRun(Run):
                 if not self.pending:
                     self._offload()
         return self._module_call(module, args, kwargs)
+
+    def _linear_fast(self, module: nn.Module, d: dict, x: Any) -> Any:
+        """A plain ``nn.Linear`` (one positional input, no hooks) whose record is the next one in its owner's
+        plan: no generic scan, matching or subgraph lookup, and no suspension while it only joins a pending
+        subgraph (nothing below calls torch then). NotImplemented, with nothing consumed, when the op is not
+        the expected one (the general path then matches, warns or raises as before)."""
+        st = self.owners[-1]
+        fqn = d.get("_dbr_fqn")
+        if st is None or fqn is None:
+            return NotImplemented
+        plan = st.__dict__.get("_dbr_plan")
+        if plan is None or plan.subgraphs is not self.record.subgraphs:
+            plan = plan_of(st, self.record.subgraphs)
+        cursors = self.cursors
+        key = id(st)
+        i = cursors.get(key, 0)
+        steps = plan.steps
+        if i >= len(steps):
+            return NotImplemented
+        step = steps[i]
+        if step.kind != LINEAR or step.fqn != fqn:  # == on the same str object is an identity check
+            return NotImplemented
+        hit = None
+        if self.placeholders or self.resolved:
+            k = id(x)
+            resolved = self.resolved.get(k)
+            if resolved is not None:
+                x = resolved
+            else:
+                hit = self.placeholders.get(k)
+        cursors[key] = i + 1
+        call = Call(LINEAR, module, (x,), {}, step.op, st)
+        sg = step.subgraph
+        if sg is not None:
+            pending = self.pending.get(sg.id)
+            if step.step == 0:
+                if pending is None and hit is None and not step.last:
+                    p = self.pending[sg.id] = _Pending(sg)
+                    return self._placeholder(p, call)
+            elif pending is not None and len(pending.calls) == step.step and (hit is None or hit is pending):
+                if step.last:
+                    with suspended(self):
+                        return self._step(pending, call)
+                return self._placeholder(pending, call)
+        with suspended(self):
+            return self._execute(call, hit)
+
+    def _act_fast(self, module: nn.Module, x: Any) -> Any:
+        """An activation module (one input, no hooks): its functional call on real input, or the next step of
+        the pending subgraph ``x`` is a placeholder of; NotImplemented otherwise (the general path)."""
+        p = self.placeholders.get(id(x))
+        if p is None:
+            if self.resolved or _global_hooks():
+                return NotImplemented
+            func, kw = ACTIVATION_MODULES[type(module)](module)
+            with suspended(self):
+                return func(x, **kw)
+        kinds = p.subgraph.kinds
+        n = len(p.calls)
+        if n >= len(kinds) or kinds[n] != ACT or _global_hooks():
+            return NotImplemented
+        func, kw = ACTIVATION_MODULES[type(module)](module)
+        call = Call(ACT, func, (x,), kw)
+        if n + 1 < len(kinds):
+            return self._placeholder(p, call)
+        with suspended(self):
+            return self._step(p, call)
 
     def _offload(self) -> None:
         while self.onloaded:
@@ -501,6 +579,21 @@ class ConvertRun(Run):
 
 
 _container_classes: dict[type, bool] = {}
+_PLAIN, _LINEAR, _ACT, _OTHER = "plain", "linear", "act", "other"
+_ROLES: dict[type, str] = {}
+
+
+def _role(cls: type) -> str:
+    """What the convert run does with a module of class ``cls`` (cached per class): runs its forward
+    (plain), executes it as a linear op through the plan's fast path (a stock ``nn.Linear``), takes an
+    activation step, or decides per call (other linear modules: Hugging Face Conv1D)."""
+    if not _plain_container(cls):
+        role = _ACT if cls in ACTIVATION_MODULES else (
+            _LINEAR if issubclass(cls, nn.Linear) and cls.forward is nn.Linear.forward else _OTHER)
+    else:
+        role = _PLAIN
+    _ROLES[cls] = role
+    return role
 
 
 def _plain_container(cls: type) -> bool:
