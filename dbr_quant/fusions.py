@@ -21,9 +21,9 @@ from . import kernels
 from .basic_ops import (
     Call,
     Env,
-    fp8_weight,
     linear_kernel,
     linear_operands,
+    linear_parts,
     quantized_block_input,
     quantized_input,
     run_basic,
@@ -217,7 +217,8 @@ class LinearActivation(Fusion):
     steps = (Step(LINEAR), Step(ACT, accepts=_first_arg))
 
     def run(self, calls, env):
-        return run_linear(calls[0], env, activation=_activation(calls))
+        act = calls[-1]  # a passthrough op is never last (the matcher drops trailing ones)
+        return run_linear(calls[0], env, activation=activation_name(act.func, act.args, act.kwargs))
 
 
 @register_fusion
@@ -239,10 +240,9 @@ def _mlp(fc1: Call, fc2: Call, env: Env, x: torch.Tensor, act: str | None, resid
     if fc2.op.qconfig.dynamic:  # fc2's scale would depend on fc1's output: no FP8 hand-off
         h = run_linear(fc1, env, x=x, activation=act, x_fp8=x_fp8)
         return run_linear(fc2, env, x=h, residual=residual)
-    block = weight_block(fc1)
+    w_q, w_scale, bias, block = linear_parts(fc1)
     x_q, x_scale = _quantized_linear_input(fc1, x, env, block) if x_fp8 is None else x_fp8
-    return run_mlp(fp8_weight(fc1), linear_operands(fc1)[2], x_q, x_scale, act, fc2, env, residual, x.dtype,
-                   fc1_block=block)
+    return run_mlp((w_q, w_scale), bias, x_q, x_scale, act, fc2, env, residual, x.dtype, fc1_block=block)
 
 
 def _quantized_linear_input(call: Call, x: torch.Tensor, env: Env, block: tuple[int, int] | None
@@ -259,6 +259,10 @@ class MLP(Fusion):
              Step(ADD, optional=True, accepts=_residual))
 
     def run(self, calls, env):
+        if len(calls) <= 4 and calls[1].kind == ACT and calls[2].kind == LINEAR:  # no passthrough ops between
+            fc1, act, fc2 = calls[0], calls[1], calls[2]
+            residual = _other_operand(calls[3]) if len(calls) == 4 else None
+            return _mlp(fc1, fc2, env, fc1.args[0], activation_name(act.func, act.args, act.kwargs), residual)
         fc1, fc2 = _calls(calls, LINEAR)
         adds = _calls(calls, ADD)
         residual = _other_operand(adds[0]) if adds else None
