@@ -492,7 +492,7 @@ class ConvertRun(Run):
             if self.resolved or _global_hooks():
                 return NotImplemented
             func, kw = ACTIVATION_MODULES[type(module)](module)
-            with suspended(self):
+            with torch._C.DisableTorchFunction():  # a functional activation calls no module: `suspended` not needed
                 return func(x, **kw)
         kinds = p.subgraph.kinds
         n = len(p.calls)
