@@ -241,8 +241,14 @@ def _mlp(fc1: Call, fc2: Call, env: Env, x: torch.Tensor, act: str | None, resid
         h = run_linear(fc1, env, x=x, activation=act, x_fp8=x_fp8)
         return run_linear(fc2, env, x=h, residual=residual)
     w_q, w_scale, bias, block = linear_parts(fc1)
-    x_q, x_scale = _quantized_linear_input(fc1, x, env, block) if x_fp8 is None else x_fp8
-    return run_mlp((w_q, w_scale), bias, x_q, x_scale, act, fc2, env, residual, x.dtype, fc1_block=block)
+    if x_fp8 is None:
+        cfg = fc1.op.qconfig
+        if block is None and not cfg.dynamic:  # quantized_input's static case, inlined (the runtime's hot path)
+            x_scale = env.input_scale(fc1, "input", x)
+            x_fp8 = kernels.quantize(x, x_scale, cfg.activation.format), x_scale
+        else:
+            x_fp8 = _quantized_linear_input(fc1, x, env, block)
+    return run_mlp((w_q, w_scale), bias, *x_fp8, act, fc2, env, residual, x.dtype, fc1_block=block)
 
 
 def _quantized_linear_input(call: Call, x: torch.Tensor, env: Env, block: tuple[int, int] | None

@@ -287,6 +287,8 @@ class ConvertRun(Run):
         self.done: list[_Pending] = []
         self.n_placeholders = placeholder_base(current_run() is None)  # next index into this thread's pool
         self.onloaded: dict[int, nn.Module] = {}  # accelerate-offloaded modules whose weights we loaded
+        self.pool = _placeholder_pool()  # this thread's placeholder tensors (grown by _placeholder_tensor)
+        self.subgraphs = self.record.subgraphs
 
     # ------------------------------------------------------------------ placeholders
     def _scan(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, _Pending | None]:
@@ -332,8 +334,10 @@ class ConvertRun(Run):
         self.done.append(p)
 
     def _placeholder(self, p: _Pending, call: Call) -> torch.Tensor:
-        ph = _placeholder_tensor(self.n_placeholders)
-        self.n_placeholders += 1
+        n = self.n_placeholders
+        pool = self.pool
+        ph = pool[n] if n < len(pool) else _placeholder_tensor(n)
+        self.n_placeholders = n + 1
         call.placeholder = ph
         p.calls.append(call)
         self.placeholders[id(ph)] = p
@@ -444,20 +448,18 @@ class ConvertRun(Run):
         subgraph (nothing below calls torch then). NotImplemented, with nothing consumed, when the op is not
         the expected one (the general path then matches, warns or raises as before)."""
         st = self.owners[-1]
-        fqn = d.get("_dbr_fqn")
-        if st is None or fqn is None:
+        if st is None:
             return NotImplemented
         plan = st.__dict__.get("_dbr_plan")
-        if plan is None or plan.subgraphs is not self.record.subgraphs:
-            plan = plan_of(st, self.record.subgraphs)
-        cursors = self.cursors
+        if plan is None or plan.subgraphs is not self.subgraphs:
+            plan = plan_of(st, self.subgraphs)
         key = id(st)
-        i = cursors.get(key, 0)
+        i = self.cursors.get(key, 0)
         steps = plan.steps
         if i >= len(steps):
             return NotImplemented
         step = steps[i]
-        if step.kind != LINEAR or step.fqn != fqn:  # == on the same str object is an identity check
+        if step.kind != LINEAR or step.fqn != d.get("_dbr_fqn"):  # == on the same str object is an identity check
             return NotImplemented
         hit = None
         if self.placeholders or self.resolved:
@@ -467,20 +469,26 @@ class ConvertRun(Run):
                 x = resolved
             else:
                 hit = self.placeholders.get(k)
-        cursors[key] = i + 1
+        self.cursors[key] = i + 1
         call = Call(LINEAR, module, (x,), {}, step.op, st)
         sg = step.subgraph
         if sg is not None:
-            pending = self.pending.get(sg.id)
+            p = self.pending.get(sg.id)
             if step.step == 0:
-                if pending is None and hit is None and not step.last:
+                if p is None and hit is None and not step.last:
                     p = self.pending[sg.id] = _Pending(sg)
                     return self._placeholder(p, call)
-            elif pending is not None and len(pending.calls) == step.step and (hit is None or hit is pending):
-                if step.last:
-                    with suspended(self):
-                        return self._step(pending, call)
-                return self._placeholder(pending, call)
+            elif p is not None and len(p.calls) == step.step and (hit is None or hit is p):
+                if not step.last:
+                    return self._placeholder(p, call)
+                before, self.suspended = self.suspended, True  # `suspended(self)`, inlined
+                guard = _DisableTorchFunction()
+                guard.__enter__()
+                try:
+                    return self._step(p, call)
+                finally:
+                    guard.__exit__(None, None, None)
+                    self.suspended = before
         with suspended(self):
             return self._execute(call, hit)
 
@@ -492,7 +500,7 @@ class ConvertRun(Run):
             if self.resolved or _global_hooks():
                 return NotImplemented
             func, kw = ACTIVATION_MODULES[type(module)](module)
-            with torch._C.DisableTorchFunction():  # a functional activation calls no module: `suspended` not needed
+            with _DisableTorchFunction():  # a functional activation calls no module: `suspended` not needed
                 return func(x, **kw)
         kinds = p.subgraph.kinds
         n = len(p.calls)
@@ -608,20 +616,27 @@ def _plain_container(cls: type) -> bool:
 
 
 _pool = threading.local()
+_DisableTorchFunction = torch._C.DisableTorchFunction
 
 
 def _placeholder_tensor(i: int) -> torch.Tensor:
     """The i-th placeholder of this thread's pool: an empty meta tensor marked as a placeholder. Runs of
     one thread nest (a prepared model called inside another's forward), so each run takes indices above
     those of the runs it is nested in (``placeholder_base``): identities stay unique among live runs."""
+    tensors = _placeholder_pool()
+    with _DisableTorchFunction():  # not a call of the model's
+        while len(tensors) <= i:
+            ph = torch.empty(0, device="meta")
+            ph._dbr_placeholder = True
+            tensors.append(ph)
+    return tensors[i]
+
+
+def _placeholder_pool() -> list[torch.Tensor]:
     tensors = getattr(_pool, "tensors", None)
     if tensors is None:
         tensors = _pool.tensors = []
-    while len(tensors) <= i:
-        ph = torch.empty(0, device="meta")
-        ph._dbr_placeholder = True
-        tensors.append(ph)
-    return tensors[i]
+    return tensors
 
 
 def placeholder_base(outermost: bool) -> int:

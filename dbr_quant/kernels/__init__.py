@@ -23,6 +23,7 @@ from .cpu import current_gemm_path, use_cpu_gemm
 from .dispatch import (
     BACKENDS,
     _env_backend,
+    _env_cache,
     count_launches,
     current_backend,
     graph_ops,
@@ -47,7 +48,7 @@ def _impl(t: torch.Tensor, ref=reference):
     """The implementation module for the backend that runs on ``t``'s device (``ref`` for "reference")."""
     backend = _settings.backend  # current_backend() inlined: this runs once per launch
     if backend is None:
-        backend = _env_backend() or "auto"
+        backend = (_env_cache[0] if _env_cache else _env_backend()) or "auto"
     if backend == "reference" or (backend == "auto" and not t.is_cuda) or resolve_backend(t.device) == "reference":
         return ref
     from . import triton_backend
@@ -119,9 +120,15 @@ def fp8_mlp(x_q, x_scale, w1_q, w1_scale, b1, activation, h_scale, h_fmt, w2_q, 
     if (ops := _settings.graph_ops) is not None:
         return ops.fp8_mlp(x_q, x_scale, w1_q, w1_scale, b1, activation, h_scale, h_fmt, w2_q, w2_scale, b2,
                            residual, out_dtype)
-    h = fp8_linear(x_q, x_scale, w1_q, w1_scale, bias=b1, activation=activation, out_dtype=out_dtype,
-                   out_scale=h_scale, out_fmt=h_fmt)
-    return fp8_linear(h, h_scale, w2_q, w2_scale, bias=b2, residual=residual, out_dtype=out_dtype)
+    impl = _impl(x_q)  # h lives where x_q does: one backend for both GEMMs
+    if _settings.counters:
+        record_launch("fp8_linear")
+    h = impl.fp8_linear(x_q, x_scale, w1_q, w1_scale, bias=b1, activation=activation, out_dtype=out_dtype,
+                        out_scale=h_scale, out_fmt=h_fmt)
+    if _settings.counters:
+        record_launch("fp8_linear")
+    return impl.fp8_linear(h, h_scale, w2_q, w2_scale, bias=b2, residual=residual, out_dtype=out_dtype,
+                           out_scale=None, out_fmt=FP8Format.E4M3)
 
 
 def layer_norm_quantize(x, weight, bias, eps, scale, fmt, *, rms=False) -> tuple[torch.Tensor, torch.Tensor]:
