@@ -497,11 +497,10 @@ class ConvertRun(Run):
         the pending subgraph ``x`` is a placeholder of; NotImplemented otherwise (the general path)."""
         p = self.placeholders.get(id(x))
         if p is None:
-            if self.resolved or _global_hooks():
+            if self.resolved or _module_globals._global_forward_hooks or _module_globals._global_forward_pre_hooks:
                 return NotImplemented
-            func, kw = ACTIVATION_MODULES[type(module)](module)
             with _DisableTorchFunction():  # a functional activation calls no module: `suspended` not needed
-                return func(x, **kw)
+                return _ACTIVATION_BODIES[type(module)](module, x)
         kinds = p.subgraph.kinds
         n = len(p.calls)
         if n >= len(kinds) or kinds[n] != ACT or _global_hooks():
@@ -662,6 +661,12 @@ ACTIVATION_MODULES = {
     nn.ReLU: lambda m: (torch.nn.functional.relu, {"inplace": m.inplace}),
     nn.GELU: lambda m: (torch.nn.functional.gelu, {"approximate": m.approximate}),
     nn.SiLU: lambda m: (torch.nn.functional.silu, {"inplace": m.inplace}),
+}
+# the same calls, made directly: (module, x) → output (the activation fast path's standalone case)
+_ACTIVATION_BODIES = {
+    nn.ReLU: lambda m, x: torch.nn.functional.relu(x, m.inplace),
+    nn.GELU: lambda m, x: torch.nn.functional.gelu(x, approximate=m.approximate),
+    nn.SiLU: lambda m, x: torch.nn.functional.silu(x, m.inplace),
 }
 
 
