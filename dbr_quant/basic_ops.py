@@ -19,8 +19,8 @@ from .quantization_state import AutoQuantizationState, SeenOp
 from .weights import FP8Weight, adjacent_rows, fp8_weight_of
 
 
-@dataclass(slots=True)  # created per intercepted op: slots make it cheaper to build and read
-class Call:
+@dataclass(slots=True, init=False)  # created per intercepted op: slots and a hand-written __init__ (no
+class Call:                          # __post_init__ frame) make it cheaper to build and read
     """One intercepted call as it arrived at run time."""
 
     kind: str
@@ -32,8 +32,16 @@ class Call:
     placeholder: Any = None  # what this call returned while its subgraph was still pending
     module: nn.Module | None = field(init=False, repr=False)  # func, when the call is a module call
 
-    def __post_init__(self) -> None:
-        self.module = self.func if isinstance(self.func, nn.Module) else None
+    def __init__(self, kind: str, func: Any, args: tuple, kwargs: dict, op: SeenOp | None = None,
+                 state: AutoQuantizationState | None = None, placeholder: Any = None) -> None:
+        self.kind = kind
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.op = op
+        self.state = state
+        self.placeholder = placeholder
+        self.module = func if isinstance(func, nn.Module) else None
 
     def run_original(self, args: tuple | None = None) -> Any:
         """The high-precision op as the user wrote it."""

@@ -165,7 +165,11 @@ class Run:
             per_token = cfg.granularity == "token" and slot in PER_TOKEN_SLOTS
             return kernels.dynamic_scale(x, cfg.format, per_token=per_token)
         st = call.state
-        s = st.frozen_scale(op, slot) if st.converted else st.observers[observer_key(op.index, slot)].scale()
+        if st.converted:  # st.frozen_scale(op, slot), inlined: this runs for every quantized activation
+            name = st._scale_names.get((op.index, slot))
+            s = st._buffers[name] if name is not None else st.frozen_scale(op, slot)
+        else:
+            s = st.observers[observer_key(op.index, slot)].scale()
         return s if x is None or s.device == x.device else s.to(x.device)
 
     def call_module(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -623,11 +627,12 @@ def _placeholder_tensor(i: int) -> torch.Tensor:
     one thread nest (a prepared model called inside another's forward), so each run takes indices above
     those of the runs it is nested in (``placeholder_base``): identities stay unique among live runs."""
     tensors = _placeholder_pool()
-    with _DisableTorchFunction():  # not a call of the model's
-        while len(tensors) <= i:
-            ph = torch.empty(0, device="meta")
-            ph._dbr_placeholder = True
-            tensors.append(ph)
+    if len(tensors) <= i:
+        with _DisableTorchFunction():  # not a call of the model's
+            while len(tensors) <= i:
+                ph = torch.empty(0, device="meta")
+                ph._dbr_placeholder = True
+                tensors.append(ph)
     return tensors[i]
 
 
