@@ -5,13 +5,14 @@
 Converts all-MiniLM-L6-v2 as the checkpoint tests do, writes it with ``save_pretrained``, loads it with
 transformers + compressed-tensors (CPU), and prints, on the held-out sentences (one intra-op thread):
 
-1. min / mean embedding cosine against dbr_quant's bf16 and fp32 CPU GEMM paths and its exact kernels;
-2. the same with dbr_quant's reference linear switched to the loader's arithmetic order (operands
-   dequantized, then an fp32 ``F.linear`` with the bias): bit for bit or not;
+1. min / mean embedding cosine against dbr_quant's bf16 and fp32 CPU GEMM paths and its exact kernels
+   (fp32 GEMMs with the scales on the accumulator, what its GPU kernels compute);
+2. whether the fp32 CPU GEMM path (operands dequantized first, then an fp32 ``F.linear`` with the bias:
+   the loader's arithmetic) gives the loaded model's embeddings bit for bit;
 3. per module, dbr_quant's output against the loaded module run on the very inputs dbr_quant's module
    got (the local difference, upstream differences removed), on each CPU GEMM path;
 4. per linear, how many FP8 codes of its input (with the file's input scale) differ between the two
-   models on the fp32 path: the cascade of rounding flips layer by layer;
+   models with dbr_quant's exact kernels: the cascade of rounding flips layer by layer;
 5. the noise floor: the loaded model against itself with one rounding changed per linear (``y - b + b``).
 """
 
@@ -22,21 +23,11 @@ import tempfile
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 import dbr_quant as dq
 from dbr_quant.examples import minilm
 from dbr_quant.kernels import reference as ref
 from dbr_quant.kernels import use_cpu_gemm
-
-
-def _loader_order_linear(x_q, x_scale, w_q, w_scale, *, bias=None, activation=None, residual=None,
-                         out_dtype=torch.float32, out_scale=None, out_fmt=None):
-    """compressed-tensors' arithmetic: scales on the operands before an fp32 GEMM, bias inside it."""
-    w_scale = w_scale.float()
-    w = w_q.float() * (w_scale[:, None] if w_scale.dim() else w_scale)
-    y = F.linear(x_q.float() * x_scale.float(), w, bias)
-    return ref.linear_epilogue(y, activation, residual, out_dtype, out_scale, out_fmt)
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> str:
@@ -119,15 +110,15 @@ def main() -> None:
     for path in ("bf16", "fp32"):
         with use_cpu_gemm(path):
             print(f"   {path} CPU GEMM path: {_cos(emb_ct, minilm.sentence_embeddings(converted, batch))}")
+    with use_cpu_gemm("fp32"):
+        same = torch.equal(minilm.sentence_embeddings(converted, batch), emb_ct)
     original = ref.fp8_linear
     try:
         ref.fp8_linear = functools.partial(original, exact=True)
         print(f"   exact kernels:      {_cos(emb_ct, minilm.sentence_embeddings(converted, batch))}")
-        ref.fp8_linear = _loader_order_linear
-        emb = minilm.sentence_embeddings(converted, batch)
     finally:
         ref.fp8_linear = original
-    print(f"2. loader's GEMM order: {_cos(emb_ct, emb)}, bit for bit: {torch.equal(emb, emb_ct)}")
+    print(f"2. fp32 CPU GEMM path (the loader's arithmetic) bit for bit: {same}")
     names = [n for n, _ in converted.named_modules() if n.startswith("encoder.layer.0.") or n == "pooler.dense"]
     print("3. local relative difference per module (loaded module on dbr_quant's inputs):")
     diffs = {}
@@ -136,10 +127,13 @@ def main() -> None:
             diffs[path] = local_differences(converted, loaded, batch, names)
     for n in diffs["fp32"]:  # modules that ran
         print(f"   {n:50s} fp32 path {diffs['fp32'][n]:.1e}  bf16 path {diffs['bf16'][n]:.1e}")
-    print("4. FP8 codes of each linear's input that differ (fp32 path, real tokens):")
-    with use_cpu_gemm("fp32"):
+    print("4. FP8 codes of each linear's input that differ (exact kernels, real tokens):")
+    try:
+        ref.fp8_linear = functools.partial(original, exact=True)
         for n, rel, flips, total in code_flips(converted, loaded, batch):
             print(f"   {n:50s} input rel {rel:.1e}  {flips}/{total} ({flips / total:.1e})")
+    finally:
+        ref.fp8_linear = original
     hooks = [m.register_forward_hook(lambda m, i, o: o - m.bias + m.bias)
              for m in loaded.modules() if isinstance(m, torch.nn.Linear) and m.bias is not None]
     emb_perturbed = minilm.sentence_embeddings(loaded, batch)

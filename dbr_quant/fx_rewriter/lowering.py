@@ -140,8 +140,13 @@ def _gemm_operand(q: Tensor, dtype: torch.dtype) -> Tensor:
 
 def fp8_linear(x_q, x_scale, w_q, w_scale, bias, activation, residual, out_dtype, out_scale, out_fmt) -> Tensor:
     dtype = reference.gemm_dtype(x_q, w_q)
-    acc = F.linear(_gemm_operand(x_q, dtype), _gemm_operand(w_q, dtype))  # fp32 accumulation, as the reference
-    y = reference.dequantize_accumulator(acc, x_scale * w_scale, bias)
+    if dtype == torch.float32:  # operands dequantized first, as reference.dequantize_operand
+        w_rows = w_scale.reshape(-1, 1) if w_scale.dim() else w_scale
+        y = F.linear(_gemm_operand(x_q, dtype) * x_scale.float(), _gemm_operand(w_q, dtype) * w_rows.float(),
+                     None if bias is None else bias.float())
+    else:
+        acc = F.linear(_gemm_operand(x_q, dtype), _gemm_operand(w_q, dtype))  # fp32 accumulation, as the reference
+        y = reference.dequantize_accumulator(acc, x_scale * w_scale, bias)
     return reference.linear_epilogue(y, activation or None, residual, out_dtype, out_scale,
                                      FP8Format.parse(out_fmt), quantize=quantize, inplace=False)
 
@@ -196,13 +201,32 @@ def _on_reference_backend(fn):
     return maybe
 
 
+def _small_gemm(a: Tensor, b: Tensor) -> bool:
+    """Both operands small (static sizes): eager runs such a GEMM as one C call (cpu_e4m3.small_linear), whose
+    sum order inductor's GEMM would not reproduce, so the op stays as it is in the graph (the same kernel)."""
+    return reference._small(a) and reference._small(b)
+
+
+def _fp8_linear_op(x_q, x_scale, w_q, w_scale, *args):
+    if _small_gemm(x_q, w_q):
+        return NotImplemented
+    return fp8_linear(x_q, x_scale, w_q, w_scale, *args)
+
+
+def _fp8_mlp_op(x_q, x_scale, w1_q, w1_scale, b1, activation, h_scale, h_fmt, w2_q, *args):
+    hidden = x_q.numel() // x_q.shape[-1] * w2_q.shape[-1]  # fc2's input size
+    if _small_gemm(x_q, w1_q) or (reference.small_count(hidden) and reference._small(w2_q)):
+        return NotImplemented
+    return fp8_mlp(x_q, x_scale, w1_q, w1_scale, b1, activation, h_scale, h_fmt, w2_q, *args)
+
+
 LOWERINGS = {
     "quantize": _quantize_op,
     "dequantize": _dequantize_op,
     "dynamic_scale": _dynamic_scale_op,
     "dynamic_quantize": dynamic_quantize,
-    "fp8_linear": fp8_linear,
-    "fp8_mlp": fp8_mlp,
+    "fp8_linear": _fp8_linear_op,
+    "fp8_mlp": _fp8_mlp_op,
     "layer_norm_quantize": layer_norm_quantize,
     "fp8_matmul": fp8_matmul,
     "fp8_attention": fp8_attention,
@@ -212,11 +236,17 @@ LOWERINGS = {
 def register_inductor_lowerings() -> None:
     """Add the decompositions to inductor's table (idempotent). Called when the custom ops are defined."""
     from torch._inductor import decomposition
+    from torch._inductor import lowering as inductor_lowering
 
     for name, fn in LOWERINGS.items():
         op = getattr(torch.ops.dbr_quant, name).default
         if op not in decomposition.decompositions:
             decomposition.register_decomposition(op)(_on_reference_backend(fn))
+        # where a decomposition declines (returns NotImplemented: small GEMMs, CUDA), inductor calls the op
+        # itself; it refuses to create that fallback on the fly for an op that has a decomposition, so it
+        # is registered here, explicitly allowed to coexist with the decomposition
+        if op not in inductor_lowering.lowerings:
+            inductor_lowering.make_fallback(op, warn=False, override_decomp=True)
     # inductor caches a copy of its table on first use; a model compiled before this import would keep
     # the stale copy, so drop it (a private cache: guarded, as its name may move between releases)
     cached = getattr(decomposition, "fast_random_decomps", None)

@@ -4,7 +4,10 @@ Semantics (DESIGN.md, "Ground rules for numerics"):
 * quantize: ``q = saturate(x * (1 / scale))`` cast to FP8 with round-to-nearest-even, bit-identical to
   ``torch.Tensor.to(float8)`` after clamping to ±fmt.max. Scales are dequantization scales (x ≈ q·scale).
 * GEMMs: operands are exact FP8 values, products accumulate in fp32, scales are applied afterwards in
-  the epilogue (bias, activation, residual, optional FP8 output for the next op).
+  the epilogue (bias, activation, residual, optional FP8 output for the next op). That is what the GPU
+  kernels and ``exact=True`` compute. The reference linear's fp32 GEMMs (the fp32 CPU GEMM path; small
+  GEMMs) dequantize their operands first instead (:func:`dequantize_operand`): compressed-tensors' order,
+  so transformers reproduces a saved checkpoint bit for bit; the two orders differ by ~1 fp32 ulp.
 
 Speed on CPU: torch's FP8→bf16/fp32 casts are scalar code (≈1 ms per 0.6 M elements here), and they, not
 the GEMM, dominated a naive path. Every FP8 value is exactly representable in bf16 and in fp32, so we
@@ -26,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import FP8Format
-from . import cpu, cpu_decode
+from . import cpu, cpu_e4m3
 
 # 2**120 re-biases the exponent after the bit move (bf16 bias 127 vs E4M3 bias 7). Multiplying in bf16
 # is exact and lifts E4M3 subnormals out of bf16's subnormal range, which AVX512-BF16 dot products flush.
@@ -39,7 +42,11 @@ SMALL_OPERAND = 4096
 
 
 def _small(t: torch.Tensor) -> bool:
-    n = t.numel()
+    return small_count(t.numel())
+
+
+def small_count(n) -> bool:
+    """``n`` (an int, or a symbolic size in a graph lowering: then only when provably) ≤ SMALL_OPERAND."""
     if isinstance(n, int):
         return n <= SMALL_OPERAND
     from torch.fx.experimental.symbolic_shapes import guard_or_false  # a symbolic size (a graph lowering)
@@ -59,6 +66,10 @@ GATED = tuple(GATED_ACTIVATIONS)
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
     """Saturating cast of ``x / scale`` onto the FP8 grid (scale broadcasts against x)."""
+    if fmt is FP8Format.E4M3:
+        q = cpu_e4m3.quantize_e4m3(x, scale)  # one pass of C, same bits, where it applies
+        if q is not None:
+            return q
     inv = torch.reciprocal(scale.float())
     y = x.float() * inv
     return y.clamp_(-fmt.max, fmt.max).to(fmt.dtype)
@@ -137,7 +148,7 @@ def fp8_to_bf16(q: torch.Tensor, reuse_buffer: bool = False) -> torch.Tensor:
     call with that shape overwrites: use it for one operand of one GEMM at a time."""
     if q.dtype == torch.float8_e4m3fn:
         out = _scratch(q.shape, q.device, torch.bfloat16) if reuse_buffer else None
-        decoded = cpu_decode.decode_e4m3(q, torch.bfloat16, out)  # one pass of C where it could be built
+        decoded = cpu_e4m3.decode_e4m3(q, torch.bfloat16, out)  # one pass of C where it could be built
         return decoded if decoded is not None else e4m3_to_bf16(q, reuse_buffer)
     return q.to(torch.bfloat16)  # E5M2 is the top byte of fp16; torch's cast is exact
 
@@ -146,7 +157,7 @@ def fp8_to_fp32(q: torch.Tensor, reuse_buffer: bool = False) -> torch.Tensor:
     """Exact upcast to fp32 (``reuse_buffer`` as in :func:`fp8_to_bf16`)."""
     if q.dtype == torch.float8_e4m3fn:
         out = _scratch(q.shape, q.device, torch.float32) if reuse_buffer else None
-        decoded = cpu_decode.decode_e4m3(q, torch.float32, out)
+        decoded = cpu_e4m3.decode_e4m3(q, torch.float32, out)
         return decoded if decoded is not None else e4m3_to_fp32(q, reuse_buffer)
     # E5M2 is the top byte of fp16 (inf and NaN included): ×256 after the widen puts it there, and
     # fp16 → fp32 is an exact, vectorized cast
@@ -218,10 +229,20 @@ def fp8_linear(
     With ``out_scale`` (the next op's input scale) the result is returned quantized to ``out_fmt``,
     so an MLP hands FP8 from fc1 to fc2 without a high-precision round trip.
     """
-    scale = x_scale * w_scale  # (…×1)·(N,) broadcasts to the output's scale grid
     dtype = torch.float32 if exact else gemm_dtype(x_q, w_q)
-    if exact or (dtype == torch.float32 and _small(x_q) and _small(w_q)):
-        acc = F.linear(x_q.float(), w_q.float())  # small shapes: two casts and one fp32 GEMM beat the bit moves
+    if dtype == torch.float32 and not exact:  # operands dequantized first (see dequantize_operand)
+        if _small(x_q) and _small(w_q):  # one C call instead of a dozen torch ops, where it applies
+            y = cpu_e4m3.small_linear(x_q, x_scale, w_q, w_scale, bias, activation, residual, out_dtype, out_scale,
+                                      out_fmt is FP8Format.E4M3)
+            if y is not None:
+                return y
+        y = F.linear(dequantize_operand(x_q, x_scale),
+                     dequantize_operand(w_q, w_scale.reshape(-1, 1) if w_scale.dim() else w_scale, reuse_buffer=True),
+                     None if bias is None else bias.float())
+        return linear_epilogue(y, activation, residual, out_dtype, out_scale, out_fmt)
+    scale = x_scale * w_scale  # (…×1)·(N,) broadcasts to the output's scale grid
+    if exact:
+        acc = F.linear(x_q.float(), w_q.float())
     elif activation in GATED and dtype == torch.bfloat16:  # two GEMMs: each half rounds as its own linear would
         n = w_q.shape[0] // 2
         x_u = fp8_upcast(x_q, dtype)
@@ -231,6 +252,27 @@ def fp8_linear(
         acc = F.linear(fp8_upcast(x_q, dtype), fp8_upcast(w_q, dtype, reuse_buffer=True))
     y = dequantize_accumulator(acc, scale, bias)
     return linear_epilogue(y, activation, residual, out_dtype, out_scale, out_fmt)
+
+
+def dequantize_operand(q: torch.Tensor, scale: torch.Tensor, reuse_buffer: bool = False) -> torch.Tensor:
+    """``q · scale`` in fp32 (``scale``: one value or one per row), each product rounded once: the operand of
+    an fp32 GEMM that takes its operands dequantized. The fp32 GEMMs of the reference backend (the fp32 CPU
+    GEMM path, and small GEMMs on either path) work this way rather than scaling the accumulator: it is
+    compressed-tensors' order (dequantize the weight, fake-quantize the input, ``F.linear``), so a checkpoint
+    written by :func:`dbr_quant.save_pretrained` and reloaded by transformers on a CPU computes the same
+    numbers bit for bit; and it costs less (the scale rides on the upcast pass, the bias on the GEMM). The
+    accumulator order (``exact=True``, the bf16 path, the GPU kernels) differs from it by about an fp32 ulp
+    before each FP8 re-quantization. ``reuse_buffer``: as in :func:`fp8_to_fp32`."""
+    if _small(q):  # torch's scalar cast beats the fixed cost of a C call or the bit moves here
+        return q.float() * scale.float()
+    out = _scratch(q.shape, q.device, torch.float32) if reuse_buffer else None
+    if q.dtype == torch.float8_e4m3fn:
+        values = cpu_e4m3.decode_e4m3_scaled(q, scale, out)
+        if values is not None:
+            return values
+    values = fp8_to_fp32(q, reuse_buffer)
+    return values.mul_(scale.float()) if values.shape == torch.broadcast_shapes(values.shape, scale.shape) \
+        else values * scale.float()
 
 
 def dequantize_accumulator(acc: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

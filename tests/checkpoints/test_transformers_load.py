@@ -7,25 +7,22 @@ Three levels of evidence:
   scales (fp32 MiniLM: bit for bit; bf16 Llama: scales rounded to bf16, which is what transformers does
   with a float32 scale) and computes ``fp8(x / s_in)·s_in × (q·s_w)ᵀ + b``, checked against plain torch on
   dbr_quant's own tensors.
-* **End to end, bit for bit, with the loader's GEMM arithmetic.** The two models differ in one place only:
-  where a linear applies its scales. dbr_quant's kernels (like vLLM's and ``torch._scaled_mm``) multiply
-  the fp32 accumulator of the FP8 products by ``s_in·s_w`` in the epilogue; compressed-tensors dequantizes
-  both operands first and runs an fp32 ``F.linear``. Switch dbr_quant's reference linear to that order and
-  its converted model gives the transformers-loaded MiniLM embeddings bit for bit: same quantized ops, same
-  scales at run time, same FP8 codes of every activation, same fusion points (GELU before fc2's quantize,
-  residual after the bias), same LayerNorm, GELU and attention mask.
-* **End to end, natural arithmetic: an FP8 noise floor, not a deviation.** The two scale orders round
-  each GEMM output differently by ~1 ulp (2.3e-7 relative on MiniLM), and FP8 re-quantization turns that
-  into whole FP8 steps that cascade: 3 of 140,928 FP8 codes differ at layer 0's attention-output input,
-  127 at its fc2 input, 0.08-4 % of a linear's input codes in layer 1, 7-17 % in layer 2, 37-52 % in
-  layers 4-5 (dbr_quant on fp32 GEMMs; ``benchmarks/checkpoint_agreement.py`` prints these figures). Any
-  1-ulp change lands at the same level: the loaded model against itself with ``y - b + b`` at every linear
-  gives min embedding cosine 0.99902. So the min cosine of dbr_quant's exact (fp32-GEMM, GPU-equivalent)
-  kernels against the loaded model, measured 0.99897 (mean 0.99946), cannot reach 0.9995 without copying
-  the loader's arithmetic. dbr_quant's bf16 CPU GEMM path (the CPU default where the CPU has BF16 dot
-  products) also rounds each GEMM output to bf16 (1.6e-3 relative per linear; torch has no bf16 GEMM with
-  fp32 output on CPU): measured 0.99799 (mean 0.99890), the same distance as between dbr_quant's own bf16
-  and fp32 paths (0.99801). The bounds below leave ~0.001 for another CPU's GEMM rounding.
+* **End to end, bit for bit, on dbr_quant's fp32 CPU GEMM path.** Its reference linear dequantizes both
+  operands before an fp32 ``F.linear`` (``reference.dequantize_operand``), which is compressed-tensors'
+  arithmetic; everything else (quantized ops, scales, FP8 codes of every activation, fusion points: GELU
+  before fc2's quantize, residual after the bias; LayerNorm, GELU, attention mask) already agreed. So the
+  transformers-loaded MiniLM reproduces dbr_quant's converted model's embeddings exactly (min cosine 1).
+* **The other orders: an FP8 noise floor, not a deviation.** dbr_quant's GPU kernels (and ``exact=True``,
+  like vLLM's and ``torch._scaled_mm``) multiply the fp32 accumulator of the FP8 products by ``s_in·s_w``
+  in the epilogue. The two scale orders round each GEMM output differently by ~1 ulp (2.3e-7 relative on
+  MiniLM), and FP8 re-quantization turns that into whole FP8 steps that cascade: 3 of 140,928 FP8 codes
+  differ at layer 0's attention-output input, 127 at its fc2 input, 0.08-4 % of a linear's input codes in
+  layer 1, 7-17 % in layer 2, 37-52 % in layers 4-5 (``benchmarks/checkpoint_agreement.py`` prints these
+  figures). Any 1-ulp change lands at the same level: the loaded model against itself with ``y - b + b`` at
+  every linear gives min embedding cosine 0.99902; the accumulator order against the loaded model 0.99897
+  (mean 0.99946). dbr_quant's bf16 CPU GEMM path (the CPU default where the CPU has BF16 dot products) also
+  rounds each GEMM output to bf16 (1.6e-3 relative per linear; torch has no bf16 GEMM with fp32 output on
+  CPU): measured 0.99799 (mean 0.99890). The bounds below leave ~0.001 for another CPU's GEMM rounding.
 """
 
 from __future__ import annotations
@@ -77,35 +74,25 @@ def test_minilm_loads_with_transformers_and_matches(minilm_converted, minilm_fol
         expected = F.linear(_fake_quant(x, s_in), w.qdata.float() * w.scale[:, None], mod.bias)
         assert torch.equal(y, expected), name
     emb_fp32 = minilm.sentence_embeddings(c.model, c.eval_inputs)
+    with dq.kernels.use_cpu_gemm("fp32"):  # compressed-tensors' arithmetic: the same embeddings, bit for bit
+        emb_fp32_path = minilm.sentence_embeddings(c.converted, c.eval_inputs)
+    assert torch.equal(emb_fp32_path, emb_ct)
     with dq.kernels.use_cpu_gemm("bf16"):
         emb_bf16 = minilm.sentence_embeddings(c.converted, c.eval_inputs)
+    # exact=True: fp32 GEMMs with the scales on the accumulator, what dbr_quant's GPU kernels compute
     ref = dq.kernels.reference
-    with monkeypatch.context() as m:  # the loader's arithmetic order; everything else is dbr_quant's runtime
-        m.setattr(ref, "fp8_linear", _linear_dequantizing_operands_first)
-        emb_loader_order = minilm.sentence_embeddings(c.converted, c.eval_inputs)
-    assert torch.equal(emb_loader_order, emb_ct)
-    # exact=True: fp32 GEMMs, what dbr_quant's GPU kernels compute
     monkeypatch.setattr(ref, "fp8_linear", functools.partial(ref.fp8_linear, exact=True))
     monkeypatch.setattr(ref, "fp8_matmul", functools.partial(ref.fp8_matmul, exact=True))
     emb_exact = minilm.sentence_embeddings(c.converted, c.eval_inputs)
-    cos_bf16, cos_exact = (emb_ct * emb_bf16).sum(-1), (emb_ct * emb_exact).sum(-1)
-    own_gap = (emb_exact * emb_bf16).sum(-1)  # dbr_quant's two kernel paths
-    print(f"MiniLM transformers-loaded vs dbr_quant: exact kernels min cosine {cos_exact.min():.5f}, mean "
-          f"{cos_exact.mean():.5f}; bf16 CPU GEMMs {cos_bf16.min():.5f} / {cos_bf16.mean():.5f}; dbr_quant exact "
-          f"vs bf16 {own_gap.min():.5f}; loader's GEMM order: bit for bit")
-    assert cos_exact.min() >= 0.998 and cos_exact.mean() >= 0.9993
-    assert cos_bf16.min() >= 0.997 and cos_bf16.mean() >= 0.9985
-    assert cos_bf16.min() > (emb_ct * emb_fp32).sum(-1).min()  # closer to dbr_quant's FP8 model than to fp32
-
-
-def _linear_dequantizing_operands_first(x_q, x_scale, w_q, w_scale, *, bias=None, activation=None, residual=None,
-                                        out_dtype=torch.float32, out_scale=None, out_fmt=None):
-    """reference.fp8_linear with compressed-tensors' arithmetic: ``F.linear(q_x·s_x, q_w·s_w, b)`` in fp32
-    (scales applied to the operands before the GEMM, bias inside it), then the same epilogue."""
-    w_scale = w_scale.float()
-    w = w_q.float() * (w_scale[:, None] if w_scale.dim() else w_scale)
-    y = F.linear(x_q.float() * x_scale.float(), w, bias)
-    return dq.kernels.reference.linear_epilogue(y, activation, residual, out_dtype, out_scale, out_fmt)
+    cos = {k: (emb_ct * e).sum(-1) for k, e in (("fp32", emb_fp32_path), ("bf16", emb_bf16), ("exact", emb_exact))}
+    own_gap = (emb_exact * emb_bf16).sum(-1)  # dbr_quant's two kernel orders
+    print("MiniLM transformers-loaded vs dbr_quant, min / mean embedding cosine: " + "; ".join(
+        f"{k} {v.min():.5f} / {v.mean():.5f}" for k, v in cos.items())
+          + f"; dbr_quant exact vs bf16 {own_gap.min():.5f}")
+    assert cos["fp32"].min() >= 0.9995
+    assert cos["exact"].min() >= 0.998 and cos["exact"].mean() >= 0.9993
+    assert cos["bf16"].min() >= 0.997 and cos["bf16"].mean() >= 0.9985
+    assert cos["bf16"].min() > (emb_ct * emb_fp32).sum(-1).min()  # closer to dbr_quant's FP8 model than to fp32
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -95,8 +95,8 @@ LINEAR_CASES = [
 @pytest.mark.parametrize("per_channel", [False, True])
 @pytest.mark.parametrize("path", GEMM_PATHS)
 def test_fp8_linear_lowering_equals_the_op(case, per_channel, path):
-    x_q, x_s = _fp8((3, 7, 48))
-    w_q, _ = _fp8((40, 48))
+    x_q, x_s = _fp8((3, 7, 160))  # both operands above SMALL_OPERAND: the decomposition runs (see below)
+    w_q, _ = _fp8((40, 160))
     w_s = torch.rand(40) * 0.01 + 0.001 if per_channel else torch.tensor(0.003)
     args = (x_q, x_s, w_q, w_s, torch.randn(40) if case["bias"] else None, case["activation"],
             torch.randn(3, 7, 40) if case["residual"] else None, torch.float32,
@@ -108,13 +108,32 @@ def test_fp8_linear_lowering_equals_the_op(case, per_channel, path):
                                                    want.view(torch.uint8) if want.dtype.itemsize == 1 else want)
 
 
+def test_small_gemms_stay_as_the_op():
+    """Where both operands are small, eager runs one C call (cpu_e4m3.small_linear) whose sum order inductor
+    would not reproduce: the decomposition declines, so a compiled graph calls the op itself (the same kernel)."""
+    x_q, x_s = _fp8((3, 7, 48))
+    w_q, w_s = _fp8((40, 48))
+    linear = lowering.LOWERINGS["fp8_linear"]
+    assert linear(x_q, x_s, w_q, w_s, None, "relu", None, torch.float32, None, "e4m3") is NotImplemented
+    big_x, _ = _fp8((3, 70, 48))  # a large input with a small weight: inductor's GEMM
+    assert linear(big_x, x_s, w_q, w_s, None, "relu", None, torch.float32, None, "e4m3") is not NotImplemented
+    mlp = lowering.LOWERINGS["fp8_mlp"]
+    w2_q, _ = _fp8((48, 40))
+    args = (x_s, w_q, w_s, None, "relu", x_s, "e4m3", w2_q, w_s, None, None, torch.float32)
+    assert mlp(x_q, *args) is NotImplemented
+    assert mlp(big_x, *args) is not NotImplemented
+    compiled = torch.compile(lambda *a: torch.ops.dbr_quant.fp8_linear(*a), fullgraph=True)
+    args = (x_q, x_s, w_q, w_s, torch.randn(40), "relu", None, torch.float32, None, "e4m3")
+    assert torch.equal(compiled(*args), torch.ops.dbr_quant.fp8_linear(*args))
+
+
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 def test_fp8_mlp_lowering_equals_the_op(activation):
-    x_q, x_s = _fp8((2, 5, 32))
-    w1, w1_s = _fp8((2 * 48 if activation == "swiglu" else 48, 32), scale=0.01)
-    w2, w2_s = _fp8((32, 48), scale=0.01)
+    x_q, x_s = _fp8((2, 50, 96))
+    w1, w1_s = _fp8((2 * 48 if activation == "swiglu" else 48, 96), scale=0.01)
+    w2, w2_s = _fp8((96, 48), scale=0.01)
     args = (x_q, x_s, w1, w1_s, None if activation == "swiglu" else torch.randn(48), activation, torch.tensor(0.03),
-            "e4m3", w2, w2_s, torch.randn(32), torch.randn(2, 5, 32), torch.float32)
+            "e4m3", w2, w2_s, torch.randn(96), torch.randn(2, 50, 96), torch.float32)
     want, got = torch.ops.dbr_quant.fp8_mlp(*args), lowering.fp8_mlp(*args)
     if activation == "swiglu":  # one stacked GEMM instead of the reference's two: the same dot products
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -214,3 +215,44 @@ def test_each_path_batched_matmul_against_fp64(path):
     mag = aq.double().abs() @ bq.double().abs() * s
     bound = _bound(path, 40, mag, acc, None, acc, acc, None, None)
     assert ((got - acc).abs() <= bound).all()
+
+
+@settings(max_examples=20, deadline=None)
+@given(m=st.integers(1, 40), k=st.sampled_from([16, 96, 384]), n=st.sampled_from([8, 64, 200]),
+       per_token=st.booleans(), per_channel=st.booleans(), bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_fp32_gemms_dequantize_operands_first(m, k, n, per_token, per_channel, bias, seed):
+    """The reference linear's fp32 GEMMs (the fp32 path at any size; small operands on either path) compute
+    compressed-tensors' arithmetic bit for bit, ``F.linear(q_x·s_x, q_w·s_w, b)``; ``exact=True`` keeps the
+    GPU kernels' order, ``(q_x·q_wᵀ)·(s_x·s_w)`` (+ b in the same rounding step), also bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    fmt = FP8Format.E4M3
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    xs = safe_scale(x.abs().amax(1, keepdim=True), fmt) if per_token else safe_scale(x.abs().amax(), fmt)
+    ws = safe_scale(w.abs().amax(1), fmt) if per_channel else safe_scale(w.abs().amax(), fmt)
+    xq, wq = R.quantize(x, xs, fmt), R.quantize(w, ws.unsqueeze(1) if per_channel else ws, fmt)
+    b = torch.randn(n, generator=g) if bias else None
+    loader = F.linear(xq.float() * xs, wq.float() * (ws.unsqueeze(1) if per_channel else ws), b)
+    large = xq.numel() > R.SMALL_OPERAND or wq.numel() > R.SMALL_OPERAND
+    for path in cpu.GEMM_PATHS:
+        with use_cpu_gemm(path):
+            got = R.fp8_linear(xq, xs, wq, ws, bias=b)
+        if large and path == "fp32":
+            assert torch.equal(got, loader), path
+        elif not large:  # one C call (cpu_e4m3.small_linear): the same operands, summed in k order
+            assert torch.equal(got, sequential_linear(xq, xs, wq, ws, b)), path
+            torch.testing.assert_close(got, loader, rtol=1e-5, atol=1e-5)
+    gpu_order = F.linear(xq.float(), wq.float()) * (xs * ws)
+    assert torch.equal(R.fp8_linear(xq, xs, wq, ws, exact=True), gpu_order)
+
+
+def sequential_linear(xq, xs, wq, ws, bias=None, relu=False, residual=None):
+    """The small-linear definition in plain fp32 torch ops, one k at a time (every product and sum rounded):
+    ``act(Σ_k (x·s_x)(w·s_w) + b) + r`` with the operands dequantized first."""
+    xd = xq.float() * xs
+    wd = wq.float() * (ws.reshape(-1, 1) if ws.dim() else ws)
+    acc = torch.zeros(*xq.shape[:-1], wq.shape[0])
+    for k in range(xq.shape[-1]):
+        acc = acc + xd[..., k:k + 1] * wd[:, k]
+    y = acc if bias is None else acc + bias
+    y = torch.relu(y) if relu else y
+    return y if residual is None else y + residual

@@ -1,0 +1,238 @@
+"""The compiled E4M3 decoder (kernels/cpu_e4m3.py) against torch's own FP8 casts, and the fallback."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dbr_quant.kernels import cpu_e4m3
+from dbr_quant.kernels import reference as R
+
+ALL_CODES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+FINITE = torch.isfinite(ALL_CODES.float())
+NAN_CODES = ~FINITE
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    lib = cpu_e4m3.library()
+    if lib is None:
+        pytest.fail("the C decoder did not build on this machine (a C compiler is part of the dev setup)")
+    return lib
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("flush_denormal", [False, True])
+def test_every_code_decodes_exactly(decoder, dtype, flush_denormal):
+    """All 256 codes, subnormals included, equal torch's cast; also with denormals-are-zero switched on
+    (torch.set_flush_denormal), which a decoder that scaled subnormal floats would get wrong."""
+    if flush_denormal and not torch.set_flush_denormal(True):
+        pytest.fail("this CPU cannot flush denormals (no SSE3?)")
+    try:
+        got = cpu_e4m3.decode_e4m3(ALL_CODES.clone(), dtype)
+    finally:
+        torch.set_flush_denormal(False)  # torch's default; the call returns support, not the previous mode
+    assert got is not None and got.dtype == dtype
+    want = ALL_CODES.float().to(dtype)
+    assert torch.equal(got[FINITE], want[FINITE])
+    assert torch.equal(got[FINITE].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       want[FINITE].view(torch.int16 if dtype == torch.bfloat16 else torch.int32))  # ±0 too
+    assert torch.equal(got[NAN_CODES].abs(), torch.full((2,), 480.0, dtype=dtype))  # as the torch fast path
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 70), cols=st.integers(1, 70), seed=st.integers(0, 2**31 - 1),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_same_bits_as_the_torch_path(decoder, rows, cols, seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    torch_path = R.e4m3_to_fp32(q) if dtype == torch.float32 else R.e4m3_to_bf16(q)
+    assert torch.equal(cpu_e4m3.decode_e4m3(q, dtype), torch_path)
+
+
+def test_declines_what_it_cannot_read(decoder):
+    q = torch.randn(8, 6).to(torch.float8_e4m3fn)
+    assert cpu_e4m3.decode_e4m3(q.t(), torch.float32) is None  # not contiguous: the torch path takes it
+    assert cpu_e4m3.decode_e4m3(q.to("meta"), torch.float32) is None
+
+
+def test_upcast_uses_it_and_threads_agree(decoder):
+    """reference.fp8_upcast goes through the decoder (into its scratch buffer for weights), and threads
+    decoding at once (ctypes releases the GIL) each get their own exact result."""
+    qs = [torch.randn(300, 200).mul(k + 1).to(torch.float8_e4m3fn) for k in range(8)]
+    results: list = [None] * len(qs)
+
+    def work(i):
+        with torch.inference_mode():
+            results[i] = [R.fp8_upcast(qs[i], torch.float32).clone() for _ in range(20)]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(qs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for q, res in zip(qs, results):
+        assert all(torch.equal(r, q.float()) for r in res)
+
+
+def test_fallback_when_disabled(monkeypatch):
+    monkeypatch.setenv(cpu_e4m3.ENV_VAR, "torch")
+    cpu_e4m3.reset()
+    try:
+        assert cpu_e4m3.library() is None
+        q = torch.randn(40, 30).to(torch.float8_e4m3fn)
+        assert cpu_e4m3.decode_e4m3(q, torch.float32) is None
+        assert torch.equal(R.fp8_upcast(q, torch.float32), q.float())  # the torch bit moves still run
+        monkeypatch.setenv(cpu_e4m3.ENV_VAR, "fast")
+        cpu_e4m3.reset()
+        with pytest.raises(ValueError, match="DBR_QUANT_CPU_DECODE"):
+            cpu_e4m3.library()
+    finally:
+        monkeypatch.delenv(cpu_e4m3.ENV_VAR)
+        cpu_e4m3.reset()
+
+
+def test_a_broken_compiler_falls_back_with_a_warning(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("DBR_QUANT_CACHE_DIR", str(tmp_path / "cache"))
+    cpu_e4m3.reset()
+    try:
+        assert cpu_e4m3.library() is None  # a missing compiler is silent: the torch path is correct
+        (tmp_path / "bad-cc").write_text("#!/bin/sh\necho compiler says no >&2\nexit 1\n")
+        (tmp_path / "bad-cc").chmod(0o755)
+        monkeypatch.setenv("CC", str(tmp_path / "bad-cc"))
+        cpu_e4m3.reset()
+        with pytest.warns(RuntimeWarning, match="compiler says no"):
+            assert cpu_e4m3.library() is None
+    finally:
+        cpu_e4m3.reset()
+
+
+def _torch_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The definition: saturate x·(1/scale), then torch's own cast (round to nearest even)."""
+    return (x.float() * torch.reciprocal(scale.float())).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+def _bits(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)
+
+
+@pytest.mark.parametrize("flush_denormal", [False, True])
+@pytest.mark.parametrize("scale", [1.0, 0.37, 3e-3, 2.0**-20, 1e30])
+def test_quantize_sweeps_fp32_bit_patterns(decoder, scale, flush_denormal):
+    """Every 4099th fp32 bit pattern (all exponents, both signs, subnormals, ±inf, NaNs, so every rounding case
+    of every E4M3 binade including ties), times five scales: the C quantize equals clamp + torch's cast bit for
+    bit, with denormals-are-zero on or off."""
+    x = torch.arange(0, 2**32, 4099, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    s = torch.tensor([scale])
+    if flush_denormal and not torch.set_flush_denormal(True):
+        pytest.fail("this CPU cannot flush denormals (no SSE3?)")
+    try:
+        got, want = cpu_e4m3.quantize_e4m3(x, s), _torch_quantize(x, s)
+    finally:
+        torch.set_flush_denormal(False)
+    assert got is not None and got.dtype == torch.float8_e4m3fn
+    assert torch.equal(_bits(got), _bits(want))
+
+
+def test_quantize_every_tie_and_every_bf16(decoder):
+    """The exact midpoints between neighbouring E4M3 values (ties go to the even code), one ulp either side of
+    them, and all 65536 bf16 bit patterns as bf16 input."""
+    grid = ALL_CODES[FINITE].float().unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    near = torch.cat([mids, mids.nextafter(torch.tensor(float("inf"))), mids.nextafter(torch.tensor(-1.0)),
+                      torch.tensor([448.0, 463.99, 464.0, 1e9])])
+    x = torch.cat([near, -near])
+    one = torch.ones(1)
+    assert torch.equal(_bits(cpu_e4m3.quantize_e4m3(x, one)), _bits(_torch_quantize(x, one)))
+    xb = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    for s in (one, torch.tensor([0.0123])):
+        assert torch.equal(_bits(cpu_e4m3.quantize_e4m3(xb, s)), _bits(_torch_quantize(xb, s)))
+
+
+@settings(max_examples=25, deadline=None)
+@given(shape=st.lists(st.integers(1, 40), min_size=1, max_size=3), seed=st.integers(0, 2**31 - 1),
+       per_row=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_quantize_and_scaled_decode_per_row(decoder, shape, seed, per_row, dtype):
+    """Per-row (per-token) or single scales of any magnitude: quantize equals the torch definition, and the
+    scaled decode equals ``q.float() * scale`` (both bit for bit)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g) * torch.rand(shape, generator=g).mul(12).sub(6).exp2()).to(dtype)
+    s_shape = (*shape[:-1], 1) if per_row else (1,)
+    s = torch.rand(s_shape, generator=g).mul(8).sub(4).exp2()
+    q = cpu_e4m3.quantize_e4m3(x, s)
+    assert torch.equal(_bits(q), _bits(_torch_quantize(x, s)))
+    assert torch.equal(cpu_e4m3.decode_e4m3_scaled(q, s), q.float() * s)
+    assert torch.equal(R.dequantize_operand(q, s), q.float() * s)  # the reference's fp32 GEMM operand
+
+
+def test_quantize_declines_what_it_cannot_index(decoder):
+    x = torch.randn(6, 8)
+    assert cpu_e4m3.quantize_e4m3(x.t(), torch.ones(1)) is None  # not contiguous
+    assert cpu_e4m3.quantize_e4m3(x.half(), torch.ones(1)) is None  # fp16 input: the torch path
+    assert cpu_e4m3.quantize_e4m3(x, torch.ones(8)) is None  # a per-column scale is not a per-row one
+    assert cpu_e4m3.quantize_e4m3(x, torch.ones(1, 1, 1)) is None  # broadcasts to more dims than x
+    assert cpu_e4m3.quantize_e4m3(x, torch.ones(1, dtype=torch.float64)) is None
+    assert cpu_e4m3.quantize_e4m3(x.requires_grad_(), torch.ones(1)) is None  # autograd records the torch ops
+    for s in (torch.ones(8), torch.ones(1, 1, 1)):  # and the reference quantize still broadcasts them
+        assert torch.equal(_bits(R.quantize(x.detach(), s, R.FP8Format.E4M3)), _bits(_torch_quantize(x.detach(), s)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(lead=st.lists(st.integers(1, 4), min_size=1, max_size=2), k=st.integers(1, 64), n=st.integers(1, 64),
+       per_row=st.booleans(), per_channel=st.booleans(), bias=st.booleans(), relu=st.booleans(),
+       residual=st.booleans(), fp8_out=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_small_linear_is_the_sequential_definition(decoder, lead, k, n, per_row, per_channel, bias, relu, residual,
+                                                   fp8_out, seed):
+    """One C call for a small FP8 linear equals the definition written as fp32 torch ops one k at a time
+    (operands dequantized first, every product and sum rounded, no fused multiply-add), bit for bit; with
+    ``out_scale`` its E4M3 output equals the reference quantize of that result; reference.fp8_linear takes it."""
+    from test_cpu_gemm import sequential_linear
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    xs = torch.rand(*lead, 1, generator=g) * 0.01 + 1e-3 if per_row else torch.tensor(0.004)
+    ws = torch.rand(n, generator=g) * 0.01 + 1e-3 if per_channel else torch.tensor(0.003)
+    xq = R.quantize(x, xs, R.FP8Format.E4M3)
+    wq = R.quantize(w, ws.reshape(-1, 1) if per_channel else ws, R.FP8Format.E4M3)
+    b = torch.randn(n, generator=g) if bias else None
+    r = torch.randn(*lead, n, generator=g) if residual else None
+    out_s = torch.tensor(0.01) if fp8_out else None
+    got = cpu_e4m3.small_linear(xq, xs, wq, ws, b, "relu" if relu else None, r, torch.float32, out_s, True)
+    want = sequential_linear(xq, xs, wq, ws, b, relu, r)
+    if fp8_out:
+        want = R.quantize(want, out_s, R.FP8Format.E4M3)
+    assert got is not None and torch.equal(_bits(got) if fp8_out else got, _bits(want) if fp8_out else want)
+    via_reference = R.fp8_linear(xq, xs, wq, ws, bias=b, activation="relu" if relu else None, residual=r,
+                                 out_scale=out_s)
+    assert torch.equal(_bits(via_reference) if fp8_out else via_reference, _bits(got) if fp8_out else got)
+
+
+def test_small_linear_declines_what_it_does_not_compute_exactly(decoder):
+    xq = torch.randn(3, 8).to(torch.float8_e4m3fn)
+    wq = torch.randn(4, 8).to(torch.float8_e4m3fn)
+    s = torch.tensor(0.5)
+    call = lambda **kw: cpu_e4m3.small_linear(**{**dict(  # noqa: E731
+        x_q=xq, x_scale=s, w_q=wq, w_scale=s, bias=None, activation=None, residual=None, out_dtype=torch.float32,
+        out_scale=None, out_e4m3=True), **kw})
+    assert call() is not None
+    assert call(activation="gelu") is None  # torch's erf is not C's: the torch path keeps the bits
+    assert call(out_dtype=torch.bfloat16) is None
+    assert call(out_scale=s, out_e4m3=False) is None  # E5M2 output
+    assert call(x_q=torch.randn(3, 8).to(torch.float8_e5m2)) is None
+    assert call(w_q=torch.randn(4, 2000).to(torch.float8_e4m3fn), x_q=torch.randn(3, 2000).to(torch.float8_e4m3fn)) \
+        is None  # 8000 weight elements: not small
+    assert call(bias=torch.randn(4, dtype=torch.bfloat16)) is None
+    assert call(w_scale=torch.rand(4, 1)) is None  # per-channel scales as (N,) or one value only
+    # inference only: a module's bias (a parameter that requires grad) is read as is, in or out of grad mode,
+    # so the bits never depend on the grad mode
+    bias = torch.nn.Parameter(torch.randn(4))
+    with torch.no_grad():
+        want = call(bias=bias)
+    got = call(bias=bias)
+    assert torch.equal(got, want) and got.grad_fn is None
