@@ -4,8 +4,12 @@ and step resolved, so the runtime's per-op work is an index and two identity-spe
 A plan holds structure only (records, subgraphs), never tensors: weights and scales are read at call
 time, so ``.to()`` / ``.half()`` / ``load_state_dict`` after convert need no invalidation. It is built
 the first time a converted forward asks for it and kept on the state (``__dict__["_dbr_plan"]``, not a
-submodule or buffer); it is rebuilt when the model's subgraph table is a different object (a copy).
-Building is idempotent, so threads that race to build it store equal plans.
+submodule or buffer; dropped on deepcopy / pickle); it is rebuilt when the model's subgraph table is a
+different object. Records and subgraphs are written only by prepare(), so a plan built after convert stays
+right. Building is idempotent, so threads that race to build it store equal plans.
+
+A plan only says what to expect: ``runs.ConvertRun`` checks each arriving op against the step at its
+cursor and takes its general path (matching, warnings, ``UnseenOpError``) whenever they differ.
 """
 
 from __future__ import annotations
