@@ -152,13 +152,17 @@ def has_hooks(module: nn.Module) -> bool:
         "_hf_hook" in module.__dict__ and has_opaque_hook(module))
 
 
-_disabled = threading.local()
+class _ThreadDisabled(threading.local):
+    on = False  # a class default: reading it unset is a plain attribute hit, not a failed lookup (once per forward)
+
+
+_disabled = _ThreadDisabled()
 
 
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
     """Inside the block, prepared and converted models run their original high-precision path."""
-    before = getattr(_disabled, "on", False)
+    before = _disabled.on
     _disabled.on = True
     try:
         yield
@@ -167,4 +171,4 @@ def disabled() -> Iterator[None]:
 
 
 def is_disabled() -> bool:
-    return getattr(_disabled, "on", False)
+    return _disabled.on

@@ -16,11 +16,11 @@ from torch import nn
 from . import kernels
 from .mappings import LINEAR, MATMUL, SDPA, linear_weight
 from .quantization_state import AutoQuantizationState, SeenOp
-from .weights import adjacent_rows, fp8_weight_of
+from .weights import FP8Weight, adjacent_rows, fp8_weight_of
 
 
-@dataclass(slots=True)  # created per intercepted op: slots make it cheaper to build and read
-class Call:
+@dataclass(slots=True, init=False)  # created per intercepted op: slots and a hand-written __init__ (no
+class Call:                          # __post_init__ frame) make it cheaper to build and read
     """One intercepted call as it arrived at run time."""
 
     kind: str
@@ -32,8 +32,16 @@ class Call:
     placeholder: Any = None  # what this call returned while its subgraph was still pending
     module: nn.Module | None = field(init=False, repr=False)  # func, when the call is a module call
 
-    def __post_init__(self) -> None:
-        self.module = self.func if isinstance(self.func, nn.Module) else None
+    def __init__(self, kind: str, func: Any, args: tuple, kwargs: dict, op: SeenOp | None = None,
+                 state: AutoQuantizationState | None = None, placeholder: Any = None) -> None:
+        self.kind = kind
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.op = op
+        self.state = state
+        self.placeholder = placeholder
+        self.module = func if isinstance(func, nn.Module) else None
 
     def run_original(self, args: tuple | None = None) -> Any:
         """The high-precision op as the user wrote it."""
@@ -121,6 +129,21 @@ def fp8_weight(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
     return kernels.quantize(w, scale, wcfg.format), scale.reshape(-1) if per_channel else scale
 
 
+def linear_parts(call: Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, int] | None]:
+    """(fp8 weight, its scale, bias, block) of a linear call: :func:`fp8_weight`, the bias of
+    :func:`linear_operands` and :func:`weight_block` in one read of the module (the runtime's hot path: a
+    converted ``nn.Linear`` costs two dict lookups here, then its ``FP8Weight``'s fields)."""
+    m = call.module
+    if m is not None:
+        w = m._parameters.get("weight")
+        if type(w) is FP8Weight:
+            params = m._parameters
+            bias = params["bias"] if "bias" in params else m.bias
+            return w.qdata, w.scale, bias, w.block
+    w_q, w_scale = fp8_weight(call)
+    return w_q, w_scale, linear_operands(call)[2], weight_block(call)
+
+
 # Per-token scales only for operands whose rows are not the GEMM's reduction dimension (a scale along
 # K could not be taken out of the dot product): linear inputs, matmul's left operand, q and k.
 PER_TOKEN_SLOTS = ("input", "a", "q", "k")
@@ -164,17 +187,16 @@ def run_linear(call: Call, env: Env, *, x: torch.Tensor | None = None, activatio
                out_scale: torch.Tensor | None = None, out_fmt=None) -> torch.Tensor:
     """One FP8 linear: quantize the input (unless ``x_fp8`` = (fp8 data, scale) is given: a previous
     kernel already did), GEMM with epilogue; FP8 output with ``out_scale`` for the next op."""
-    x0, _, bias = linear_operands(call)
-    x = x0 if x is None else x
+    w_q, w_scale, bias, block = linear_parts(call)
+    x = call.args[0] if x is None else x
     kw = {} if out_scale is None else {"out_scale": out_scale, "out_fmt": out_fmt}
-    block = weight_block(call)
     if x_fp8 is not None:
         x_q, x_scale = x_fp8
     elif block is not None:
         x_q, x_scale = quantized_block_input(call, x, env, block)
     else:
         x_q, x_scale = quantized_input(call, "input", x, env)
-    return linear_kernel(x_q, x_scale, *fp8_weight(call), block, bias=bias, activation=activation,
+    return linear_kernel(x_q, x_scale, w_q, w_scale, block, bias=bias, activation=activation,
                          residual=residual, out_dtype=x.dtype, **kw)
 
 
@@ -195,16 +217,13 @@ def run_mlp(fc1_weight: tuple[torch.Tensor, torch.Tensor], fc1_bias: torch.Tenso
     one ``kernels.fp8_mlp``: FP8 from fc1's epilogue to fc2 with fc2's input scale (static). With a
     block-scaled fc1 or fc2, the same FP8 hand-off as two linear kernels."""
     h_scale = env.input_scale(fc2, "input", None)
-    w2_q, w2_scale = fp8_weight(fc2)
-    fc2_block = weight_block(fc2)
+    w2_q, w2_scale, b2, fc2_block = linear_parts(fc2)
     if fc1_block is not None or fc2_block is not None:
         h = linear_kernel(x_q, x_scale, *fc1_weight, fc1_block, bias=fc1_bias, activation=activation,
                           out_dtype=out_dtype, out_scale=h_scale, out_fmt=fc2.op.qconfig.activation.format)
-        return linear_kernel(h, h_scale, w2_q, w2_scale, fc2_block, bias=linear_operands(fc2)[2],
-                             residual=residual, out_dtype=out_dtype)
+        return linear_kernel(h, h_scale, w2_q, w2_scale, fc2_block, bias=b2, residual=residual, out_dtype=out_dtype)
     return kernels.fp8_mlp(x_q, x_scale, *fc1_weight, fc1_bias, activation, h_scale,
-                           fc2.op.qconfig.activation.format, w2_q, w2_scale, linear_operands(fc2)[2], residual,
-                           out_dtype)
+                           fc2.op.qconfig.activation.format, w2_q, w2_scale, b2, residual, out_dtype)
 
 
 def run_matmul(call: Call, env: Env, *, a: torch.Tensor | None = None, b: torch.Tensor | None = None

@@ -21,9 +21,9 @@ from . import kernels
 from .basic_ops import (
     Call,
     Env,
-    fp8_weight,
     linear_kernel,
     linear_operands,
+    linear_parts,
     quantized_block_input,
     quantized_input,
     run_basic,
@@ -46,6 +46,7 @@ from .mappings import (
     rms_norm_module_eps,
 )
 from .quantization_state import SeenOp
+from .weights import FP8Weight
 
 
 @dataclass
@@ -217,7 +218,8 @@ class LinearActivation(Fusion):
     steps = (Step(LINEAR), Step(ACT, accepts=_first_arg))
 
     def run(self, calls, env):
-        return run_linear(calls[0], env, activation=_activation(calls))
+        act = calls[-1]  # a passthrough op is never last (the matcher drops trailing ones)
+        return run_linear(calls[0], env, activation=activation_name(act.func, act.args, act.kwargs))
 
 
 @register_fusion
@@ -239,10 +241,35 @@ def _mlp(fc1: Call, fc2: Call, env: Env, x: torch.Tensor, act: str | None, resid
     if fc2.op.qconfig.dynamic:  # fc2's scale would depend on fc1's output: no FP8 hand-off
         h = run_linear(fc1, env, x=x, activation=act, x_fp8=x_fp8)
         return run_linear(fc2, env, x=h, residual=residual)
-    block = weight_block(fc1)
-    x_q, x_scale = _quantized_linear_input(fc1, x, env, block) if x_fp8 is None else x_fp8
-    return run_mlp(fp8_weight(fc1), linear_operands(fc1)[2], x_q, x_scale, act, fc2, env, residual, x.dtype,
-                   fc1_block=block)
+    w_q, w_scale, bias, block = linear_parts(fc1)
+    if x_fp8 is None:
+        cfg = fc1.op.qconfig
+        if block is None and not cfg.dynamic:  # quantized_input's static case, inlined (the runtime's hot path)
+            x_scale = env.input_scale(fc1, "input", x)
+            x_fp8 = kernels.quantize(x, x_scale, cfg.activation.format), x_scale
+        else:
+            x_fp8 = _quantized_linear_input(fc1, x, env, block)
+    return run_mlp((w_q, w_scale), bias, *x_fp8, act, fc2, env, residual, x.dtype, fc1_block=block)
+
+
+def _static_mlp(fc1: Call, fc2: Call, env: Env, act: str | None, residual: torch.Tensor | None) -> Any:
+    """:func:`_mlp` → :func:`run_mlp` for the common case, read in one go: two converted linear modules with
+    per-tensor / per-channel FP8 weights and static input scales (the same two kernel calls with the same
+    operands); NotImplemented for anything else."""
+    m1, m2 = fc1.module, fc2.module
+    if m1 is None or m2 is None:
+        return NotImplemented
+    p1, p2 = m1._parameters, m2._parameters
+    w1, w2 = p1.get("weight"), p2.get("weight")
+    c1, c2 = fc1.op.qconfig, fc2.op.qconfig
+    if type(w1) is not FP8Weight or type(w2) is not FP8Weight or w1.block is not None or w2.block is not None \
+            or c1.dynamic or c2.dynamic or "bias" not in p1 or "bias" not in p2:
+        return NotImplemented
+    x = fc1.args[0]
+    x_scale = env.input_scale(fc1, "input", x)
+    x_q = kernels.quantize(x, x_scale, c1.activation.format)
+    return kernels.fp8_mlp(x_q, x_scale, w1.qdata, w1.scale, p1["bias"], act, env.input_scale(fc2, "input", None),
+                           c2.activation.format, w2.qdata, w2.scale, p2["bias"], residual, x.dtype)
 
 
 def _quantized_linear_input(call: Call, x: torch.Tensor, env: Env, block: tuple[int, int] | None
@@ -259,6 +286,14 @@ class MLP(Fusion):
              Step(ADD, optional=True, accepts=_residual))
 
     def run(self, calls, env):
+        if len(calls) <= 4 and calls[1].kind == ACT and calls[2].kind == LINEAR:  # no passthrough ops between
+            fc1, act, fc2 = calls[0], calls[1], calls[2]
+            residual = _other_operand(calls[3]) if len(calls) == 4 else None
+            act = activation_name(act.func, act.args, act.kwargs)
+            out = _static_mlp(fc1, fc2, env, act, residual)
+            if out is not NotImplemented:
+                return out
+            return _mlp(fc1, fc2, env, fc1.args[0], act, residual)
         fc1, fc2 = _calls(calls, LINEAR)
         adds = _calls(calls, ADD)
         residual = _other_operand(adds[0]) if adds else None

@@ -153,6 +153,12 @@ class AutoQuantizationState(nn.Module):
             name = names[key] = f"scale_{observer_key(op.index, slot)}"
         return self._buffers[name]
 
+    def __getstate__(self) -> dict:
+        """deepcopy / pickle: without the runtime's caches (the plan is rebuilt against the copy's record)."""
+        state = super().__getstate__()
+        state.pop("_dbr_plan", None)
+        return state
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # scale buffers exist only after convert(); a freshly converted skeleton has them, but make
         # loading robust to a skeleton whose scales were computed from different data.

@@ -33,6 +33,7 @@ from .mappings import (
     is_linear_module,
     is_passthrough,
 )
+from .plan import plan_of
 from .quantization_state import AutoQuantizationState, SeenOp, observer_key
 
 
@@ -164,7 +165,11 @@ class Run:
             per_token = cfg.granularity == "token" and slot in PER_TOKEN_SLOTS
             return kernels.dynamic_scale(x, cfg.format, per_token=per_token)
         st = call.state
-        s = st.frozen_scale(op, slot) if st.converted else st.observers[observer_key(op.index, slot)].scale()
+        if st.converted:  # st.frozen_scale(op, slot), inlined: this runs for every quantized activation
+            name = st._scale_names.get((op.index, slot))
+            s = st._buffers[name] if name is not None else st.frozen_scale(op, slot)
+        else:
+            s = st.observers[observer_key(op.index, slot)].scale()
         return s if x is None or s.device == x.device else s.to(x.device)
 
     def call_module(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -286,6 +291,8 @@ class ConvertRun(Run):
         self.done: list[_Pending] = []
         self.n_placeholders = placeholder_base(current_run() is None)  # next index into this thread's pool
         self.onloaded: dict[int, nn.Module] = {}  # accelerate-offloaded modules whose weights we loaded
+        self.pool = _placeholder_pool()  # this thread's placeholder tensors (grown by _placeholder_tensor)
+        self.subgraphs = self.record.subgraphs
 
     # ------------------------------------------------------------------ placeholders
     def _scan(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, _Pending | None]:
@@ -331,8 +338,10 @@ class ConvertRun(Run):
         self.done.append(p)
 
     def _placeholder(self, p: _Pending, call: Call) -> torch.Tensor:
-        ph = _placeholder_tensor(self.n_placeholders)
-        self.n_placeholders += 1
+        n = self.n_placeholders
+        pool = self.pool
+        ph = pool[n] if n < len(pool) else _placeholder_tensor(n)
+        self.n_placeholders = n + 1
         call.placeholder = ph
         p.calls.append(call)
         self.placeholders[id(ph)] = p
@@ -412,7 +421,17 @@ class ConvertRun(Run):
 
     def module_call(self, module, args, kwargs):
         d = module.__dict__
-        if _plain_container(type(module)) and "_hf_hook" not in d and d.get("_dbr_experts") is None \
+        role = _ROLES.get(type(module))
+        if role is None:
+            role = _role(type(module))
+        if (role is _LINEAR or role is _ACT) and "_hf_hook" not in d and len(args) == 1 and not kwargs \
+                and not module._forward_hooks and not module._forward_pre_hooks:
+            # the precompiled plan's fast paths (plan.py): a plain nn.Linear or activation module whose step
+            # is the expected one; NotImplemented when anything is unusual (then the general path below)
+            out = self._linear_fast(module, d, args[0]) if role is _LINEAR else self._act_fast(module, args[0])
+            if out is not NotImplemented:
+                return out
+        if role is _PLAIN and "_hf_hook" not in d and d.get("_dbr_experts") is None \
                 and not d.get("_dbr_norm") and not ((self.placeholders or self.resolved) and has_hooks(module)):
             return self.call_module(module, args, kwargs)  # the common case, decided by a few dict lookups
         if "_hf_hook" in d and (is_linear_module(module) or d.get("_dbr_norm")) and not has_hooks(module):
@@ -426,6 +445,76 @@ class ConvertRun(Run):
                 if not self.pending:
                     self._offload()
         return self._module_call(module, args, kwargs)
+
+    def _linear_fast(self, module: nn.Module, d: dict, x: Any) -> Any:
+        """A plain ``nn.Linear`` (one positional input, no hooks) whose record is the next one in its owner's
+        plan: no generic scan, matching or subgraph lookup, and no suspension while it only joins a pending
+        subgraph (nothing below calls torch then). NotImplemented, with nothing consumed, when the op is not
+        the expected one (the general path then matches, warns or raises as before)."""
+        st = self.owners[-1]
+        if st is None:
+            return NotImplemented
+        plan = st.__dict__.get("_dbr_plan")
+        if plan is None or plan.subgraphs is not self.subgraphs:
+            plan = plan_of(st, self.subgraphs)
+        key = id(st)
+        i = self.cursors.get(key, 0)
+        steps = plan.steps
+        if i >= len(steps):
+            return NotImplemented
+        step = steps[i]
+        if step.kind != LINEAR or step.fqn != d.get("_dbr_fqn"):  # == on the same str object is an identity check
+            return NotImplemented
+        hit = None
+        if self.placeholders or self.resolved:
+            k = id(x)
+            resolved = self.resolved.get(k)
+            if resolved is not None:
+                x = resolved
+            else:
+                hit = self.placeholders.get(k)
+        self.cursors[key] = i + 1
+        call = Call(LINEAR, module, (x,), {}, step.op, st)
+        sg = step.subgraph
+        if sg is not None:
+            p = self.pending.get(sg.id)
+            if step.step == 0:
+                if p is None and hit is None and not step.last:
+                    p = self.pending[sg.id] = _Pending(sg)
+                    return self._placeholder(p, call)
+            elif p is not None and len(p.calls) == step.step and (hit is None or hit is p):
+                if not step.last:
+                    return self._placeholder(p, call)
+                before, self.suspended = self.suspended, True  # `suspended(self)`, inlined
+                guard = _DisableTorchFunction()
+                guard.__enter__()
+                try:
+                    return self._step(p, call)
+                finally:
+                    guard.__exit__(None, None, None)
+                    self.suspended = before
+        with suspended(self):
+            return self._execute(call, hit)
+
+    def _act_fast(self, module: nn.Module, x: Any) -> Any:
+        """An activation module (one input, no hooks): its functional call on real input, or the next step of
+        the pending subgraph ``x`` is a placeholder of; NotImplemented otherwise (the general path)."""
+        p = self.placeholders.get(id(x))
+        if p is None:
+            if self.resolved or _module_globals._global_forward_hooks or _module_globals._global_forward_pre_hooks:
+                return NotImplemented
+            with _DisableTorchFunction():  # a functional activation calls no module: `suspended` not needed
+                return _ACTIVATION_BODIES[type(module)](module, x)
+        kinds = p.subgraph.kinds
+        n = len(p.calls)
+        if n >= len(kinds) or kinds[n] != ACT or _global_hooks():
+            return NotImplemented
+        func, kw = ACTIVATION_MODULES[type(module)](module)
+        call = Call(ACT, func, (x,), kw)
+        if n + 1 < len(kinds):
+            return self._placeholder(p, call)
+        with suspended(self):
+            return self._step(p, call)
 
     def _offload(self) -> None:
         while self.onloaded:
@@ -501,6 +590,21 @@ class ConvertRun(Run):
 
 
 _container_classes: dict[type, bool] = {}
+_PLAIN, _LINEAR, _ACT, _OTHER = "plain", "linear", "act", "other"
+_ROLES: dict[type, str] = {}
+
+
+def _role(cls: type) -> str:
+    """What the convert run does with a module of class ``cls`` (cached per class): runs its forward
+    (plain), executes it as a linear op through the plan's fast path (a stock ``nn.Linear``), takes an
+    activation step, or decides per call (other linear modules: Hugging Face Conv1D)."""
+    if not _plain_container(cls):
+        role = _ACT if cls in ACTIVATION_MODULES else (
+            _LINEAR if issubclass(cls, nn.Linear) and cls.forward is nn.Linear.forward else _OTHER)
+    else:
+        role = _PLAIN
+    _ROLES[cls] = role
+    return role
 
 
 def _plain_container(cls: type) -> bool:
@@ -515,20 +619,28 @@ def _plain_container(cls: type) -> bool:
 
 
 _pool = threading.local()
+_DisableTorchFunction = torch._C.DisableTorchFunction
 
 
 def _placeholder_tensor(i: int) -> torch.Tensor:
     """The i-th placeholder of this thread's pool: an empty meta tensor marked as a placeholder. Runs of
     one thread nest (a prepared model called inside another's forward), so each run takes indices above
     those of the runs it is nested in (``placeholder_base``): identities stay unique among live runs."""
+    tensors = _placeholder_pool()
+    if len(tensors) <= i:
+        with _DisableTorchFunction():  # not a call of the model's
+            while len(tensors) <= i:
+                ph = torch.empty(0, device="meta")
+                ph._dbr_placeholder = True
+                tensors.append(ph)
+    return tensors[i]
+
+
+def _placeholder_pool() -> list[torch.Tensor]:
     tensors = getattr(_pool, "tensors", None)
     if tensors is None:
         tensors = _pool.tensors = []
-    while len(tensors) <= i:
-        ph = torch.empty(0, device="meta")
-        ph._dbr_placeholder = True
-        tensors.append(ph)
-    return tensors[i]
+    return tensors
 
 
 def placeholder_base(outermost: bool) -> int:
@@ -554,6 +666,12 @@ ACTIVATION_MODULES = {
     nn.ReLU: lambda m: (torch.nn.functional.relu, {"inplace": m.inplace}),
     nn.GELU: lambda m: (torch.nn.functional.gelu, {"approximate": m.approximate}),
     nn.SiLU: lambda m: (torch.nn.functional.silu, {"inplace": m.inplace}),
+}
+# the same calls, made directly: (module, x) → output (the activation fast path's standalone case)
+_ACTIVATION_BODIES = {
+    nn.ReLU: lambda m, x: torch.nn.functional.relu(x, m.inplace),
+    nn.GELU: lambda m, x: torch.nn.functional.gelu(x, approximate=m.approximate),
+    nn.SiLU: lambda m, x: torch.nn.functional.silu(x, m.inplace),
 }
 
 

@@ -7,6 +7,10 @@ torch, exact FP8 semantics, the CPU default; its GEMMs run in bf16 or fp32, see 
 :func:`use_cpu_gemm`); the Triton backends plug into the same entry points.
 Block-scaled FP8 (128×128 weight blocks, per-token 128-channel activation groups) has its own entry points
 at the end, with :mod:`reference_block` as their reference implementation.
+
+The entry points read this thread's settings (``dispatch._tls``: graph ops while capturing, launch counters
+inside ``count_launches``, the forced backend) as plain attributes rather than through the accessor
+functions: they run once per launch, and on small shapes the runtime's Python is the cost.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from . import reference, reference_block, reference_grouped
 from .cpu import current_gemm_path, use_cpu_gemm
 from .dispatch import (
     BACKENDS,
+    _env_backend,
+    _env_cache,
     count_launches,
     current_backend,
     graph_ops,
@@ -25,10 +31,11 @@ from .dispatch import (
     resolve_backend,
     use_backend,
 )
+from .dispatch import _tls as _settings  # this thread's backend / graph ops / launch counters (read per launch)
 from .moe_routing import MoeRouting, moe_route
 
 __all__ = [
-    "BACKENDS", "count_launches", "current_backend", "resolve_backend", "use_backend", "current_gemm_path",
+    "BACKENDS", "graph_ops", "count_launches", "current_backend", "resolve_backend", "use_backend", "current_gemm_path",
     "use_cpu_gemm",
     "quantize", "dynamic_quantize", "dequantize", "dynamic_scale", "fp8_linear", "fp8_mlp", "fp8_matmul",
     "fp8_attention", "layer_norm_quantize", "MoeRouting", "moe_route", "moe_quantize", "fp8_grouped_linear",
@@ -39,7 +46,10 @@ __all__ = [
 
 def _impl(t: torch.Tensor, ref=reference):
     """The implementation module for the backend that runs on ``t``'s device (``ref`` for "reference")."""
-    if (not t.is_cuda and current_backend() == "auto") or resolve_backend(t.device) == "reference":
+    backend = _settings.backend  # current_backend() inlined: this runs once per launch
+    if backend is None:
+        backend = (_env_cache[0] if _env_cache else _env_backend()) or "auto"
+    if backend == "reference" or (backend == "auto" and not t.is_cuda) or resolve_backend(t.device) == "reference":
         return ref
     from . import triton_backend
 
@@ -56,32 +66,36 @@ def _graph_op(ops, name: str):
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
-    if (ops := graph_ops()) is not None:
+    if (ops := _settings.graph_ops) is not None:
         return ops.quantize(x, scale, fmt)
-    record_launch("quantize")
+    if _settings.counters:
+        record_launch("quantize")
     return _impl(x).quantize(x, scale, fmt)
 
 
 def dynamic_quantize(x: torch.Tensor, fmt: FP8Format, per_token: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize with a scale computed from ``x`` itself (per tensor, or per row of the last dim), in one
     launch where the backend can: returns (fp8, scale)."""
-    if (ops := graph_ops()) is not None:
+    if (ops := _settings.graph_ops) is not None:
         return ops.dynamic_quantize(x, fmt, per_token)
-    record_launch("dynamic_quantize")
+    if _settings.counters:
+        record_launch("dynamic_quantize")
     return _impl(x).dynamic_quantize(x, fmt, per_token)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    if (ops := graph_ops()) is not None:
+    if (ops := _settings.graph_ops) is not None:
         return ops.dequantize(q, scale, dtype)
-    record_launch("dequantize")
+    if _settings.counters:
+        record_launch("dequantize")
     return _impl(q).dequantize(q, scale, dtype)
 
 
 def dynamic_scale(x: torch.Tensor, fmt: FP8Format, per_token: bool = False) -> torch.Tensor:
-    if (ops := graph_ops()) is not None:
+    if (ops := _settings.graph_ops) is not None:
         return ops.dynamic_scale(x, fmt, per_token)
-    record_launch("amax")
+    if _settings.counters:
+        record_launch("amax")
     return _impl(x).dynamic_scale(x, fmt, per_token)
 
 
@@ -89,10 +103,11 @@ def fp8_linear(x_q, x_scale, w_q, w_scale, *, bias=None, activation=None, residu
                out_dtype=torch.float32, out_scale=None, out_fmt=FP8Format.E4M3) -> torch.Tensor:
     """``act(x·Wᵀ·sx·sw + bias) + residual`` on FP8 operands, FP8 out when ``out_scale`` is given
     (see reference.fp8_linear)."""
-    if (ops := graph_ops()) is not None:
+    if (ops := _settings.graph_ops) is not None:
         return ops.fp8_linear(x_q, x_scale, w_q, w_scale, bias=bias, activation=activation, residual=residual,
                               out_dtype=out_dtype, out_scale=out_scale, out_fmt=out_fmt)
-    record_launch("fp8_linear")
+    if _settings.counters:
+        record_launch("fp8_linear")
     return _impl(x_q).fp8_linear(x_q, x_scale, w_q, w_scale, bias=bias, activation=activation,
                               residual=residual, out_dtype=out_dtype, out_scale=out_scale, out_fmt=out_fmt)
 
@@ -102,35 +117,44 @@ def fp8_mlp(x_q, x_scale, w1_q, w1_scale, b1, activation, h_scale, h_fmt, w2_q, 
     """An MLP's two GEMMs, FP8 between them: fc1's epilogue applies the activation (gated ones take a
     stacked [gate; up] w1) and quantizes with fc2's input scale ``h_scale``; fc2's adds bias and residual.
     Two launches; one graph node (``dbr_quant::fp8_mlp``) when captured."""
-    if (ops := graph_ops()) is not None:
+    if (ops := _settings.graph_ops) is not None:
         return ops.fp8_mlp(x_q, x_scale, w1_q, w1_scale, b1, activation, h_scale, h_fmt, w2_q, w2_scale, b2,
                            residual, out_dtype)
-    h = fp8_linear(x_q, x_scale, w1_q, w1_scale, bias=b1, activation=activation, out_dtype=out_dtype,
-                   out_scale=h_scale, out_fmt=h_fmt)
-    return fp8_linear(h, h_scale, w2_q, w2_scale, bias=b2, residual=residual, out_dtype=out_dtype)
+    impl = _impl(x_q)  # h lives where x_q does: one backend for both GEMMs
+    if _settings.counters:
+        record_launch("fp8_linear")
+    h = impl.fp8_linear(x_q, x_scale, w1_q, w1_scale, bias=b1, activation=activation, out_dtype=out_dtype,
+                        out_scale=h_scale, out_fmt=h_fmt)
+    if _settings.counters:
+        record_launch("fp8_linear")
+    return impl.fp8_linear(h, h_scale, w2_q, w2_scale, bias=b2, residual=residual, out_dtype=out_dtype,
+                           out_scale=None, out_fmt=FP8Format.E4M3)
 
 
 def layer_norm_quantize(x, weight, bias, eps, scale, fmt, *, rms=False) -> tuple[torch.Tensor, torch.Tensor]:
     """LayerNorm / RMSNorm over the last dim and FP8 quantization in one kernel: (normalized, fp8)."""
-    if (ops := graph_ops()) is not None:
+    if (ops := _settings.graph_ops) is not None:
         return ops.layer_norm_quantize(x, weight, bias, eps, scale, fmt, rms=rms)
-    record_launch("norm_quantize")
+    if _settings.counters:
+        record_launch("norm_quantize")
     return _impl(x).layer_norm_quantize(x, weight, bias, eps, scale, fmt, rms=rms)
 
 
 def fp8_matmul(a_q, a_scale, b_q, b_scale) -> torch.Tensor:
-    if (ops := graph_ops()) is not None:
+    if (ops := _settings.graph_ops) is not None:
         return ops.fp8_matmul(a_q, a_scale, b_q, b_scale)
-    record_launch("fp8_matmul")
+    if _settings.counters:
+        record_launch("fp8_matmul")
     return _impl(a_q).fp8_matmul(a_q, a_scale, b_q, b_scale)
 
 
 def fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, *, attn_mask=None, is_causal=False,
                   softmax_scale=None, p_scale=None, fmt=FP8Format.E4M3) -> torch.Tensor:
-    if (ops := graph_ops()) is not None:
+    if (ops := _settings.graph_ops) is not None:
         return ops.fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, attn_mask=attn_mask, is_causal=is_causal,
                                  softmax_scale=softmax_scale, p_scale=p_scale, fmt=fmt)
-    record_launch("fp8_attention")
+    if _settings.counters:
+        record_launch("fp8_attention")
     return _impl(q_q).fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, attn_mask=attn_mask,
                                  is_causal=is_causal, softmax_scale=softmax_scale, p_scale=p_scale, fmt=fmt)
 
@@ -138,9 +162,10 @@ def fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, *, attn_mask=None, i
 def moe_quantize(x: torch.Tensor, x_scale: torch.Tensor, routing: MoeRouting, fmt: FP8Format) -> torch.Tensor:
     """Quantize each (token, expert) row with its expert's input scale ``x_scale`` [E]; rows come out sorted by
     expert ([T·top_k, K], see moe_routing) for ``fp8_grouped_linear(..., x_sorted=True)``. One launch."""
-    if (ops := graph_ops()) is not None:
+    if (ops := _settings.graph_ops) is not None:
         return _graph_op(ops, "moe_quantize")(x, x_scale, routing, fmt)
-    record_launch("moe_quantize")
+    if _settings.counters:
+        record_launch("moe_quantize")
     return _impl(x, reference_grouped).moe_quantize(x, x_scale, routing, fmt)
 
 
@@ -152,12 +177,14 @@ def fp8_grouped_linear(x_q, x_scale, w_q, w_scale, routing: MoeRouting, *, x_sor
     token order. ``deterministic`` (Triton, top_k > 2 matters) combines slots in a fixed order: +1 launch."""
     kw = dict(x_sorted=x_sorted, bias=bias, activation=activation, out_dtype=out_dtype, out_scale=out_scale,
               out_fmt=out_fmt, topk_weights=topk_weights)
-    if (ops := graph_ops()) is not None:
+    if (ops := _settings.graph_ops) is not None:
         return _graph_op(ops, "fp8_grouped_linear")(x_q, x_scale, w_q, w_scale, routing, **kw)
-    record_launch("fp8_grouped_linear")
+    if _settings.counters:
+        record_launch("fp8_grouped_linear")
     impl = _impl(x_q, reference_grouped)
     if impl is not reference_grouped and deterministic and topk_weights is not None and routing.top_k > 1:
-        record_launch("moe_sum")  # the Triton path's fixed-order combine (the reference's is part of its loop)
+        if _settings.counters:
+            record_launch("moe_sum")  # the Triton path's fixed-order combine (the reference's is part of its loop)
     return impl.fp8_grouped_linear(x_q, x_scale, w_q, w_scale, routing, deterministic=deterministic, **kw)
 
 
@@ -168,14 +195,15 @@ def fp8_grouped_block_linear(x_q, x_scale, w_q, w_scale, routing: MoeRouting, *,
     reference_grouped.fp8_grouped_block_linear). Reference path only: one block GEMM per expert hit."""
     kw = dict(block=block, x_sorted=x_sorted, bias=bias, activation=activation, out_dtype=out_dtype,
               topk_weights=topk_weights)
-    if (ops := graph_ops()) is not None:
+    if (ops := _settings.graph_ops) is not None:
         return _graph_op(ops, "fp8_grouped_block_linear")(x_q, x_scale, w_q, w_scale, routing, **kw)
     if _impl(x_q, reference_grouped) is not reference_grouped:
         raise NotImplementedError(
             "fp8_grouped_block_linear: the Triton grouped GEMM has no block scales yet; run block-scaled MoE "
             "experts on the reference backend (kernels.use_backend('reference'), or DBR_QUANT_BACKEND=reference), "
             "or convert the experts with per-channel weights (QConfig override on '.*experts')")
-    record_launch("fp8_grouped_block_linear")
+    if _settings.counters:
+        record_launch("fp8_grouped_block_linear")
     return reference_grouped.fp8_grouped_block_linear(x_q, x_scale, w_q, w_scale, routing, **kw)
 
 
@@ -213,18 +241,20 @@ def block_quantize_weight(w: torch.Tensor, block: tuple[int, int] = reference_bl
                           fmt: FP8Format = FP8Format.E4M3) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 [N, K], scale [⌈N/bn⌉, ⌈K/bk⌉]): the compressed-tensors FP8_BLOCK / FineGrainedFP8 layout.
     Convert-time work: plain torch on every backend and device."""
-    if (ops := graph_ops()) is not None:
+    if (ops := _settings.graph_ops) is not None:
         return _graph_op(ops, "block_quantize_weight")(w, block, fmt)
-    record_launch("block_quantize_weight")
+    if _settings.counters:
+        record_launch("block_quantize_weight")
     return reference_block.block_quantize_weight(w, block, fmt)
 
 
 def group_quantize(x: torch.Tensor, group: int = reference_block.DEFAULT_GROUP,
                    fmt: FP8Format = FP8Format.E4M3) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token-group quantization in one launch: (fp8 like x, scale [..., ⌈K/group⌉])."""
-    if (ops := graph_ops()) is not None:
+    if (ops := _settings.graph_ops) is not None:
         return _graph_op(ops, "group_quantize")(x, group, fmt)
-    record_launch("group_quantize")
+    if _settings.counters:
+        record_launch("group_quantize")
     return _impl(x, reference_block).group_quantize(x, group, fmt)
 
 
@@ -232,9 +262,10 @@ def layer_norm_group_quantize(x, weight, bias, eps, group: int = reference_block
                               fmt: FP8Format = FP8Format.E4M3, *,
                               rms: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """LayerNorm / RMSNorm then per-token-group FP8 in one kernel: (normalized, fp8, scale [..., ⌈K/group⌉])."""
-    if (ops := graph_ops()) is not None:
+    if (ops := _settings.graph_ops) is not None:
         return _graph_op(ops, "layer_norm_group_quantize")(x, weight, bias, eps, group, fmt, rms=rms)
-    record_launch("norm_group_quantize")
+    if _settings.counters:
+        record_launch("norm_group_quantize")
     return _impl(x, reference_block).layer_norm_group_quantize(x, weight, bias, eps, group, fmt, rms=rms)
 
 
@@ -242,11 +273,12 @@ def fp8_block_linear(x_q, x_scale, w_q, w_scale, *, block=reference_block.DEFAUL
                      residual=None, out_dtype=torch.float32, out_scale=None, out_fmt=FP8Format.E4M3) -> torch.Tensor:
     """Block-scaled ``act(x·Wᵀ + bias) + residual``: x_scale [..., ⌈K/bk⌉] per token-group, w_scale
     [⌈N/bn⌉, ⌈K/bk⌉] per block, applied per K block in fp32 (see reference_block.fp8_block_linear)."""
-    if (ops := graph_ops()) is not None:
+    if (ops := _settings.graph_ops) is not None:
         return _graph_op(ops, "fp8_block_linear")(x_q, x_scale, w_q, w_scale, block=block, bias=bias,
                                                   activation=activation, residual=residual, out_dtype=out_dtype,
                                                   out_scale=out_scale, out_fmt=out_fmt)
-    record_launch("fp8_block_linear")
+    if _settings.counters:
+        record_launch("fp8_block_linear")
     return _impl(x_q, reference_block).fp8_block_linear(x_q, x_scale, w_q, w_scale, block=block, bias=bias,
                                                         activation=activation, residual=residual,
                                                         out_dtype=out_dtype, out_scale=out_scale, out_fmt=out_fmt)
