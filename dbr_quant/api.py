@@ -15,12 +15,13 @@ from tqdm.auto import tqdm
 
 from . import kernels, moe, moe_siblings, moe_weights, offload
 from .auto_trace import current_run, disabled, intercepting, is_disabled
+from .convert_run import ConvertRun
 from .distributed import sync_observers
 from .mappings import LINEAR, QUANTIZEABLE, is_container, is_linear_module, is_transposed_linear, linear_weight
 from .qconfig import QConfig
 from .quantization_state import AutoQuantizationState, UncalibratedError
 from .rounding import collect
-from .runs import CalibrateRun, ConvertRun, HighPrecisionRun, InspectRun, ModelRecord, state_of
+from .runs import CalibrateRun, HighPrecisionRun, InspectRun, ModelRecord, state_of
 from .tracer import TraceRun
 from .weight_quantization import all_finite, quantize_weight
 from .weights import attach_fp8_weight, fp8_weight_of

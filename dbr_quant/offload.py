@@ -11,7 +11,7 @@ state dict, or memory-mapped ``.dat`` files in the offload folder); afterwards t
   outputs, so ``has_opaque_hook`` makes it count as a hook, like ``register_forward_hook``.
 * When a converted model computes a linear (or a recognised norm) itself rather than through the module's
   forward, ``onload`` runs the hook's pre_forward; the run keeps the weights until the fused subgraph using
-  them has run, then ``offload`` runs its post_forward (``runs.ConvertRun``).
+  them has run, then ``offload`` runs its post_forward (``convert_run.ConvertRun``).
 * ``convert`` quantizes each weight where accelerate keeps it (``weight_home``): an offloaded weight is read
   from the weights map, quantized, and written back in FP8 (data and scales as two entries; on disk as
   accelerate's own ``.dat`` files in a ``dbr_fp8_<id>/`` folder inside the offload folder, the fp32 files

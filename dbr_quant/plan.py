@@ -8,7 +8,7 @@ submodule or buffer; dropped on deepcopy / pickle); it is rebuilt when the model
 different object. Records and subgraphs are written only by prepare(), so a plan built after convert stays
 right. Building is idempotent, so threads that race to build it store equal plans.
 
-A plan only says what to expect: ``runs.ConvertRun`` checks each arriving op against the step at its
+A plan only says what to expect: ``convert_run.ConvertRun`` checks each arriving op against the step at its
 cursor and takes its general path (matching, warnings, ``UnseenOpError``) whenever they differ.
 """
 

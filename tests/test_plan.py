@@ -1,4 +1,4 @@
-"""The converted runtime's precompiled plan (dbr_quant/plan.py) and the fast paths that use it (runs.ConvertRun
+"""The converted runtime's precompiled plan (dbr_quant/plan.py) and the fast paths that use it (convert_run.ConvertRun
 ``_linear_fast`` / ``_act_fast``, fusions ``_static_mlp``): they must fire on plain models, compute exactly what
 the general path computes, read weights and scales per call, and hand anything unusual to the general path."""
 
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import dbr_quant as dq
-from dbr_quant import fusions, runs
+from dbr_quant import convert_run, fusions
 from dbr_quant.kernels import count_launches
 from dbr_quant.quantization_state import UnseenOpError
 
@@ -39,19 +39,19 @@ class _GeneralPathCounter:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls = 0
-        original = runs.ConvertRun._linear_call
+        original = convert_run.ConvertRun._linear_call
 
         def counted(run, module, args, kwargs):
             self.calls += 1
             return original(run, module, args, kwargs)
 
-        monkeypatch.setattr(runs.ConvertRun, "_linear_call", counted)
+        monkeypatch.setattr(convert_run.ConvertRun, "_linear_call", counted)
 
 
 def _general_path_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Switch the plan's fast paths off: every op takes the path the runtime had before the plan."""
-    monkeypatch.setattr(runs.ConvertRun, "_linear_fast", lambda self, module, d, x: NotImplemented)
-    monkeypatch.setattr(runs.ConvertRun, "_act_fast", lambda self, module, x: NotImplemented)
+    monkeypatch.setattr(convert_run.ConvertRun, "_linear_fast", lambda self, module, d, x: NotImplemented)
+    monkeypatch.setattr(convert_run.ConvertRun, "_act_fast", lambda self, module, x: NotImplemented)
     monkeypatch.setattr(fusions, "_static_mlp", lambda *args: NotImplemented)
 
 
