@@ -9,8 +9,8 @@ Columns: batch 1, 8 sentences (`make demo`'s "forward time, 8 sentences") and 32
 Each ratio is the median over rounds of the two times measured in the same round (lower is faster); ms is the
 median time. Under each table: the tiny stack (48 × Linear(16,16)+ReLU, batch 1; benchmarks/tiny_stack.py:
 converted / fp32 and the runtime's own µs per quantized op, kernels replaced by no-ops; thread CPU time, one
-thread whatever ``--threads`` says, at least 15 rounds), the embedding cosine against fp32 on held-out
-sentences; then weight bytes and accuracy by scale granularity.
+thread whatever ``--threads`` says, at least 15 rounds, in a fresh process), the embedding cosine against fp32
+on held-out sentences; then weight bytes and accuracy by scale granularity.
 """
 
 from __future__ import annotations
@@ -144,7 +144,8 @@ def main() -> None:
         group = "compiled" if k in compiled or (label, "eager") not in times else "eager"  # anchors: either
         return times[(label, group)]
 
-    tiny = {} if args.no_tiny else {path: tiny_stack.measure(path, rounds=max(args.rounds, 15)) for path in paths}
+    tiny = {} if args.no_tiny else {path: tiny_stack.measure_in_fresh_process(path, rounds=max(args.rounds, 15))
+                                    for path in paths}
     for i, path in enumerate(paths):
         how = "the path that runs here" if i == 0 else "forced"
         print(f"\n[{path} GEMMs, {how}]")

@@ -171,6 +171,19 @@ def measure(path: str, rounds: int = 15, inner: int = 20) -> dict[str, float]:
             "launch_kinds": dict(launches)}
 
 
+def measure_in_fresh_process(path: str, rounds: int = 15, inner: int = 20) -> dict[str, float]:
+    """:func:`measure` in a new Python process. ``benchmarks/run.py`` uses it: in its own process, after MiniLM,
+    its compiled graphs and their caches were built, every Python call costs more (the same tiny stack read
+    9.6-10.2 µs of runtime per op there against 8.5-8.6 µs alone), which is not the runtime's own cost."""
+    import json
+    import subprocess
+
+    code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+            f"import tiny_stack; print(json.dumps(tiny_stack.measure({path!r}, {rounds}, {inner})))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def format_row(path: str, r: dict[str, float]) -> str:
     kinds = ", ".join(f"{k} {v}" for k, v in r["launch_kinds"].items())
     return (f"tiny stack, {r['layers']}x Linear({WIDTH},{WIDTH})+ReLU, batch 1 [{path} GEMMs]: converted / fp32 "
