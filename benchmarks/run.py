@@ -42,9 +42,10 @@ LABELS = {"fp32": "fp32 eager", "bf16": "bf16 eager", "bf16+frozen": "bf16 + com
           "fp32+frozen": "fp32 + compile, frozen",
           "calib": "calibration forward (prepared)", "fp8": "FP8 converted eager", "fx": "FP8 rewritten (FX) eager",
           "fx+compile": "FP8 rewritten + compile", "fx+frozen": "FP8 rewritten + compile, frozen"}
-GOALS = {"calib": "<= 1.3 x fp32 (32 sentences)", "fp8": "<= 1.0 x fp32 (32 sentences)",
-         "fx": "< converted eager", "fx+compile": "<= 0.45 x fp32 and <= 1.1 x bf16",
-         "fx+frozen": "<= 0.45 x fp32 and <= 1.1 x bf16", "bf16+frozen": "(what bf16 reaches the same way)",
+_COMPILED_GOAL = "best of the two <= 1.1 x the faster HP compiled (line below)"
+GOALS = {"calib": "<= 1.3 x fp32 (batch 1)", "fp8": "<= 1.2 / 1.0 / 1.0 x fp32 (1 / 8 / 32)",
+         "fx": "< converted eager", "fx+compile": _COMPILED_GOAL, "fx+frozen": _COMPILED_GOAL,
+         "bf16+frozen": "(what bf16 reaches the same way)",
          "fp32+frozen": "(what fp32 reaches the same way)"}
 # "frozen" = compiled with inductor's freezing (dbr_quant.fx_rewriter.compile_frozen): the weights are constants,
 # so the FP8 weight upcast is folded at compile time (the compiled artifact holds bf16 or fp32 copies of the
@@ -157,6 +158,15 @@ def main() -> None:
         if f"fp8@{path}" in models and "8 sentences" in batches:
             print("`make demo` 'forward time, 8 sentences' fp8 / fp32: "
                   f"{paired_ratio(group_times('8 sentences', f'fp8@{path}'), f'fp8@{path}', 'fp32'):.2f} (goal <= 1.0)")
+        fp8_compiled = [k for k in (f"fx+compile@{path}", f"fx+frozen@{path}") if k in models]
+        # the issue's compiled goal: the best FP8 compiled <= 1.1 x the faster of bf16 / fp32 compiled on that CPU;
+        # the fp32 table stands in for a CPU without BF16 dot products, whose faster one is fp32 compiled
+        hp_compiled = [k for k in (("bf16+frozen", "fp32+frozen") if path == "bf16" else ("fp32+frozen",))
+                       if k in models]
+        if fp8_compiled and hp_compiled:
+            print(f"best FP8 compiled / faster of {' and '.join(hp_compiled)}: " + ", ".join(
+                f"{label} {best_ratio(group_times(label, fp8_compiled[0]), fp8_compiled, hp_compiled):.2f}"
+                for label in batches) + " (goal <= 1.1)")
         if path in tiny:
             print(tiny_stack.format_row(path, tiny[path]))
         with use_cpu_gemm(path):
@@ -174,6 +184,12 @@ def main() -> None:
           "embeddings, norms and biases stay fp32)")
     if not args.no_accuracy:
         print_granularity_accuracy(model, tok)
+
+
+def best_ratio(times: dict[str, list[float]], num: list[str], den: list[str]) -> float:
+    """Paired ratio of the fastest (median) of ``num`` to the fastest of ``den``, all timed in one rotation."""
+    fastest = lambda keys: min(keys, key=lambda k: median(times[k]))  # noqa: E731
+    return paired_ratio(times, fastest(num), fastest(den))
 
 
 def print_table(keys: list[str], batches: dict, group_times, gemm: dict[str, str]) -> None:
