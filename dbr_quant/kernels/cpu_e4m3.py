@@ -11,8 +11,11 @@ one vectorized pass.
 
 The C file has no dependencies (no torch headers), so it builds in well under a second with the system C
 compiler and is called through ctypes (which releases the GIL: threads serving the model run in
-parallel). It is compiled with ``-march=native`` into a cache keyed by the source, the compiler and this
-CPU's feature flags, so a cache shared between different machines never hands one a binary it cannot run.
+parallel). Large passes split over torch's thread count with OpenMP, built against the OpenMP runtime file
+torch ships and loaded (one thread team for both; at 2 threads here: MiniLM, 32 sentences, bf16 path, FP8 /
+fp32 0.82 → 0.76); where torch has no GNU OpenMP, or the compiler none, each pass runs on one thread.
+It is compiled with ``-march=native`` into a cache keyed by the source, the compiler and this CPU's feature
+flags, so a cache shared between different machines never hands one a binary it cannot run.
 No compiler, a failed build, or ``DBR_QUANT_CPU_DECODE=torch`` → the torch path (same bits).
 
 Subnormals are decoded by an int → float conversion and quantized by an exact ×2⁹ and a round-to-integer,
@@ -43,6 +46,9 @@ _SOURCE = r"""
 #include <string.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
 #endif
 
 /* Written without branches so the compiler vectorizes the loops. One E4M3 code → its fp32 bit pattern.
@@ -93,11 +99,19 @@ static void decode_run(const uint8_t *src, float *dst, int64_t n, float mul) {
     }
 }
 
-void dbr_e4m3_to_fp32(const uint8_t *src, float *dst, int64_t n) { decode_run(src, dst, n, 1.0f); }
+static void to_fp32_rows(const void *src, void *dst, int64_t rows, int64_t cols, const float *scale, int64_t stride) {
+    (void)scale, (void)stride;
+    decode_run((const uint8_t *)src, (float *)dst, rows * cols, 1.0f);
+}
 
 /* bf16 is the top half of fp32; E4M3's 3 mantissa bits fit in bf16's 7, so the truncation is exact. Decoded
    through a small fp32 buffer that stays in L1. */
-void dbr_e4m3_to_bf16(const uint8_t *src, uint16_t *dst, int64_t n) {
+static void to_bf16_rows(const void *src_, void *dst_, int64_t rows, int64_t cols, const float *scale,
+                         int64_t stride) {
+    (void)scale, (void)stride;
+    const uint8_t *src = (const uint8_t *)src_;
+    uint16_t *dst = (uint16_t *)dst_;
+    int64_t n = rows * cols;
     float buf[1024];
     for (int64_t start = 0; start < n; start += 1024) {
         int64_t len = n - start < 1024 ? n - start : 1024;
@@ -112,8 +126,10 @@ void dbr_e4m3_to_bf16(const uint8_t *src, uint16_t *dst, int64_t n) {
 
 /* Per-row scaled upcast to fp32: dst = decode(src) · scale[row] (one fp32 multiply, rounded once), the operand
    a dequantize-first GEMM takes. scale_stride 0: one scale for all rows. */
-void dbr_e4m3_to_fp32_scaled(const uint8_t *src, float *dst, int64_t rows, int64_t cols, const float *scale,
-                             int64_t scale_stride) {
+static void scaled_rows(const void *src_, void *dst_, int64_t rows, int64_t cols, const float *scale,
+                        int64_t scale_stride) {
+    const uint8_t *src = (const uint8_t *)src_;
+    float *dst = (float *)dst_;
     if (scale_stride == 0) {
         decode_run(src, dst, rows * cols, scale[0]);
         return;
@@ -146,8 +162,10 @@ static inline uint8_t e4m3_code(float y) {
 }
 
 /* dst = E4M3(x · (1/scale[row])): the reciprocal once per row, as torch.reciprocal does, then one multiply. */
-void dbr_quantize_e4m3_fp32(const float *x, uint8_t *dst, int64_t rows, int64_t cols, const float *scale,
-                            int64_t scale_stride) {
+static void quantize_fp32_rows(const void *x_, void *dst_, int64_t rows, int64_t cols, const float *scale,
+                               int64_t scale_stride) {
+    const float *x = (const float *)x_;
+    uint8_t *dst = (uint8_t *)dst_;
     for (int64_t r = 0; r < rows; ++r) {
         const float inv = 1.0f / scale[r * scale_stride];
         const float *in = x + r * cols;
@@ -156,8 +174,10 @@ void dbr_quantize_e4m3_fp32(const float *x, uint8_t *dst, int64_t rows, int64_t 
     }
 }
 
-void dbr_quantize_e4m3_bf16(const uint16_t *x, uint8_t *dst, int64_t rows, int64_t cols, const float *scale,
-                            int64_t scale_stride) {
+static void quantize_bf16_rows(const void *x_, void *dst_, int64_t rows, int64_t cols, const float *scale,
+                               int64_t scale_stride) {
+    const uint16_t *x = (const uint16_t *)x_;
+    uint8_t *dst = (uint8_t *)dst_;
     for (int64_t r = 0; r < rows; ++r) {
         const float inv = 1.0f / scale[r * scale_stride];
         const uint16_t *in = x + r * cols;
@@ -169,6 +189,70 @@ void dbr_quantize_e4m3_bf16(const uint16_t *x, uint8_t *dst, int64_t rows, int64
             out[i] = e4m3_code(v * inv);
         }
     }
+}
+
+/* The passes above are memory-bound loops; torch runs its own elementwise ops and GEMMs on torch.get_num_threads()
+   threads, so a large pass is split the same way: built with OpenMP against torch's own OpenMP runtime (the
+   library torch loaded: one thread team, the one torch.set_num_threads sizes), chunks of whole rows when each
+   row has its own scale, else of elements. Below parallel_min elements per chunk a pass stays on one thread.
+   Every element is computed on its own, so the bits do not depend on the split. */
+typedef void (*rows_fn)(const void *src, void *dst, int64_t rows, int64_t cols, const float *scale, int64_t stride);
+static int64_t parallel_min = 1 << 17;
+void dbr_set_parallel_min(int64_t n) { parallel_min = n > 1 ? n : 1; }
+
+static void run_chunks(rows_fn fn, const uint8_t *src, int64_t in_size, uint8_t *dst, int64_t out_size, int64_t rows,
+                       int64_t cols, const float *scale, int64_t stride) {
+    int64_t n = rows * cols, parts = n / parallel_min;
+#ifdef _OPENMP
+    if (parts > omp_get_max_threads()) parts = omp_get_max_threads();
+    if (omp_in_parallel()) parts = 1;
+#else
+    parts = 1;
+#endif
+    if (stride != 0 && parts > rows) parts = rows;
+    if (parts <= 1) {
+        fn(src, dst, rows, cols, scale, stride);
+        return;
+    }
+    if (stride == 0) {
+        int64_t step = ((n + parts - 1) / parts + 63) / 64 * 64, count = (n + step - 1) / step;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads((int)parts) schedule(static)
+#endif
+        for (int64_t c = 0; c < count; ++c) {
+            int64_t a = c * step;
+            fn(src + a * in_size, dst + a * out_size, 1, n - a < step ? n - a : step, scale, 0);
+        }
+    } else {
+        int64_t step = (rows + parts - 1) / parts, count = (rows + step - 1) / step;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads((int)parts) schedule(static)
+#endif
+        for (int64_t c = 0; c < count; ++c) {
+            int64_t a = c * step;
+            fn(src + a * cols * in_size, dst + a * cols * out_size, rows - a < step ? rows - a : step, cols,
+               scale + a * stride, stride);
+        }
+    }
+}
+
+void dbr_e4m3_to_fp32(const uint8_t *src, float *dst, int64_t n) {
+    run_chunks(to_fp32_rows, src, 1, (uint8_t *)dst, 4, 1, n, 0, 0);
+}
+void dbr_e4m3_to_bf16(const uint8_t *src, uint16_t *dst, int64_t n) {
+    run_chunks(to_bf16_rows, src, 1, (uint8_t *)dst, 2, 1, n, 0, 0);
+}
+void dbr_e4m3_to_fp32_scaled(const uint8_t *src, float *dst, int64_t rows, int64_t cols, const float *scale,
+                             int64_t stride) {
+    run_chunks(scaled_rows, src, 1, (uint8_t *)dst, 4, rows, cols, scale, stride);
+}
+void dbr_quantize_e4m3_fp32(const float *x, uint8_t *dst, int64_t rows, int64_t cols, const float *scale,
+                            int64_t stride) {
+    run_chunks(quantize_fp32_rows, (const uint8_t *)x, 4, dst, 1, rows, cols, scale, stride);
+}
+void dbr_quantize_e4m3_bf16(const uint16_t *x, uint8_t *dst, int64_t rows, int64_t cols, const float *scale,
+                            int64_t stride) {
+    run_chunks(quantize_bf16_rows, (const uint8_t *)x, 2, dst, 1, rows, cols, scale, stride);
 }
 
 /* A small FP8 linear in one call (both operands ≤ SMALL elements, checked by the caller), where torch's per-op
@@ -237,6 +321,32 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
+def _torch_openmp() -> Path | None:
+    """The GNU OpenMP runtime torch loaded (Linux wheels ship it in torch/lib), to build against: the library
+    then shares torch's thread team instead of starting a second OpenMP runtime. None elsewhere (another
+    runtime, or none): the library is built single-threaded."""
+    found = sorted(Path(torch.__file__).parent.joinpath("lib").glob("libgomp*.so*"))
+    return found[0] if found else None
+
+
+def _compile(cc: str, flags: tuple[str, ...], omp: Path | None, target: Path) -> subprocess.CompletedProcess:
+    """Build into ``target`` atomically (concurrent builders, processes, never load a half-written file). With
+    ``omp``: compile with -fopenmp, link against that runtime file only (not the compiler's own libgomp)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src, obj, out = Path(tmp) / "e4m3.c", Path(tmp) / "e4m3.o", Path(tmp) / "e4m3.so"
+        src.write_text(_SOURCE)
+        compile_flags = [f for f in flags if f != "-shared"] + (["-fopenmp"] if omp else [])
+        done = subprocess.run([cc, *compile_flags, "-c", "-o", str(obj), str(src)], capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode == 0:
+            done = subprocess.run([cc, "-shared", "-o", str(out), str(obj), *([str(omp)] if omp else [])],
+                                  capture_output=True, text=True, timeout=120)
+        if done.returncode == 0:
+            os.replace(out, target)
+        return done
+
+
 def _build(march: str = "native") -> ctypes.CDLL | None:
     """Compile (or find in the cache) the library for ``-march=<march>``: ``native`` in use; tests also build
     other targets (e.g. ``x86-64-v3``: AVX2 without AVX-512; ``x86-64``: the portable loops) to check every
@@ -249,22 +359,18 @@ def _build(march: str = "native") -> ctypes.CDLL | None:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    key = hashlib.sha256("\0".join([_SOURCE, cc, version, _cpu_flags(), *flags]).encode()).hexdigest()[:20]
-    target = _cache_dir() / f"e4m3_decode_{key}.so"
+    omp = _torch_openmp()
+    key = hashlib.sha256("\0".join([_SOURCE, cc, version, _cpu_flags(), *flags, str(omp)]).encode()).hexdigest()[:20]
+    target = _cache_dir() / f"e4m3_{key}.so"
     if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            src = Path(tmp) / "decode.c"
-            src.write_text(_SOURCE)
-            out = Path(tmp) / "decode.so"
-            cmd = [cc, *flags, "-o", str(out), str(src)]
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            if done.returncode != 0:
-                warnings.warn(f"dbr_quant: building the C E4M3 decoder failed ({' '.join(cmd)}): "
-                              f"{done.stderr.strip()[:500]}; using the slower torch upcast. Set {ENV_VAR}=torch "
-                              "to silence this.", RuntimeWarning, stacklevel=3)
-                return None
-            os.replace(out, target)  # atomic: concurrent builders (processes) never load a half-written file
+        done = _compile(cc, flags, omp, target)
+        if done.returncode != 0 and omp is not None:  # no OpenMP in this compiler: one thread per pass
+            done = _compile(cc, flags, None, target)
+        if done.returncode != 0:
+            warnings.warn(f"dbr_quant: building the C E4M3 kernels failed ({cc} {' '.join(flags)}): "
+                          f"{done.stderr.strip()[:500]}; using the slower torch ops. Set {ENV_VAR}=torch "
+                          "to silence this.", RuntimeWarning, stacklevel=3)
+            return None
     lib = ctypes.CDLL(str(target))
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     for name in ("dbr_e4m3_to_fp32", "dbr_e4m3_to_bf16"):
@@ -273,8 +379,9 @@ def _build(march: str = "native") -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = [ptr, ptr, i64, i64, ptr, i64]  # src, dst, rows, cols, scale, scale stride
     lib.dbr_small_linear.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int32, i64, i64, i64, ptr, ptr,
                                      ptr]
+    lib.dbr_set_parallel_min.argtypes = [i64]
     for name in ("dbr_e4m3_to_fp32", "dbr_e4m3_to_bf16", "dbr_e4m3_to_fp32_scaled", "dbr_quantize_e4m3_fp32",
-                 "dbr_quantize_e4m3_bf16", "dbr_small_linear"):
+                 "dbr_quantize_e4m3_bf16", "dbr_small_linear", "dbr_set_parallel_min"):
         getattr(lib, name).restype = None
     return lib
 

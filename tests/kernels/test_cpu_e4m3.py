@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -281,3 +282,43 @@ def test_small_gemm_is_the_c_one_whatever_the_epilogue(decoder, act, residual_sh
     assert torch.equal(base, sequential_linear(xq, xs, wq, ws, b))
     want = R.linear_epilogue(base.clone(), act, r, torch.float32, out_s, R.FP8Format.E4M3)
     assert torch.equal(_bits(got) if fp8_out else got, _bits(want) if fp8_out else want)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_passes_split_across_threads_give_the_same_bits(decoder, threads):
+    """Large passes run on torch's thread count (OpenMP, the runtime torch loaded), in chunks of whole rows where
+    each row has its own scale, else of elements. Tiny chunks here force the split (ragged last chunks included):
+    the same bits as one thread. On a build without OpenMP both runs are single-threaded (and equal)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 101, generator=g) * 10
+    per_row, one = torch.rand(37, 1, generator=g) + 0.01, torch.tensor([0.05])
+    runs = []
+    before = torch.get_num_threads()
+    for split in (False, True):
+        decoder.dbr_set_parallel_min(64 if split else 1 << 40)
+        torch.set_num_threads(threads)
+        try:
+            got = {f"q{k}": cpu_e4m3.quantize_e4m3(x, s) for k, s in (("row", per_row), ("one", one))}
+            got["qbf16"] = cpu_e4m3.quantize_e4m3(x.bfloat16(), per_row)
+            got.update({f"d{k}": cpu_e4m3.decode_e4m3_scaled(got["qrow"], s) for k, s in (("row", per_row),
+                                                                                        ("one", one))})
+            got["fp32"] = cpu_e4m3.decode_e4m3(got["qone"], torch.float32)
+            got["bf16"] = cpu_e4m3.decode_e4m3(got["qone"], torch.bfloat16)
+        finally:
+            torch.set_num_threads(before)
+            decoder.dbr_set_parallel_min(1 << 17)
+        runs.append(got)
+    for k, v in runs[1].items():
+        a, b = (t.view(torch.uint8) if t.dtype.itemsize == 1 else t for t in (v, runs[0][k]))
+        assert torch.equal(a, b), k
+    assert torch.equal(runs[0]["qrow"].view(torch.uint8), _torch_quantize(x, per_row).view(torch.uint8))
+
+
+def test_built_against_torchs_openmp_runtime(decoder):
+    """Where torch ships GNU OpenMP (Linux wheels), the library links that file, so one OpenMP runtime serves
+    both (its thread team, sized by torch.set_num_threads); no second libgomp is loaded."""
+    omp = cpu_e4m3._torch_openmp()
+    if omp is None:
+        pytest.skip("this torch ships no GNU OpenMP runtime: the library is built single-threaded")
+    maps = Path("/proc/self/maps").read_text()
+    assert {line.split()[-1] for line in maps.splitlines() if "libgomp" in line} == {str(omp)}
