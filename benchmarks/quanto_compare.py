@@ -9,6 +9,9 @@ converted eager and ``rewrite`` + ``compile_frozen``, once per CPU GEMM path (``
 Per batch size every variant runs in one interleaved rotation; ratios are medians over rounds of the two times
 measured in the same round; "best" is dbr_quant's faster variant on that path (by median time). Accuracy: the
 embedding cosine vs fp32 on the held-out sentences, so the speed comparison is at comparable accuracy.
+On CPU quanto 0.2.7 has no FP8 kernel: each QLinear quantizes its input to E4M3 (a pre-hook), then
+``quanto::qbytes_mm`` upcasts activations and weights to the model dtype (fp32 here), rescales the weights and
+runs an fp32 matmul (optimum/quanto/library/qbytes_mm.py), so it is slower than fp32 eager.
 Needs optimum-quanto (dev only): pip install optimum-quanto==0.2.7
 """
 
