@@ -86,7 +86,7 @@ def main() -> None:
             frozen = compile_frozen(copy.deepcopy(graph))  # compiles at its first call, with this path pinned
         # its own copy of the graph: dynamo caches compiled code per code object, not per GEMM path
         compiled = torch.compile(torch.fx.GraphModule(graph, copy.deepcopy(graph.graph)), fullgraph=True)
-        models[f"conv@{path}"], models[f"compiled@{path}"] = Pinned(converted, path), Pinned(compiled, path)
+        models[f"conv@{path}"], models[f"compiled@{path}"] = Pinned(converted, path), Pinned(compiled, path, True)
         models[f"frozen@{path}"] = Pinned(frozen, path)
 
     import optimum.quanto

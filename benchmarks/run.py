@@ -16,6 +16,7 @@ on held-out sentences; then weight bytes and accuracy by scale granularity.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import sys
@@ -35,7 +36,7 @@ from dbr_quant.examples.minilm import (  # noqa: E402
     load_minilm,
     sentence_embeddings,
 )
-from dbr_quant.fx_rewriter import FrozenCompiled, compile_frozen, rewrite  # noqa: E402
+from dbr_quant.fx_rewriter import FrozenCompiled, compile_frozen, gemm_path_cache_key, rewrite  # noqa: E402
 from dbr_quant.kernels import cpu, use_cpu_gemm  # noqa: E402
 
 LABELS = {"fp32": "fp32 eager", "bf16": "bf16 eager", "bf16+frozen": "bf16 + compile, frozen",
@@ -54,13 +55,14 @@ GOALS = {"calib": "<= 1.3 x fp32 (batch 1)", "fp8": "<= 1.2 / 1.0 / 1.0 x fp32 (
 
 
 class Pinned:
-    """A model called with one CPU GEMM path forced (a compiled one compiles with it at its first call)."""
+    """A model called with one CPU GEMM path forced (a compiled one compiles with it at its first call, with
+    torch.compile's caches keyed on it: ``gemm_path_cache_key``)."""
 
-    def __init__(self, model, path: str) -> None:
-        self.model, self.path = model, path
+    def __init__(self, model, path: str, compiled: bool = False) -> None:
+        self.model, self.path, self.compiled = model, path, compiled
 
     def __call__(self, *args, **kwargs):
-        with use_cpu_gemm(self.path):
+        with use_cpu_gemm(self.path), gemm_path_cache_key(self.path) if self.compiled else contextlib.nullcontext():
             return self.model(*args, **kwargs)
 
 
@@ -72,7 +74,7 @@ def fp8_models(converted, graph, path: str, compile: bool) -> dict[str, object]:
         models["fx+compile"] = torch.compile(torch.fx.GraphModule(graph, copy.deepcopy(graph.graph)), fullgraph=True)
         with use_cpu_gemm(path):
             models["fx+frozen"] = compile_frozen(copy.deepcopy(graph))
-    return {k: Pinned(m, path) for k, m in models.items()}
+    return {k: Pinned(m, path, compiled=k != "fp8" and k != "fx") for k, m in models.items()}
 
 
 def gemm_paths(choice: str | None) -> list[str]:

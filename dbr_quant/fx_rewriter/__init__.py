@@ -10,6 +10,7 @@ what eager does (the ops call the same kernel dispatch).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -23,7 +24,7 @@ from ..kernels.cpu import current_gemm_path, use_cpu_gemm
 from ..kernels.dispatch import capture_with
 from .ops import GraphOps
 
-__all__ = ["rewrite", "RewriteError", "compile_frozen"]
+__all__ = ["rewrite", "RewriteError", "compile_frozen", "gemm_path_cache_key"]
 
 
 class RewriteError(RuntimeError):
@@ -190,8 +191,21 @@ class FrozenCompiled(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         from torch._inductor import config as inductor_config
 
-        with inductor_config.patch(freezing=True), torch.no_grad(), use_cpu_gemm(self.cpu_gemm):
+        with inductor_config.patch(freezing=True), torch.no_grad(), use_cpu_gemm(self.cpu_gemm), \
+                gemm_path_cache_key(self.cpu_gemm):
             return self.compiled(*args, **kwargs)
+
+
+def gemm_path_cache_key(path: str | None = None) -> contextlib.AbstractContextManager:
+    """Key torch.compile's caches on the CPU GEMM path (default: the current one) while a graph compiles.
+
+    The lowering decides bf16 or fp32 GEMMs when it runs, but inductor's and AOTAutograd's caches (in memory
+    and on disk) key the graph before that: the same rewritten graph compiled under the other path would
+    get the first path's code back (measured: an fp32-pinned compile returned the bf16 one's outputs, at its
+    speed). ``compile_frozen`` does this itself; wrap the first call of your own ``torch.compile(rewrite(m))``
+    in it when you force a path (``use_cpu_gemm`` / ``$DBR_QUANT_CPU_GEMM``)."""
+    tag = torch.compiler.config.cache_key_tag
+    return torch.compiler.config.patch(cache_key_tag=f"{tag}|dbr_quant_cpu_gemm={path or current_gemm_path()}")
 
 
 def compile_frozen(gm: torch.fx.GraphModule) -> FrozenCompiled:

@@ -166,3 +166,33 @@ def test_rewritten_decoder_with_default_kwargs_exports_again():
     ep = torch.export.export(gm, (), batch)  # the graph's own signature: no use_cache to pass
     with torch.no_grad():
         assert torch.equal(ep.module()(**batch).logits, want)
+
+
+def test_compiles_under_each_cpu_gemm_path_get_their_own_code():
+    """inductor's and AOTAutograd's caches key a graph before the lowering picks bf16 or fp32 GEMMs: without
+    ``gemm_path_cache_key`` the second compile of the same rewritten graph got the first one's code back (its
+    outputs, bit for bit). With it, each path compiles its own: bf16 and fp32 results differ, and each is nearer
+    to the rewritten graph run eagerly on its own path than to the other path's."""
+    import copy
+
+    from dbr_quant.fx_rewriter import gemm_path_cache_key
+    from dbr_quant.kernels import use_cpu_gemm
+
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 128)).eval()
+    x = torch.randn(4, 64, 128)  # operands above SMALL_OPERAND: the CPU GEMM path decides the GEMM dtype
+    p = dq.prepare(model, (x,))
+    dq.calibrate(p, [(x,)], progress=False)
+    gm = rewrite(dq.convert(p))
+    compiled, eager = {}, {}
+    with torch.no_grad():
+        for path in ("bf16", "fp32"):
+            fresh = torch.compile(torch.fx.GraphModule(gm, copy.deepcopy(gm.graph)), fullgraph=True)
+            with use_cpu_gemm(path), gemm_path_cache_key():
+                compiled[path] = fresh(x)
+            with use_cpu_gemm(path):
+                eager[path] = gm(x)
+    assert not torch.equal(compiled["bf16"], compiled["fp32"])
+    for path, other in (("bf16", "fp32"), ("fp32", "bf16")):
+        own, cross = ((compiled[k] - eager[path]).norm() for k in (path, other))
+        assert own < cross, (path, own, cross)
