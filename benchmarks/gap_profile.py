@@ -28,10 +28,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import median, time_interleaved  # noqa: E402
+from harness import median, minilm, time_interleaved  # noqa: E402
 
-import dbr_quant as dq  # noqa: E402
-from dbr_quant.examples.minilm import CALIBRATION_SENTENCES, EVAL_SENTENCES, encode, load_minilm  # noqa: E402
+from dbr_quant.examples.minilm import EVAL_SENTENCES, encode  # noqa: E402
 from dbr_quant.kernels import cpu, cpu_e4m3, use_cpu_gemm  # noqa: E402
 
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm"}
@@ -85,11 +84,8 @@ def main() -> None:
     parser.add_argument("--sentences", default="1,8,32")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model, tok = load_minilm()
-    calib = [encode(tok, CALIBRATION_SENTENCES[i:i + 8]) for i in range(0, len(CALIBRATION_SENTENCES), 8)]
-    prepared = dq.prepare(model, example_kwargs=calib[0])
-    dq.calibrate(prepared, calib, progress=False)
-    converted = dq.convert(prepared)
+    m = minilm()
+    model, tok, converted = m.model, m.tokenizer, m.converted
     print(cpu.describe())
     print("ms per forward, 1 thread; the converted forward split by one profiled run, scaled to its unprofiled time")
     print("| path | sentences | fp32 eager | converted | ratio | GEMM (fp32's) | C kernels | other torch ops "

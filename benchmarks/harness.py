@@ -6,11 +6,34 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from dbr_quant.weights import fp8_weight_bytes, fp8_weight_of
+
+
+@dataclass
+class MiniLM:
+    """all-MiniLM-L6-v2 (fp32) and its FP8 conversion, made the same way for every MiniLM benchmark."""
+
+    model: nn.Module
+    tokenizer: object
+    calibration: list[dict]  # batches of 8 calibration sentences
+    prepared: nn.Module
+    converted: nn.Module
+
+
+def minilm() -> MiniLM:
+    import dbr_quant as dq
+    from dbr_quant.examples.minilm import CALIBRATION_SENTENCES, encode, load_minilm
+
+    model, tok = load_minilm()
+    calib = [encode(tok, CALIBRATION_SENTENCES[i:i + 8]) for i in range(0, len(CALIBRATION_SENTENCES), 8)]
+    prepared = dq.prepare(model, example_kwargs=calib[0])
+    dq.calibrate(prepared, calib, progress=False)
+    return MiniLM(model, tok, calib, prepared, dq.convert(prepared))
 
 
 def time_interleaved(variants: dict[str, Callable[[], object]], rounds: int = 15, warmup: int = 3,

@@ -26,15 +26,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import median, paired_ratio, time_interleaved  # noqa: E402
+from harness import median, minilm, paired_ratio, time_interleaved  # noqa: E402
 from run import Pinned, best_ratio  # noqa: E402
 
-import dbr_quant as dq  # noqa: E402
 from dbr_quant.examples.minilm import (  # noqa: E402
-    CALIBRATION_SENTENCES,
     EVAL_SENTENCES,
     encode,
-    load_minilm,
     sentence_embeddings,
 )
 from dbr_quant.fx_rewriter import compile_frozen, rewrite  # noqa: E402
@@ -73,12 +70,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    model, tok = load_minilm()
-    calib = [encode(tok, CALIBRATION_SENTENCES[i:i + 8]) for i in range(0, len(CALIBRATION_SENTENCES), 8)]
-    quanto = quanto_w8a8_fp8(model, calib)
-    prepared = dq.prepare(model, example_kwargs=calib[0])
-    dq.calibrate(prepared, calib, progress=False)
-    converted = dq.convert(prepared)
+    m = minilm()
+    model, tok, converted = m.model, m.tokenizer, m.converted
+    quanto = quanto_w8a8_fp8(model, m.calibration)
     graph = rewrite(converted)
     models = {"fp32": model, "quanto": quanto}
     for path in cpu.GEMM_PATHS:

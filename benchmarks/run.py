@@ -26,14 +26,11 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import tiny_stack  # noqa: E402
 from block_accuracy import SCHEMES, format_rows, minilm_rows  # noqa: E402
-from harness import linear_weight_bytes, median, paired_ratio, state_dict_bytes, time_interleaved  # noqa: E402
+from harness import linear_weight_bytes, median, minilm, paired_ratio, state_dict_bytes, time_interleaved  # noqa: E402
 
-import dbr_quant as dq  # noqa: E402
 from dbr_quant.examples.minilm import (  # noqa: E402
-    CALIBRATION_SENTENCES,
     EVAL_SENTENCES,
     encode,
-    load_minilm,
     sentence_embeddings,
 )
 from dbr_quant.fx_rewriter import FrozenCompiled, compile_frozen, gemm_path_cache_key, rewrite  # noqa: E402
@@ -106,11 +103,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     paths = gemm_paths(args.cpu_gemm)
     torch.manual_seed(0)
-    model, tok = load_minilm()
-    calib = [encode(tok, CALIBRATION_SENTENCES[i:i + 8]) for i in range(0, len(CALIBRATION_SENTENCES), 8)]
-    prepared = dq.prepare(model, example_kwargs=calib[0])
-    dq.calibrate(prepared, calib, progress=False)
-    converted = dq.convert(prepared)
+    m = minilm()
+    model, tok, prepared, converted = m.model, m.tokenizer, m.prepared, m.converted
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     graph = rewrite(converted)
     models = {"fp32": model, "bf16": bf16, "calib": prepared}
