@@ -38,7 +38,7 @@ _E4M3_REBIAS = 2.0**120
 # Operands up to this many elements take torch's own FP8 casts and an fp32 GEMM (exact, like ``exact=True``):
 # the bit-move upcasts cost ≈10 µs of fixed per-call overhead each (five torch ops), torch's scalar cast
 # ≈1.7 ns per element, so below ≈6 k elements the plain casts win (a 16×16 linear: 36 → 10 µs here).
-SMALL_OPERAND = 4096
+SMALL_OPERAND = cpu_e4m3.SMALL  # also the size of small_linear's C buffers: one constant for both
 
 
 def _small(t: torch.Tensor) -> bool:
@@ -229,9 +229,10 @@ def fp8_linear(
     With ``out_scale`` (the next op's input scale) the result is returned quantized to ``out_fmt``,
     so an MLP hands FP8 from fc1 to fc2 without a high-precision round trip.
     """
-    dtype = torch.float32 if exact else gemm_dtype(x_q, w_q)
+    small = _small(x_q) and _small(w_q)  # what gemm_dtype() decides on, computed once on this hot path
+    dtype = torch.float32 if exact or small else cpu.gemm_dtype(x_q)
     if dtype == torch.float32 and not exact:  # operands dequantized first (see dequantize_operand)
-        if _small(x_q) and _small(w_q):  # one C call instead of a dozen torch ops, where it applies
+        if small:  # one C call instead of a dozen torch ops, where it applies
             # the GEMM is the C one whatever the epilogue, so a fused subgraph equals its ops one by one; an
             # epilogue C does not compute (GELU: torch's erf is not C's) runs in torch on its fp32 result
             if cpu_e4m3.tail_in_c(x_q, w_q, activation, residual, out_dtype, out_scale, out_fmt is FP8Format.E4M3):
