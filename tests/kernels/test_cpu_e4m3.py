@@ -98,22 +98,6 @@ def test_fallback_when_disabled(monkeypatch):
         cpu_e4m3.reset()
 
 
-def test_a_broken_compiler_falls_back_with_a_warning(monkeypatch, tmp_path):
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setenv("DBR_QUANT_CACHE_DIR", str(tmp_path / "cache"))
-    cpu_e4m3.reset()
-    try:
-        assert cpu_e4m3.library() is None  # a missing compiler is silent: the torch path is correct
-        (tmp_path / "bad-cc").write_text("#!/bin/sh\necho compiler says no >&2\nexit 1\n")
-        (tmp_path / "bad-cc").chmod(0o755)
-        monkeypatch.setenv("CC", str(tmp_path / "bad-cc"))
-        cpu_e4m3.reset()
-        with pytest.warns(RuntimeWarning, match="compiler says no"):
-            assert cpu_e4m3.library() is None
-    finally:
-        cpu_e4m3.reset()
-
-
 def _torch_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The definition: saturate x·(1/scale), then torch's own cast (round to nearest even)."""
     return (x.float() * torch.reciprocal(scale.float())).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
@@ -248,8 +232,8 @@ def test_every_vector_path_gives_the_same_bits(decoder, march, monkeypatch, tmp_
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip(f"x86 targets only; this is {platform.machine()}")
     monkeypatch.setenv("DBR_QUANT_CACHE_DIR", str(tmp_path))
-    other = cpu_e4m3._build(march)
-    assert other is not None
+    other, why = cpu_e4m3._build(march)
+    assert other is not None, why
     g = torch.Generator().manual_seed(0)
     for n in (1, 15, 16, 31, 32, 33, 100, 256 * 9 + 7):
         q = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
