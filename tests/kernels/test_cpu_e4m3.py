@@ -306,3 +306,78 @@ def test_built_against_torchs_openmp_runtime(decoder):
         pytest.skip("this torch ships no GNU OpenMP runtime: the library is built single-threaded")
     maps = Path("/proc/self/maps").read_text()
     assert {line.split()[-1] for line in maps.splitlines() if "libgomp" in line} == {str(omp)}
+
+
+@pytest.mark.parametrize("scale", [0.37, 0.0123, 3e-3, 1 / 3])
+def test_every_quantize_is_x_times_the_reciprocal_on_built_ties(decoder, monkeypatch, scale):
+    """Inputs built so that x·(1/s) and x/s round to different FP8 codes (fp8_ties.tie_inputs): the C quantize,
+    the torch path (DBR_QUANT_CPU_DECODE=torch) and the graph lowering's quantize all give torch's own cast of
+    x·reciprocal(s), bit for bit; compressed-tensors' x/s gives the neighbouring code at every one of them."""
+    from fp8_ties import codes_by_division, codes_by_reciprocal, tie_inputs
+
+    from dbr_quant.fx_rewriter import lowering
+
+    x = tie_inputs(scale)
+    s = torch.tensor([scale])
+    assert x.numel() >= 20  # the construction found ties for this scale
+    want = _bits(codes_by_reciprocal(x, s))
+    rows = x[: x.numel() // 4 * 4].reshape(-1, 4)
+    assert torch.equal(_bits(cpu_e4m3.quantize_e4m3(x, s)), want)
+    assert torch.equal(_bits(cpu_e4m3.quantize_e4m3(rows, s.expand(rows.shape[0], 1).contiguous())).flatten(),
+                       want[: rows.numel()])  # the per-row loop
+    assert torch.equal(_bits(R.quantize(x, s, R.FP8Format.E4M3)), want)
+    assert torch.equal(_bits(lowering.quantize(x, s, R.FP8Format.E4M3)), want)
+    monkeypatch.setenv(cpu_e4m3.ENV_VAR, "torch")
+    cpu_e4m3.reset()
+    try:
+        assert cpu_e4m3.library() is None
+        assert torch.equal(_bits(R.quantize(x, s, R.FP8Format.E4M3)), want)
+    finally:
+        monkeypatch.delenv(cpu_e4m3.ENV_VAR)
+        cpu_e4m3.reset()
+    step = (want.int() - _bits(codes_by_division(x, s)).int()).abs()
+    assert torch.equal(step, torch.ones_like(step))  # one code apart, same sign, at every built input
+    assert tie_inputs(0.5).numel() == 0 and tie_inputs(2.0**-7).numel() == 0  # a power-of-two scale: no tie
+
+
+def test_the_torch_path_gives_the_same_bits_except_a_small_linears_sum_order(decoder, monkeypatch):
+    """What DBR_QUANT_CPU_DECODE=torch keeps: every quantize (built ties included), upcast and dequantize, and
+    every linear whose GEMM is torch's on both paths (an operand above SMALL elements, either GEMM path), bit for
+    bit. What it changes: a small linear sums Σ_k in k order in C (the sequential definition) and in torch's GEMM
+    order without it (F.linear of the dequantized operands: compressed-tensors' own arithmetic), so those fp32
+    outputs can differ in the last bits; each side is checked against its definition."""
+    from fp8_ties import tie_inputs
+
+    g = torch.Generator().manual_seed(5)
+    ties, s = tie_inputs(0.37), torch.tensor([0.37])
+    xb, wb = torch.randn(8, 640, generator=g), torch.randn(96, 640, generator=g)  # 5120 and 61440 elements
+    xsm, wsm = torch.randn(3, 48, generator=g), torch.randn(20, 48, generator=g)
+    xs, ws, b = torch.tensor(0.02), torch.rand(96, generator=g) * 0.01 + 1e-3, torch.randn(96, generator=g)
+    q = {k: R.quantize(v, xs if k[0] == "x" else ws[: v.shape[0], None], R.FP8Format.E4M3)
+         for k, v in (("xb", xb), ("wb", wb), ("xsm", xsm), ("wsm", wsm))}
+
+    def run() -> dict[str, torch.Tensor]:
+        out = {"ties": _bits(R.quantize(ties, s, R.FP8Format.E4M3)),
+               "upcast32": R.fp8_upcast(ALL_CODES[FINITE], torch.float32),
+               "upcast16": R.fp8_upcast(ALL_CODES[FINITE], torch.bfloat16),
+               "dequant": R.dequantize_operand(q["wb"], ws[:, None])}
+        for path in ("fp32", "bf16"):
+            with R.cpu.use_cpu_gemm(path):
+                out[f"big_{path}"] = R.fp8_linear(q["xb"], xs, q["wb"], ws, bias=b, activation="relu")
+        out["small"] = R.fp8_linear(q["xsm"], xs, q["wsm"], ws[:20], bias=b[:20])
+        return out
+
+    with_c = run()
+    monkeypatch.setenv(cpu_e4m3.ENV_VAR, "torch")
+    cpu_e4m3.reset()
+    try:
+        without = run()
+    finally:
+        monkeypatch.delenv(cpu_e4m3.ENV_VAR)
+        cpu_e4m3.reset()
+    for k in with_c:
+        if k != "small":
+            assert torch.equal(with_c[k], without[k]), k
+    assert torch.equal(with_c["small"], sequential_linear(q["xsm"], xs, q["wsm"], ws[:20], b[:20]))
+    assert torch.equal(without["small"], torch.nn.functional.linear(q["xsm"].float() * xs,
+                                                                    q["wsm"].float() * ws[:20, None], b[:20]))
