@@ -65,7 +65,8 @@ GATED = tuple(GATED_ACTIVATIONS)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
-    """Saturating cast of ``x / scale`` onto the FP8 grid (scale broadcasts against x)."""
+    """Saturating cast of ``x · (1/scale)`` onto the FP8 grid (scale broadcasts against x): the reciprocal rounded
+    once, then one multiply, as vLLM's static quantize (not the correctly rounded ``x / scale``: see README)."""
     if fmt is FP8Format.E4M3:
         q = cpu_e4m3.quantize_e4m3(x, scale)  # one pass of C, same bits, where it applies
         if q is not None:
