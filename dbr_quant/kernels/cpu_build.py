@@ -97,15 +97,32 @@ def cache_dirs() -> list[Path]:
     return [configured_cache_dir(), _user_temp_dir()]
 
 
+def _check_private(folder: Path) -> None:
+    """Raise PermissionError unless ``folder`` is this user's alone (a shared temp dir: anyone could have made it
+    and planted a library there, which would be loaded into the process); OSError if it cannot be read."""
+    if not hasattr(os, "getuid"):
+        return
+    st = os.lstat(folder)
+    if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise PermissionError(f"{folder} is not private to this user (owner uid {st.st_uid}, mode "
+                              f"{oct(st.st_mode & 0o777)})")
+
+
+def _trusted(folder: Path, private: bool) -> bool:
+    try:
+        if private:
+            _check_private(folder)
+        return True
+    except OSError:
+        return False
+
+
 def _prepare(folder: Path, private: bool) -> None:
     """Create ``folder`` (raises OSError where that is impossible); a private (temp) one must be this user's
-    alone, since a library found there is loaded into the process."""
+    alone."""
     folder.mkdir(parents=True, exist_ok=True, mode=0o700 if private else 0o777)
-    if private and hasattr(os, "getuid"):
-        st = os.lstat(folder)
-        if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-            raise PermissionError(f"{folder} is not private to this user (owner uid {st.st_uid}, mode "
-                                  f"{oct(st.st_mode & 0o777)})")
+    if private:
+        _check_private(folder)
 
 
 def _run(argv: list[str]) -> tuple[bool, str]:
@@ -140,11 +157,12 @@ def build(source: str, flags: tuple[str, ...], extra: list[str], omp: Path | Non
     key = cache_key(source, argv, flags, [*extra, str(omp)])
     name, marker = f"e4m3_{key}.so", f"e4m3_{key}.failed"
     folders = cache_dirs()
-    for folder in folders:
+    trusted = [f for i, f in enumerate(folders) if _trusted(f, private=i > 0)]
+    for folder in trusted:
         if (folder / name).is_file():
             return Outcome(folder / name, f"loaded from {folder / name}")
     retry = os.environ.get(RETRY_ENV, "").strip() not in ("", "0")
-    for folder in folders:
+    for folder in trusted:
         if not retry and (folder / marker).is_file():
             try:
                 said = (folder / marker).read_text().strip().splitlines()[0][:300]

@@ -155,13 +155,16 @@ def test_an_unwritable_cache_falls_back_to_a_private_temp_folder(fresh, monkeypa
     assert (private.stat().st_mode & 0o777) == 0o700
     assert _load()[1].startswith(f"loaded from {private}")
 
+    built = {p.name: p.read_bytes() for p in private.glob("*.so")}
     shutil.rmtree(private)
     private.mkdir(mode=0o777)
-    private.chmod(0o777)  # others could plant a library here: not used
+    private.chmod(0o777)  # anyone could have planted a library here: it is neither loaded nor built into
+    for file_name, data in built.items():
+        (private / file_name).write_bytes(data)
     active, why, warned = _load()
     assert not active and len(warned) == 1 and "no writable cache folder" in warned[0]
     assert str(blocked) in warned[0] and "not private to this user" in warned[0]
-    assert not any(private.iterdir())
+    assert sorted(p.name for p in private.iterdir()) == sorted(built)
 
 
 def test_describe_says_whether_the_c_kernels_run(fresh, monkeypatch):
