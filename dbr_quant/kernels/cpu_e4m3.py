@@ -20,7 +20,8 @@ flags, so a cache shared between different machines never hands one a binary it 
 falls back to a per-user temp folder). No compiler, a failed build, or ``DBR_QUANT_CPU_DECODE=torch`` → the
 torch path, with one warning where the kernels were wanted (``cpu.describe()`` says which runs, and why). The
 torch path gives the same bits for every quantize and upcast; a small linear (:func:`small_linear`) sums in
-k order here and in torch's GEMM order there, so its fp32 outputs can differ in the last bits.
+k order here and in torch's GEMM order there, so its fp32 outputs differ by rounding (within the dot
+product's error bound).
 
 Subnormals are decoded by an int → float conversion and quantized by an exact ×2⁹ and a round-to-integer,
 never by scaling a subnormal float, so the bits do not depend on the denormals-are-zero mode
