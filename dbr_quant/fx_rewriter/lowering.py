@@ -117,7 +117,7 @@ def _grid_values(q: Tensor) -> Tensor | None:
 
 
 def quantize(x: Tensor, scale: Tensor, fmt: FP8Format) -> Tensor:
-    """reference.quantize without the FP8 cast: saturate ``x / scale``, round on the grid, encode."""
+    """reference.quantize without the FP8 cast: saturate ``x · (1/scale)``, round on the grid, encode."""
     y = (x.float() * torch.reciprocal(scale.float())).clamp(-fmt.max, fmt.max)
     values = round_to_grid(y, fmt)
     q = encode(values, fmt, sign_of=y)

@@ -133,7 +133,11 @@ def use_cpu_gemm(path: str) -> Iterator[None]:
 
 
 def describe() -> str:
-    """One line for benchmark and demo output: the path that runs, why, and the CPU features seen."""
+    """Two lines for benchmark and demo output: the GEMM path that runs, why, and the CPU features seen; whether
+    the C E4M3 kernels run (else why not: torch ops take their place)."""
+    from . import cpu_e4m3
+
+    c_active, c_why = cpu_e4m3.status()
     forced = _tls.cpu_gemm
     if forced is None:
         path, why = _process_default()
@@ -144,4 +148,5 @@ def describe() -> str:
     flags = " ".join(f["cpuinfo_flags"]) or "n/a"
     return (f"CPU GEMM path: {path} ({why}); CPU: torch capability {f['capability']}, avx512_bf16 "
             f"{yes(f['avx512_bf16'])}, amx {yes(f['amx'])}, avx512 {yes(f['avx512'])}, avx2 {yes(f['avx2'])}; "
-            f"/proc/cpuinfo flags: {flags}")
+            f"/proc/cpuinfo flags: {flags}\nC E4M3 kernels: {'active' if c_active else 'inactive, torch ops instead'} "
+            f"({c_why})")

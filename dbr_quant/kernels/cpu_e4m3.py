@@ -15,8 +15,13 @@ parallel). Large passes split over torch's thread count with OpenMP, built again
 torch ships and loaded (one thread team for both; at 2 threads here: MiniLM, 32 sentences, bf16 path, FP8 /
 fp32 0.82 → 0.76); where torch has no GNU OpenMP, or the compiler none, each pass runs on one thread.
 It is compiled with ``-march=native`` into a cache keyed by the source, the compiler and this CPU's feature
-flags, so a cache shared between different machines never hands one a binary it cannot run.
-No compiler, a failed build, or ``DBR_QUANT_CPU_DECODE=torch`` → the torch path (same bits).
+flags, so a cache shared between different machines never hands one a binary it cannot run
+(:mod:`.cpu_build`: the compiler from ``$CC``, with arguments; a failed build remembered; a read-only cache
+falls back to a per-user temp folder). No compiler, a failed build, or ``DBR_QUANT_CPU_DECODE=torch`` → the
+torch path, with one warning where the kernels were wanted (``cpu.describe()`` says which runs, and why). The
+torch path gives the same bits for every quantize and upcast; a small linear (:func:`small_linear`) sums in
+k order here and in torch's GEMM order there, so its fp32 outputs differ by rounding (within the dot
+product's error bound).
 
 Subnormals are decoded by an int → float conversion and quantized by an exact ×2⁹ and a round-to-integer,
 never by scaling a subnormal float, so the bits do not depend on the denormals-are-zero mode
@@ -28,16 +33,14 @@ like torch's cast.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
 import warnings
 from pathlib import Path
 
 import torch
+
+from . import cpu_build
 
 ENV_VAR = "DBR_QUANT_CPU_DECODE"  # "torch" forces the fallback; "c" (default) uses the compiled loop
 
@@ -296,7 +299,7 @@ void dbr_small_linear(const uint8_t *xq, const float *xs, int64_t xs_stride, con
 # -ffp-contract=off: a·b + c stays two roundings (no FMA), so results do not depend on the CPU having FMA
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "lib": the loaded library or None (build failed / disabled)
+_state: dict[str, object] = {}  # "lib": the loaded library or None (unavailable / disabled); "why": status()
 
 
 def _cpu_flags() -> str:
@@ -311,16 +314,6 @@ def _cpu_flags() -> str:
     return platform.processor() + platform.machine()
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("DBR_QUANT_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dbr_quant")
-    return Path(base)
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-
-
 def _torch_openmp() -> Path | None:
     """The GNU OpenMP runtime torch loaded (Linux wheels ship it in torch/lib), to build against: the library
     then shares torch's thread team instead of starting a second OpenMP runtime. None elsewhere (another
@@ -329,49 +322,20 @@ def _torch_openmp() -> Path | None:
     return found[0] if found else None
 
 
-def _compile(cc: str, flags: tuple[str, ...], omp: Path | None, target: Path) -> subprocess.CompletedProcess:
-    """Build into ``target`` atomically (concurrent builders, processes, never load a half-written file). With
-    ``omp``: compile with -fopenmp, link against that runtime file only (not the compiler's own libgomp)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src, obj, out = Path(tmp) / "e4m3.c", Path(tmp) / "e4m3.o", Path(tmp) / "e4m3.so"
-        src.write_text(_SOURCE)
-        compile_flags = [f for f in flags if f != "-shared"] + (["-fopenmp"] if omp else [])
-        done = subprocess.run([cc, *compile_flags, "-c", "-o", str(obj), str(src)], capture_output=True, text=True,
-                              timeout=120)
-        if done.returncode == 0:
-            done = subprocess.run([cc, "-shared", "-o", str(out), str(obj), *([str(omp)] if omp else [])],
-                                  capture_output=True, text=True, timeout=120)
-        if done.returncode == 0:
-            os.replace(out, target)
-        return done
-
-
-def _build(march: str = "native") -> ctypes.CDLL | None:
-    """Compile (or find in the cache) the library for ``-march=<march>``: ``native`` in use; tests also build
-    other targets (e.g. ``x86-64-v3``: AVX2 without AVX-512; ``x86-64``: the portable loops) to check every
-    code path on any machine."""
+def _build(march: str = "native") -> tuple[ctypes.CDLL | None, str]:
+    """(the library for ``-march=<march>``, found in the cache or compiled, and where from) or (None, why not):
+    ``native`` in use; tests also build other targets (e.g. ``x86-64-v3``: AVX2 without AVX-512; ``x86-64``: the
+    portable loops) to check every code path on any machine. Warns once where this call found a new reason
+    the kernels are unavailable (a remembered failed build stays quiet: cpu.describe() tells)."""
     flags = tuple(f"-march={march}" if f == "-march=native" else f for f in _FLAGS)
-    cc = _compiler()
-    if cc is None:
-        return None
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    omp = _torch_openmp()
-    key = hashlib.sha256("\0".join([_SOURCE, cc, version, _cpu_flags(), *flags, str(omp)]).encode()).hexdigest()[:20]
-    target = _cache_dir() / f"e4m3_{key}.so"
-    if not target.exists():
-        done = _compile(cc, flags, omp, target)
-        if done.returncode != 0 and omp is not None:  # no OpenMP in this compiler: one thread per pass
-            done = _compile(cc, flags, None, target)
-        if done.returncode != 0:
-            warnings.warn(f"dbr_quant: building the C E4M3 kernels failed ({cc} {' '.join(flags)}): "
-                          f"{done.stderr.strip()[:500]}; using the slower torch ops. Set {ENV_VAR}=torch "
-                          "to silence this.", RuntimeWarning, stacklevel=3)
-            return None
-    lib = ctypes.CDLL(str(target))
+    outcome = cpu_build.build(_SOURCE, flags, [_cpu_flags()], _torch_openmp())
+    if outcome.path is None:
+        if outcome.news:
+            warnings.warn(f"dbr_quant: the C E4M3 kernels are unavailable: {outcome.reason}. Using the slower torch "
+                          f"ops; set {ENV_VAR}=torch to choose them without this warning.", RuntimeWarning,
+                          stacklevel=4)
+        return None, outcome.reason
+    lib = ctypes.CDLL(str(outcome.path))
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     for name in ("dbr_e4m3_to_fp32", "dbr_e4m3_to_bf16"):
         getattr(lib, name).argtypes = [ptr, ptr, i64]
@@ -383,26 +347,35 @@ def _build(march: str = "native") -> ctypes.CDLL | None:
     for name in ("dbr_e4m3_to_fp32", "dbr_e4m3_to_bf16", "dbr_e4m3_to_fp32_scaled", "dbr_quantize_e4m3_fp32",
                  "dbr_quantize_e4m3_bf16", "dbr_small_linear", "dbr_set_parallel_min"):
         getattr(lib, name).restype = None
-    return lib
+    return lib, outcome.reason
 
 
 def library() -> ctypes.CDLL | None:
-    """The compiled library, built on first use; None when disabled or unavailable."""
+    """The compiled library, built on first use; None when disabled or unavailable (:func:`status` says why)."""
     if "lib" not in _state:
         with _lock:
             if "lib" not in _state:
                 mode = os.environ.get(ENV_VAR, "c").strip().lower()
                 if mode not in ("c", "torch"):
                     raise ValueError(f"{ENV_VAR}={mode!r}: use 'c' (compiled decoder) or 'torch'")
-                lib = None
+                lib, why = None, f"disabled by {ENV_VAR}=torch"
                 if mode == "c":
                     try:
-                        lib = _build()
-                    except (OSError, subprocess.SubprocessError) as e:
-                        warnings.warn(f"dbr_quant: the C E4M3 decoder is unavailable ({e}); using the torch "
-                                      "upcast.", RuntimeWarning, stacklevel=2)
+                        lib, why = _build()
+                    except OSError as e:  # the built file would not load (another machine's, truncated)
+                        why = f"the built library would not load ({e})"
+                        warnings.warn(f"dbr_quant: the C E4M3 kernels are unavailable: {why}; using the slower "
+                                      "torch ops.", RuntimeWarning, stacklevel=2)
+                _state["why"] = why
                 _state["lib"] = lib
     return _state["lib"]  # type: ignore[return-value]
+
+
+def status() -> tuple[bool, str]:
+    """(whether the C kernels run, why: where the library came from, or why the torch ops run instead); builds
+    the library if no call has yet."""
+    lib = library()
+    return lib is not None, str(_state["why"])
 
 
 def reset() -> None:

@@ -7,7 +7,8 @@ Semantics (DESIGN.md, "Ground rules for numerics"):
   the epilogue (bias, activation, residual, optional FP8 output for the next op). That is what the GPU
   kernels and ``exact=True`` compute. The reference linear's fp32 GEMMs (the fp32 CPU GEMM path; small
   GEMMs) dequantize their operands first instead (:func:`dequantize_operand`): compressed-tensors' order,
-  so transformers reproduces a saved checkpoint bit for bit; the two orders differ by ~1 fp32 ulp.
+  so transformers reproduces a saved checkpoint's linears bit for bit from the same FP8 input codes (its
+  quantize divides, ``x / s``: one code apart at rare ties, see README); the two orders differ by ~1 fp32 ulp.
 
 Speed on CPU: torch's FP8→bf16/fp32 casts are scalar code (≈1 ms per 0.6 M elements here), and they, not
 the GEMM, dominated a naive path. Every FP8 value is exactly representable in bf16 and in fp32, so we
@@ -65,7 +66,8 @@ GATED = tuple(GATED_ACTIVATIONS)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
-    """Saturating cast of ``x / scale`` onto the FP8 grid (scale broadcasts against x)."""
+    """Saturating cast of ``x · (1/scale)`` onto the FP8 grid (scale broadcasts against x): the reciprocal rounded
+    once, then one multiply, as vLLM's static quantize (not the correctly rounded ``x / scale``: see README)."""
     if fmt is FP8Format.E4M3:
         q = cpu_e4m3.quantize_e4m3(x, scale)  # one pass of C, same bits, where it applies
         if q is not None:
@@ -268,7 +270,8 @@ def dequantize_operand(q: torch.Tensor, scale: torch.Tensor, reuse_buffer: bool 
     GEMM path, and small GEMMs on either path) work this way rather than scaling the accumulator: it is
     compressed-tensors' order (dequantize the weight, fake-quantize the input, ``F.linear``), so a checkpoint
     written by :func:`dbr_quant.save_pretrained` and reloaded by transformers on a CPU computes the same
-    numbers bit for bit; and it costs less (the scale rides on the upcast pass, the bias on the GEMM). The
+    numbers bit for bit from the same FP8 input codes (a small linear's C sum runs in k order, not torch's); and
+    it costs less (the scale rides on the upcast pass, the bias on the GEMM). The
     accumulator order (``exact=True``, the bf16 path, the GPU kernels) differs from it by about an fp32 ulp
     before each FP8 re-quantization. ``reuse_buffer``: as in :func:`fp8_to_fp32`."""
     if _small(q):  # torch's scalar cast beats the fixed cost of a C call or the bit moves here

@@ -7,11 +7,17 @@ Three levels of evidence:
   scales (fp32 MiniLM: bit for bit; bf16 Llama: scales rounded to bf16, which is what transformers does
   with a float32 scale) and computes ``fp8(x / s_in)·s_in × (q·s_w)ᵀ + b``, checked against plain torch on
   dbr_quant's own tensors.
-* **End to end, bit for bit, on dbr_quant's fp32 CPU GEMM path.** Its reference linear dequantizes both
-  operands before an fp32 ``F.linear`` (``reference.dequantize_operand``), which is compressed-tensors'
-  arithmetic; everything else (quantized ops, scales, FP8 codes of every activation, fusion points: GELU
-  before fc2's quantize, residual after the bias; LayerNorm, GELU, attention mask) already agreed. So the
-  transformers-loaded MiniLM reproduces dbr_quant's converted model's embeddings exactly (min cosine 1).
+* **The quantize: x·(1/s) against x/s.** dbr_quant quantizes an activation as ``x · (1/s)`` (the reciprocal
+  rounded once, then one multiply: vLLM's static per-tensor quantize kernel), compressed-tensors as the
+  correctly rounded ``x / s``. The two give different FP8 codes (one step apart) only where ``x / s`` sits
+  within an fp32 rounding of a midpoint between two FP8 values; inputs built to sit there (``fp8_ties``) show
+  it on a MiniLM layer, and that with the same codes the layer's output is the loaded one's bit for bit.
+* **End to end, bit for bit where no activation is at such a tie, on dbr_quant's fp32 CPU GEMM path.** Its
+  reference linear dequantizes both operands before an fp32 ``F.linear`` (``reference.dequantize_operand``),
+  which is compressed-tensors' arithmetic; everything else (quantized ops, scales, fusion points: GELU
+  before fc2's quantize, residual after the bias; LayerNorm, GELU, attention mask) agrees. The test's
+  sentences put no activation at a tie (checked), so the embeddings are equal; other text can (an outside
+  suite's 32 sentences: 3 codes flipped, max |Δ| 0.088, min cosine 0.99974).
 * **The other orders: an FP8 noise floor, not a deviation.** dbr_quant's GPU kernels (and ``exact=True``,
   like vLLM's and ``torch._scaled_mm``) multiply the fp32 accumulator of the FP8 products by ``s_in·s_w``
   in the epilogue. The two scale orders round each GEMM output differently by ~1 ulp (2.3e-7 relative on
@@ -35,6 +41,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from ckpt_models import LM_HEAD_HP, convert_hf, fp8_linears, gpt2, input_scale, llama, twice
+from fp8_ties import codes_by_division, codes_by_reciprocal, tie_inputs
 from transformers import AutoModel, AutoModelForCausalLM
 
 import dbr_quant as dq
@@ -54,7 +61,7 @@ def _capture_linears(model):
 
 
 def _fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).to(x.dtype) * scale
+    return codes_by_division(x, scale).to(x.dtype) * scale
 
 
 def test_minilm_loads_with_transformers_and_matches(minilm_converted, minilm_folder, monkeypatch):
@@ -65,6 +72,7 @@ def test_minilm_loads_with_transformers_and_matches(minilm_converted, minilm_fol
     seen, _ = _capture_linears(loaded)
     with torch.no_grad():
         emb_ct = minilm.sentence_embeddings(loaded, c.eval_inputs)
+    ties = {"real": 0, "padding": 0}
     for name, mod in ours.items():
         ct = loaded.get_submodule(name)
         w = fp8_weight_of(mod)
@@ -73,8 +81,15 @@ def test_minilm_loads_with_transformers_and_matches(minilm_converted, minilm_fol
         x, y = seen[name]  # the loaded layer's own input and output
         expected = F.linear(_fake_quant(x, s_in), w.qdata.float() * w.scale[:, None], mod.bias)
         assert torch.equal(y, expected), name
+        tie = codes_by_division(x, s_in).view(torch.uint8) != codes_by_reciprocal(x, s_in).view(torch.uint8)
+        real = c.eval_inputs["attention_mask"].bool()[..., None] if x.dim() == 3 else torch.ones(1, dtype=torch.bool)
+        ties["real"] += int((tie & real).sum())
+        ties["padding"] += int((tie & ~real).sum())
+    # these sentences put no real token's activation at an x·(1/s) vs x/s tie (the test below builds them); a
+    # padding token's may be (here: one, at layer 5's fc2 input), which attention and the mean pooling never read
+    assert ties["real"] == 0, ties
     emb_fp32 = minilm.sentence_embeddings(c.model, c.eval_inputs)
-    with dq.kernels.use_cpu_gemm("fp32"):  # compressed-tensors' arithmetic: the same embeddings, bit for bit
+    with dq.kernels.use_cpu_gemm("fp32"):  # compressed-tensors' arithmetic and no tie: the same embeddings
         emb_fp32_path = minilm.sentence_embeddings(c.converted, c.eval_inputs)
     assert torch.equal(emb_fp32_path, emb_ct)
     with dq.kernels.use_cpu_gemm("bf16"):
@@ -93,6 +108,40 @@ def test_minilm_loads_with_transformers_and_matches(minilm_converted, minilm_fol
     assert cos["exact"].min() >= 0.998 and cos["exact"].mean() >= 0.9993
     assert cos["bf16"].min() >= 0.997 and cos["bf16"].mean() >= 0.9985
     assert cos["bf16"].min() > (emb_ct * emb_fp32).sum(-1).min()  # closer to dbr_quant's FP8 model than to fp32
+
+
+def test_minilm_layer_on_built_ties_differs_from_transformers_only_in_the_quantize(minilm_converted, minilm_folder):
+    """A MiniLM linear fed inputs built so that x·(1/s) and x/s round to different FP8 codes: dbr_quant's
+    quantize gives torch's cast of x·reciprocal(s) (vLLM's static quantize arithmetic), the transformers-loaded
+    layer the codes of x/s, one step apart at every such input, so the outputs differ there (the end-to-end
+    "bit for bit" holds only where no activation is at a tie). Given the loaded layer's own codes, dbr_quant's
+    fp32-path linear reproduces its output bit for bit: the quantize is the only difference."""
+    name = "encoder.layer.0.attention.self.query"
+    c = minilm_converted
+    loaded = AutoModel.from_pretrained(minilm_folder).eval()
+    mod, s = fp8_linears(c.converted)[name], input_scale(c.converted, name)
+    w = fp8_weight_of(mod)
+    ties = tie_inputs(float(s))
+    assert ties.numel() >= 16
+    g = torch.Generator().manual_seed(0)
+    k = mod.in_features
+    tie_rows = ties[torch.randint(0, ties.numel(), (3, k), generator=g)]
+    x = torch.cat([tie_rows, torch.randn(2, k, generator=g)])  # 3 rows of ties, 2 ordinary rows
+    with torch.no_grad():
+        minilm.sentence_embeddings(loaded, c.eval_inputs)  # the first forward decompresses the weights
+        y_ct = loaded.get_submodule(name)(x)
+    ref = dq.kernels.reference
+    ours = ref.quantize(x, s, ref.FP8Format.E4M3)
+    theirs = codes_by_division(x, s)
+    assert torch.equal(ours.view(torch.uint8), codes_by_reciprocal(x, s).view(torch.uint8))
+    step = (ours.view(torch.uint8).int() - theirs.view(torch.uint8).int()).abs()
+    assert torch.equal(step[:3], torch.ones_like(step[:3]))
+    with dq.kernels.use_cpu_gemm("fp32"), torch.no_grad():
+        y_ours = ref.fp8_linear(ours, s, w.qdata, w.scale, bias=mod.bias)
+        y_their_codes = ref.fp8_linear(theirs, s, w.qdata, w.scale, bias=mod.bias)
+    assert torch.equal(y_their_codes, y_ct)
+    assert not torch.equal(y_ours[:3], y_ct[:3])
+    assert torch.equal(y_ours[3:], y_ct[3:]) == torch.equal(step[3:], torch.zeros_like(step[3:]))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

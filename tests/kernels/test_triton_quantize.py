@@ -82,6 +82,17 @@ def test_static_quantize_matches_reference_bit_for_bit(x, fmt, per_row, log_scal
     assert_bit_equal(got, R.quantize(x, scale, fmt))
 
 
+def test_static_quantize_on_built_ties_is_x_times_the_reciprocal():
+    """Inputs where x·(1/s) and x/s round to different codes (fp8_ties): the Triton kernel multiplies by the
+    reciprocal torch computed, like the reference (and vLLM's static quantize), bit for bit."""
+    from fp8_ties import codes_by_reciprocal, tie_inputs
+
+    x, scale = tie_inputs(0.0123), torch.tensor(0.0123)
+    with interpret():
+        got = TQ.quantize(x, scale, FP8Format.E4M3)
+    assert_bit_equal(got, codes_by_reciprocal(x, scale))
+
+
 @settings(max_examples=30, deadline=None)
 @given(x=inputs(), fmt=st.sampled_from(FORMATS), per_token=st.booleans())
 def test_dynamic_quantize_matches_reference_bit_for_bit(x, fmt, per_token):
