@@ -128,7 +128,10 @@ class TraceRun(Run):
         st = self._state()
         fqn = self.op_fqn(kind, module)
         types = tuple(type(m) for m in self.stack) + ((type(module),) if module is not None else ())
-        qc = self.record.qconfig.for_op(fqn, types)
+        ref = param_ref(func, weight_operand(func, args, kwargs), self.param_uses.names) \
+            if kind == LINEAR and module is None else None
+        # overrides match a parameter linear by its parameter ("self_attn.in_proj_weight", "self_attn.out_proj")
+        qc = self.record.qconfig.for_op(fqn if ref is None else ref.name.removesuffix(".weight"), types)
         quantize, reason = _decide(kind, args, kwargs, qc, module, self.record.qconfig.quantize_attention)
         if kind == NORM:
             reason = "norm (a fusion partner, not quantized itself)"
@@ -136,8 +139,6 @@ class TraceRun(Run):
             quantize, reason = False, ("an operand is not an activation (computed from parameters, buffers, "
                                        "factories or integer positions, e.g. rotary tables)")
         inputs = tuple(self.info(a) for a in (args if module is None else (args[0], linear_weight(module))))
-        ref = param_ref(func, weight_operand(func, args, kwargs), self.param_uses.names) \
-            if kind == LINEAR and module is None else None
         op = SeenOp(
             index=len(st.seen_ops), kind=kind, fqn=fqn,
             target=type(module).__name__ if module is not None else getattr(func, "__name__", str(func)),

@@ -292,3 +292,32 @@ def test_rewrite_and_compile_an_encoder_layer():
         assert torch.equal(gm(x), eager)
         compiled = torch.compile(gm, fullgraph=True)
         torch.testing.assert_close(compiled(x), eager, rtol=1e-4, atol=1e-4)
+
+
+def test_save_pretrained_names_the_functional_fp8_weights_it_cannot_write(tmp_path):
+    """compressed-tensors describes FP8 Linear modules only: an FP8 in_proj_weight is refused before anything is
+    written, with the parameter named (a loader would otherwise read FP8 bytes as a high-precision weight)."""
+    torch.manual_seed(10)
+    layer = nn.TransformerEncoderLayer(D, HEADS, FF, dropout=0.0, batch_first=True)
+    x = torch.randn(2, 5, D)
+    prepared = dq.prepare(layer, (x,))
+    dq.calibrate(prepared, [x], progress=False)
+    with pytest.raises(dq.CheckpointError, match=r"self_attn\.in_proj_weight"):
+        dq.save_pretrained(dq.convert(prepared), tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def test_override_skips_a_parameter_linear_by_its_parameter_name():
+    """An Override pattern names a functional linear by its parameter: skipping the in-projection keeps
+    in_proj_weight a high-precision parameter while the rest of the layer converts."""
+    torch.manual_seed(11)
+    layer = nn.TransformerEncoderLayer(D, HEADS, FF, dropout=0.0, batch_first=True).eval()
+    x = torch.randn(2, 5, D)
+    qconfig = dq.QConfig(overrides=(dq.Override(pattern=r".*in_proj_weight", skip=True),))
+    prepared = dq.prepare(layer, (x,), qconfig)
+    dq.calibrate(prepared, [x], progress=False)
+    converted = dq.convert(prepared)
+    assert type(converted.self_attn.in_proj_weight) is nn.Parameter
+    assert_fp8(converted, ["self_attn.out_proj.weight", "linear1.weight", "linear2.weight"])
+    row = next(r for r in dq.report(converted) if r["fqn"] == "self_attn.in_proj_weight")
+    assert not row["fp8"] and "override" in row["reason"]
