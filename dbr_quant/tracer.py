@@ -130,8 +130,12 @@ class TraceRun(Run):
         types = tuple(type(m) for m in self.stack) + ((type(module),) if module is not None else ())
         ref = param_ref(func, weight_operand(func, args, kwargs), self.param_uses.names) \
             if kind == LINEAR and module is None else None
-        # overrides match a parameter linear by its parameter ("self_attn.in_proj_weight", "self_attn.out_proj")
-        qc = self.record.qconfig.for_op(fqn if ref is None else ref.name.removesuffix(".weight"), types)
+        # overrides match a parameter linear by its parameter ("self_attn.in_proj_weight", "self_attn.out_proj"), as
+        # the report names it, or by the op's own name ("self_attn.linear", as inspect's auto_fallback names it)
+        names = (fqn,) if ref is None else (ref.name.removesuffix(".weight"), fqn)
+        qconfig = self.record.qconfig
+        qc = qconfig.for_op(next((n for n in names if any(ov.matches(n, types) for ov in qconfig.overrides)), fqn),
+                            types)
         quantize, reason = _decide(kind, args, kwargs, qc, module, self.record.qconfig.quantize_attention)
         if kind == NORM:
             reason = "norm (a fusion partner, not quantized itself)"
