@@ -13,17 +13,18 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import kernels, moe, moe_siblings, moe_weights, offload
-from .auto_trace import current_run, disabled, intercepting, is_disabled
+from . import moe, moe_siblings, moe_weights, offload
+from .auto_trace import FAST_PATH_MODULES, current_run, disabled, intercepting, is_disabled
 from .convert_run import ConvertRun
 from .distributed import sync_observers
 from .mappings import LINEAR, QUANTIZEABLE, is_container, is_linear_module, is_transposed_linear, linear_weight
+from .param_weights import quantize_param_weights
 from .qconfig import QConfig
 from .quantization_state import AutoQuantizationState, UncalibratedError
 from .rounding import collect
 from .runs import CalibrateRun, HighPrecisionRun, InspectRun, ModelRecord, state_of
 from .tracer import TraceRun
-from .weight_quantization import all_finite, quantize_weight
+from .weight_quantization import all_finite, quantize_fp8_weight
 from .weights import attach_fp8_weight, fp8_weight_of
 
 __all__ = ["prepare", "calibrate", "convert", "disabled", "report", "PrepareError"]
@@ -159,7 +160,8 @@ def prepare(
     # calibration needs torch-function interception only for ops observed from a function call (matmul,
     # SDPA, F.linear); linear modules are caught at the module call
     record.observes_functions = any(op.quantize and op.slots and not (op.kind == LINEAR and op.weight_owner)
-                                    for st in record.states for op in st.seen_ops)
+                                    for st in record.states for op in st.seen_ops) or any(
+        isinstance(mod, FAST_PATH_MODULES) for mod in m.modules())  # so torch declines its fast path (auto_trace)
     del record.trace_run
     record.hessians = collect.collector_for(qconfig, record.states)  # None unless some linear asks for GPTQ
     record.phase = "prepared"
@@ -260,6 +262,7 @@ def convert(prepared: nn.Module, *, inplace: bool = False, sync: Any = True) -> 
     for st in record.states:
         st.freeze_scales()
     _quantize_linear_weights(m, record)
+    quantize_param_weights(m, [op for st in record.states for op in st.seen_ops])  # F.linear(x, self.w), in_proj
     moe_weights.quantize_expert_weights(m, record)  # 3-D expert weights (moe_weights.py)
     _stack_gate_up_weights(m, record)
     record.phase = "converted"
@@ -334,15 +337,10 @@ def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
                              "fix the weights or skip this module with QConfig(overrides=(Override(pattern=...,"
                              " skip=True),))")
         cfg = ops[0].qconfig.weight
-        transposed = is_transposed_linear(module)
-        if cfg.granularity == "block":  # the compressed-tensors FP8_BLOCK scales: each block's amax / fmt.max
-            q, scale = kernels.block_quantize_weight(w, cfg.block, cfg.format)
-            attach_fp8_weight(module, q.contiguous(), scale, w.dtype, transposed=transposed, block=cfg.block)
-        else:
-            q, scale = quantize_weight(w, cfg)  # in row blocks: temporaries of a block, not a layer
-            if record.hessians is not None and any(op.qconfig.weight_rounding == "gptq" for op in ops):
-                q = record.hessians.round(fqn, type(module).__name__, w, cfg, scale, q)  # same scale, GPTQ's points
-            attach_fp8_weight(module, q, scale, w.dtype, transposed=transposed)
+        q, scale, block = quantize_fp8_weight(w, cfg)  # per-channel/tensor in row blocks: temporaries of a block
+        if block is None and record.hessians is not None and any(op.qconfig.weight_rounding == "gptq" for op in ops):
+            q = record.hessians.round(fqn, type(module).__name__, w, cfg, scale, q)  # same scale, GPTQ's points
+        attach_fp8_weight(module, q, scale, w.dtype, transposed=is_transposed_linear(module), block=block)
         if home is not None:
             home.store(module)  # FP8 goes back where accelerate kept the weight; the module keeps meta
         del w, q  # one layer at a time: the high-precision weight can go before the next one is read
@@ -363,6 +361,8 @@ def _linear_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _unreached_rows(model: nn.Module, record: ModelRecord) -> list[dict[str, Any]]:
     """Linear modules that no recorded op ran as a module: they stay high precision; say why."""
     owners = {op.weight_owner for st in record.states for op in st.seen_ops if op.weight_owner is not None}
+    owners |= {op.weight_param.name.removesuffix(".weight") for st in record.states for op in st.seen_ops
+               if op.weight_param is not None}  # an nn.Linear whose weight a functional linear reads (out_proj)
     rows = []
     for fqn, mod in _linear_modules(model):
         if fqn in owners:
@@ -415,7 +415,8 @@ def report(model: nn.Module) -> list[dict[str, Any]]:
         for op in st.seen_ops:
             if op.kind not in QUANTIZEABLE:
                 continue
-            rows.append({"fqn": op.fqn, "kind": op.kind, "module": st.fqn, "fp8": op.quantize,
+            fqn = op.weight_param.label() if op.weight_param is not None else op.fqn
+            rows.append({"fqn": fqn, "kind": op.kind, "module": st.fqn, "fp8": op.quantize,
                          "fusion": op.fusion, "reason": op.reason})
     return rows + _unreached_rows(model, record)
 

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import types
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module_globals
 from torch.overrides import TorchFunctionMode
@@ -64,7 +66,49 @@ class _FunctionMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.run.suspended:
             return func(*args, **kwargs)
+        body = _OPEN_BODIES.get(func)
+        if body is not None:  # torch's Python body, with this mode on again: its linears are seen one by one
+            with _FunctionMode(self.run):
+                return body(*args, **kwargs)
         return self.run.function_call(func, args, kwargs)
+
+
+class _Globals(dict):
+    """A function's globals seen through one override: lookups of other names reach the live module dict."""
+
+    def __init__(self, module_globals: dict, **override: Any) -> None:
+        super().__init__(override)
+        self.module_globals = module_globals
+
+    def __missing__(self, key: str) -> Any:
+        return self.module_globals[key]
+
+
+def _open_body(func: Any) -> Any:
+    """A copy of a torch Python function whose ``has_torch_function`` check answers False.
+
+    Why: a torch function that checks for overrides hands a whole call to a torch-function mode, which runs
+    it with the mode popped, so nothing inside is seen: ``F.multi_head_attention_forward`` would be one
+    opaque call, with its in-projection (``in_proj_weight``, most of an attention's weights) and its output
+    projection inside it. Running this copy while the mode is on again lets every op inside reach the run —
+    torch's own code, not a re-implementation. None (the call stays opaque) if torch's code changed shape."""
+    code = getattr(func, "__code__", None)
+    if code is None or "has_torch_function" not in code.co_names:
+        return None
+    body = types.FunctionType(code, _Globals(func.__globals__, has_torch_function=lambda *_: False),
+                              func.__name__, func.__defaults__, func.__closure__)
+    body.__kwdefaults__ = func.__kwdefaults__
+    return body
+
+
+_OPEN_BODIES = {f: b for f in (F.multi_head_attention_forward,) if (b := _open_body(f)) is not None}
+
+# Modules whose forward takes a fused C++ fast path (torch._transformer_encoder_layer_fwd,
+# torch._native_multi_head_attention) when nothing overrides torch functions, skipping the linears inside.
+# Every phase of a model that holds one runs with the mode on, so torch declines the fast path the same way
+# when prepare traces, calibrate observes and the converted model runs ("some Tensor argument
+# has_torch_function"). Thread-local, unlike torch.backends.mha.set_fastpath_enabled, a process-wide switch.
+FAST_PATH_MODULES = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from . import kernels
-from .mappings import LINEAR, MATMUL, SDPA, linear_weight
+from .mappings import LINEAR, MATMUL, MATMUL_AS_LINEAR, SDPA, linear_weight
 from .quantization_state import AutoQuantizationState, SeenOp
 from .weights import FP8Weight, adjacent_rows, fp8_weight_of
 
@@ -99,15 +99,23 @@ def linear_operands(call: Call) -> tuple[torch.Tensor, torch.Tensor | None, torc
         return call.args[0], None if fp8_weight_of(m) is not None else linear_weight(m), m.bias
     args, kw = call.args, call.kwargs
     x = args[0]
+    if call.func in MATMUL_AS_LINEAR:  # x @ W (W a parameter, mappings.call_kind): the linear's weight is Wᵀ
+        return x, (args[1] if len(args) > 1 else kw["other"]).mT, None
     w = args[1] if len(args) > 1 else kw["weight"]
     b = args[2] if len(args) > 2 else kw.get("bias")
     return x, w, b
 
 
+def _stored(w: torch.Tensor | None) -> FP8Weight | None:
+    """A functional linear's weight when it is (a view of) a parameter convert stored in FP8 (param_weights.py)
+    in the [out, in] orientation the GEMM reads; None otherwise (then it is quantized per call)."""
+    return w if type(w) is FP8Weight and not w.transposed else None
+
+
 def weight_block(call: Call) -> tuple[int, int] | None:
     """The (rows, columns) block of a block-scaled linear's weight (stored, or per the config when the weight
     is quantized per call), else None."""
-    w = fp8_weight_of(call.module) if call.module is not None else None
+    w = fp8_weight_of(call.module) if call.module is not None else _stored(linear_operands(call)[1])
     if w is not None:
         return w.block
     wcfg = call.op.qconfig.weight
@@ -121,6 +129,10 @@ def fp8_weight(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
     if stored is not None:
         return stored
     _, w, _ = linear_operands(call)
+    if type(w) is FP8Weight:
+        if not w.transposed:
+            return w.qdata, w.scale
+        w = w.dequantize()  # stored in the other orientation: its scales run along this GEMM's reduction
     wcfg = call.op.qconfig.weight
     if wcfg.granularity == "block":
         return kernels.block_quantize_weight(w, wcfg.block, wcfg.format)
@@ -140,8 +152,12 @@ def linear_parts(call: Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
             params = m._parameters
             bias = params["bias"] if "bias" in params else m.bias
             return w.qdata, w.scale, bias, w.block
+    _, w, bias = linear_operands(call)
+    stored = _stored(w)
+    if stored is not None:
+        return stored.qdata, stored.scale, bias, stored.block
     w_q, w_scale = fp8_weight(call)
-    return w_q, w_scale, linear_operands(call)[2], weight_block(call)
+    return w_q, w_scale, bias, weight_block(call)
 
 
 # Per-token scales only for operands whose rows are not the GEMM's reduction dimension (a scale along

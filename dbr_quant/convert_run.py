@@ -22,8 +22,10 @@ from .mappings import (
     FUNC_KINDS,
     INDEXED,
     LINEAR,
+    MATMUL,
     NORM,
     PASSTHROUGH,
+    call_kind,
     is_device_move,
     is_linear_module,
     is_passthrough,
@@ -161,6 +163,8 @@ class ConvertRun(Run):
         if self.placeholders or self.resolved:
             args, kwargs, hit = self._scan(args, kwargs)
         kind = FUNC_KINDS.get(func)
+        if kind == MATMUL:  # x @ W of a parameter W is a linear (mappings.call_kind)
+            kind = call_kind(func, args, kwargs)
         if kind in INDEXED:
             st = self.owner_state()
             op = self.next_op(st, kind, self.op_fqn(kind), self.warns(kind))

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .weights import FP8Weight
+
 LINEAR = "linear"
 MATMUL = "matmul"
 SDPA = "sdpa"
@@ -59,6 +61,27 @@ FUNC_KINDS: dict[object, str] = {
     Tensor.to: PASSTHROUGH,
     Tensor.contiguous: PASSTHROUGH,
 }
+
+
+# matmuls whose second operand can be a linear's weight: ``x @ W`` = ``F.linear(x, Wᵀ)`` for a 2-D W
+MATMUL_AS_LINEAR = frozenset({torch.matmul, Tensor.matmul, Tensor.__matmul__})
+
+
+def is_weight_operand(t: object) -> bool:
+    """A 2-D parameter, a view of one (``A.t()``, ``W[:E]``), or a converted FP8 weight (or a view of one)."""
+    return isinstance(t, Tensor) and t.dim() == 2 and (
+        type(t) is FP8Weight or isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter))
+
+
+def call_kind(func: object, args: tuple, kwargs: dict) -> str | None:
+    """The kind of a torch function call (FUNC_KINDS), except that an activation × parameter matmul (a LoRA
+    written ``x @ A.t() @ B.t()``, ``torch.matmul(x, self.w)``) is a LINEAR whose weight is the parameter,
+    transposed: every phase classifies the call the same way, so the trace's record matches at run time."""
+    kind = FUNC_KINDS.get(func)
+    if kind == MATMUL and func in MATMUL_AS_LINEAR and len(args) > 1 and is_weight_operand(args[1]) \
+            and isinstance(args[0], Tensor) and not is_weight_operand(args[0]):
+        return LINEAR
+    return kind
 
 
 def activation_name(func: object, args: tuple, kwargs: dict) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,6 +56,7 @@ class SeenOp:
     group: tuple[int, int] | None = None  # (subgraph id, step) when part of a fused subgraph
     fusion: str | None = None
     weight_owner: str | None = None  # fqn of the nn.Linear holding a static weight
+    weight_param: Any = None  # param_weights.ParamRef: the parameter a functional linear reads as its weight
 
     def describe(self) -> str:
         ins = ", ".join(repr(t) if t is not None else "-" for t in self.inputs)

@@ -26,6 +26,7 @@ from .mappings import (
     LINEAR,
     MATMUL,
     SDPA,
+    call_kind,
     is_linear_module,
 )
 from .quantization_state import AutoQuantizationState, SeenOp, observer_key
@@ -230,6 +231,8 @@ class CalibrateRun(Run):
         if not self.routes_functions:  # functions routed here only for a hooked linear's body
             return func(*args, **kwargs)
         kind = FUNC_KINDS.get(func)
+        if kind == MATMUL:  # x @ W of a parameter W is a linear (mappings.call_kind)
+            kind = call_kind(func, args, kwargs)
         if kind in INDEXED:
             self._observe(kind, args, kwargs, None)
         return func(*args, **kwargs)
@@ -292,6 +295,8 @@ class InspectRun(Run):
             if out is not NotImplemented:
                 return out
         kind = FUNC_KINDS.get(func)
+        if kind == MATMUL:  # x @ W of a parameter W is a linear (mappings.call_kind)
+            kind = call_kind(func, args, kwargs)
         if kind in INDEXED:
             st, op = self._op(kind)
             if op is not None and op.quantize:

@@ -22,7 +22,6 @@ from .mappings import (
     ACT,
     ADD,
     DIV,
-    FUNC_KINDS,
     INDEXED,
     LINEAR,
     MATMUL,
@@ -32,6 +31,7 @@ from .mappings import (
     SDPA,
     SOFTMAX,
     activation_name,
+    call_kind,
     is_device_move,
     is_linear_module,
     is_passthrough,
@@ -39,6 +39,7 @@ from .mappings import (
     rms_norm_module_eps,
 )
 from .offload import onloaded
+from .param_weights import ParamUses, param_ref, weight_operand
 from .quantization_state import AutoQuantizationState, SeenOp, TensorInfo
 from .runs import ModelRecord, Run, Subgraph, observed_inputs, tensor_leaves
 
@@ -64,6 +65,7 @@ class TraceRun(Run):
         self.activations: set[int] = set()
         self.data_ints: set[int] = set()
         self.producers: dict[int, int] = {}  # tensor id → index of the event that wrote it (moe.py walks it)
+        self.param_uses = ParamUses(root)  # parameters read by functional linears, and what else reads them
 
     # ------------------------------------------------------------------ ids
     def tid(self, t: torch.Tensor, new: bool = False, activation: bool = False, data_int: bool = False) -> int:
@@ -74,6 +76,8 @@ class TraceRun(Run):
             # first seen as an input: model data (accelerate loads offloaded weights as new Parameters)
             if not new and key not in self.param_ids and not isinstance(t, nn.Parameter):
                 activation, data_int = t.is_floating_point(), not t.is_floating_point()
+            if not new:
+                self.param_uses.seen(i, t)
             if activation and t.is_floating_point():
                 self.activations.add(i)
             elif data_int and not t.is_floating_point():
@@ -117,13 +121,21 @@ class TraceRun(Run):
             operands = observed_inputs(kind, args, kwargs).values() if kind in (MATMUL, SDPA) else ()
             ev.op = self._seen_op(kind, func, args, kwargs, out, module,
                                   constant_operand=any(self.tid(t) not in self.activations for t in operands))
+        self.param_uses.record(func, inputs, list(zip(out_ids, outs)), ev.op)
         self.events.append(ev)
 
     def _seen_op(self, kind, func, args, kwargs, out, module, constant_operand: bool) -> SeenOp:
         st = self._state()
         fqn = self.op_fqn(kind, module)
         types = tuple(type(m) for m in self.stack) + ((type(module),) if module is not None else ())
-        qc = self.record.qconfig.for_op(fqn, types)
+        ref = param_ref(func, weight_operand(func, args, kwargs), self.param_uses.names) \
+            if kind == LINEAR and module is None else None
+        # overrides match a parameter linear by its parameter ("self_attn.in_proj_weight", "self_attn.out_proj"), as
+        # the report names it, or by the op's own name ("self_attn.linear", as inspect's auto_fallback names it)
+        names = (fqn,) if ref is None else (ref.name.removesuffix(".weight"), fqn)
+        qconfig = self.record.qconfig
+        qc = qconfig.for_op(next((n for n in names if any(ov.matches(n, types) for ov in qconfig.overrides)), fqn),
+                            types)
         quantize, reason = _decide(kind, args, kwargs, qc, module, self.record.qconfig.quantize_attention)
         if kind == NORM:
             reason = "norm (a fusion partner, not quantized itself)"
@@ -137,6 +149,7 @@ class TraceRun(Run):
             inputs=inputs, outputs=tuple(self.info(t) for t in tensor_leaves(out)),
             qconfig=qc, quantize=quantize, reason=reason, slots=SLOTS.get(kind, ()) if quantize else (),
             weight_owner=fqn if module is not None and module.__dict__.get("_dbr_fqn") is not None else None,
+            weight_param=ref,
         )
 
         def make_observer(op: SeenOp) -> nn.Module:
@@ -152,7 +165,7 @@ class TraceRun(Run):
         out = func(*args, **kwargs)
         if func is torch.Tensor.to and out is args[0] and is_device_move(args, kwargs):
             return out  # moved nothing (e.g. accelerate's hook on a module boundary): the same tensor, no op
-        self._record(FUNC_KINDS.get(func), func, args, kwargs, out)
+        self._record(call_kind(func, args, kwargs), func, args, kwargs, out)
         return out
 
     def module_call(self, module, args, kwargs):
@@ -228,6 +241,7 @@ class TraceRun(Run):
             for i in {*ev.arg_ids, *ev.kwarg_ids} - {None}:
                 consumers[i].append(ev.index)
         graph = TraceGraph(self.events, dict(consumers), self.escaped)
+        self.param_uses.finish([op for st in self.states.values() for op in st.seen_ops])
         if self.record.qconfig.fuse:
             for gid, (fusion, events) in enumerate(find_subgraphs(graph)):
                 self.record.subgraphs[gid] = Subgraph(gid, fusion, tuple(ev.kind for ev in events))

@@ -18,7 +18,7 @@ from . import kernels
 from .observers import AmaxHistoryObserver, MovingAverageObserver, MSEObserver, RunningMaxObserver
 from .qconfig import TensorQConfig
 
-__all__ = ["quantize_weight", "all_finite"]
+__all__ = ["quantize_weight", "quantize_fp8_weight", "all_finite"]
 
 BLOCK_ELEMENTS = 2**18  # 1 MiB of fp32 per block
 _MAX_BASED = (RunningMaxObserver, MovingAverageObserver, AmaxHistoryObserver)  # one batch: amax = max |w|
@@ -59,3 +59,14 @@ def quantize_weight(w: torch.Tensor, cfg: TensorQConfig, block_elements: int = B
         s = scale[start: start + rows].unsqueeze(1) if per_channel else scale
         q[start: start + rows] = kernels.quantize(w[start: start + rows], s, cfg.format)
     return q, scale
+
+
+def quantize_fp8_weight(w: torch.Tensor, cfg: TensorQConfig
+                        ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None]:
+    """(FP8 data, scale, block) of a finite [N, K] weight as convert stores it: block-scaled (compressed-tensors
+    FP8_BLOCK: each block's amax / fmt.max) for granularity "block", else :func:`quantize_weight`."""
+    if cfg.granularity == "block":
+        q, scale = kernels.block_quantize_weight(w, cfg.block, cfg.format)
+        return q.contiguous(), scale, cfg.block
+    q, scale = quantize_weight(w, cfg)
+    return q, scale, None

@@ -133,6 +133,11 @@ class FP8Weight(torch.Tensor):
         handler = _HANDLERS.get(func)
         if handler is not None:
             return handler(*args, **kwargs)
+        view = _VIEWS.get(func)
+        if view is not None:
+            out = view(*args, **kwargs)
+            if out is not None:
+                return out
         # any other use as a tensor: the dequantized high-precision values
         unwrap = lambda t: t.dequantize() if isinstance(t, FP8Weight) else t  # noqa: E731
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
@@ -169,6 +174,68 @@ def _copy_(dst: FP8Weight, src: torch.Tensor, non_blocking: bool = False) -> FP8
     return dst
 
 
+def _transpose(w: FP8Weight, dim0: int = 0, dim1: int = 1) -> FP8Weight | None:
+    """``w.t()`` / ``.mT`` / ``.T`` of a 2-D weight: the same bytes in the other orientation (an activation ×
+    parameter matmul ``x @ A.t()`` reads A this way: dbr_quant runs it as a linear on A's FP8 rows)."""
+    if w.dim() != 2:
+        return None
+    if dim0 % 2 == dim1 % 2:
+        return w._like()
+    return FP8Weight(w.qdata, w.scale, w.dtype, not w.transposed, w.block)
+
+
+def _rows(w: FP8Weight, start: int, stop: int) -> FP8Weight | None:
+    """Output rows [start, stop) of a 2-D [out, in] weight, as an FP8 weight on the same bytes: a per-channel
+    (or per-tensor) quantized row slice is the quantization of that slice. None where the slice cuts a scale
+    in two (a block row, a transposed weight's input dimension): the caller then dequantizes."""
+    if w.dim() != 2 or w.transposed:
+        return None
+    n = w.qdata.shape[0]
+    start, stop = max(0, min(start, n)), max(0, min(stop, n))
+    if w.block is None:
+        scale = w.scale[start:stop] if w.scale.dim() else w.scale
+    elif start % w.block[0] == 0 and (stop % w.block[0] == 0 or stop == n):
+        scale = w.scale[start // w.block[0]:-(-stop // w.block[0])]
+    else:
+        return None
+    return FP8Weight(w.qdata[start:stop], scale, w.dtype, False, w.block)
+
+
+def _split(w: FP8Weight, sizes: Any, dim: int = 0) -> list[FP8Weight] | None:
+    n = w.shape[dim] if w.dim() else 0
+    if dim % max(w.dim(), 1) != 0:
+        return None
+    sizes = [sizes] * -(-n // sizes) if isinstance(sizes, int) else list(sizes)
+    out, start = [], 0
+    for size in sizes:
+        part = _rows(w, start, min(start + size, n))
+        if part is None:
+            return None
+        out.append(part)
+        start += size
+    return out
+
+
+def _slice(w: FP8Weight, dim: int = 0, start: int | None = None, end: int | None = None, step: int = 1):
+    if step != 1 or dim % max(w.dim(), 1) != 0:
+        return None
+    n = w.shape[0]
+    start = 0 if start is None else start + n if start < 0 else start
+    end = n if end is None else end + n if end < 0 else end
+    return _rows(w, start, end)
+
+
+# view ops that keep an FP8 weight FP8 (None from a handler: not expressible, fall back to the dequantized values)
+_VIEWS = {
+    aten.t.default: _transpose,
+    aten.transpose.int: _transpose,
+    aten.permute.default: lambda w, dims: _transpose(w, *dims) if len(dims) == 2 else None,  # .T
+    aten.split.Tensor: _split,
+    aten.split_with_sizes.default: _split,
+    aten.slice.Tensor: _slice,
+}
+
+
 _HANDLERS = {
     aten.detach.default: lambda w: w._like(),
     aten.alias.default: lambda w: w._like(),
@@ -187,47 +254,49 @@ def fp8_weight_of(module: nn.Module) -> FP8Weight | None:
 
 
 def attach_fp8_weight(module: nn.Module, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                      transposed: bool = False, block: tuple[int, int] | None = None) -> None:
-    """Make ``module.weight`` an FP8 weight; its state_dict entries become ``weight`` (FP8) + ``weight_scale``
-    (2-d [⌈out/bn⌉, ⌈in/bk⌉] for a block-scaled weight, as compressed-tensors FP8_BLOCK stores it)."""
-    module._parameters["weight"] = nn.Parameter(FP8Weight(qdata, scale, dtype, transposed, block),
-                                                requires_grad=False)
+                      transposed: bool = False, block: tuple[int, int] | None = None, name: str = "weight") -> None:
+    """Make ``module.<name>`` (``weight`` unless a functional linear reads another parameter, e.g. an attention's
+    ``in_proj_weight``) an FP8 weight; its state_dict entries become ``<name>`` (FP8) + ``<name>_scale`` (2-d
+    [⌈out/bn⌉, ⌈in/bk⌉] for a block-scaled weight, as compressed-tensors FP8_BLOCK stores it)."""
+    module._parameters[name] = nn.Parameter(FP8Weight(qdata, scale, dtype, transposed, block), requires_grad=False)
     if not module.__dict__.get("_dbr_fp8_hooks"):
         module._register_state_dict_hook(_state_dict_hook)
         module._register_load_state_dict_pre_hook(_load_hook, with_module=True)
         module.__dict__["_dbr_fp8_hooks"] = True
 
 
+def _fp8_parameters(module: nn.Module) -> list[tuple[str, FP8Weight]]:
+    return [(name, w) for name, w in module._parameters.items() if type(w) is FP8Weight]
+
+
 def _state_dict_hook(module, state_dict, prefix, local_metadata):
-    w = fp8_weight_of(module)
-    if w is None:
-        return
-    q, s = w.qdata, w.scale
-    if q.untyped_storage().nbytes() != q.numel() * q.element_size():
-        q, s = q.clone(), s.clone()  # rows of a stacked [gate; up] buffer: safetensors refuses shared storage
-    state_dict[prefix + "weight"] = q
-    state_dict[prefix + "weight_scale"] = s
+    for name, w in _fp8_parameters(module):
+        q, s = w.qdata, w.scale
+        if q.untyped_storage().nbytes() != q.numel() * q.element_size():
+            q, s = q.clone(), s.clone()  # rows of a stacked [gate; up] buffer: safetensors refuses shared storage
+        state_dict[prefix + name] = q
+        state_dict[prefix + name + "_scale"] = s
 
 
 def _load_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
     """``weight`` (FP8) + ``weight_scale`` from a checkpoint become one FP8Weight, which the stock loader
     then copies into the module's weight in place (a stacked [gate; up] buffer stays shared)."""
-    w = fp8_weight_of(module)
-    key = prefix + "weight"
-    if w is None or key not in state_dict or isinstance(state_dict[key], FP8Weight):
-        return
-    q, s = state_dict[key], state_dict.pop(prefix + "weight_scale", None)
-    if s is None:
-        missing.append(prefix + "weight_scale")
-        del state_dict[key]
-        return
-    if q.dtype != w.qdata.dtype or q.shape != w.qdata.shape or s.shape != w.scale.shape:
-        errors.append(f"{prefix}weight: the checkpoint holds {q.dtype} {list(q.shape)} with scale {list(s.shape)}, "
-                      f"the converted model {w.qdata.dtype} {list(w.qdata.shape)} with scale {list(w.scale.shape)}; "
-                      "convert the model with the same QConfig before loading")
-        del state_dict[key]
-        return
-    state_dict[key] = FP8Weight(q, s, w.dtype, w.transposed, w.block)
+    for name, w in _fp8_parameters(module):
+        key = prefix + name
+        if key not in state_dict or isinstance(state_dict[key], FP8Weight):
+            continue
+        q, s = state_dict[key], state_dict.pop(key + "_scale", None)
+        if s is None:
+            missing.append(key + "_scale")
+            del state_dict[key]
+            continue
+        if q.dtype != w.qdata.dtype or q.shape != w.qdata.shape or s.shape != w.scale.shape:
+            errors.append(f"{key}: the checkpoint holds {q.dtype} {list(q.shape)} with scale {list(s.shape)}, "
+                          f"the converted model {w.qdata.dtype} {list(w.qdata.shape)} with scale "
+                          f"{list(w.scale.shape)}; convert the model with the same QConfig before loading")
+            del state_dict[key]
+            continue
+        state_dict[key] = FP8Weight(q, s, w.dtype, w.transposed, w.block)
 
 
 def adjacent_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
@@ -251,10 +320,7 @@ def fp8_weight_bytes(model: nn.Module) -> int:
     seen: set[tuple[int, int]] = set()
     total = 0
     for m in model.modules():
-        w = fp8_weight_of(m)
-        if w is None:
-            continue
-        for t in (w.qdata, w.scale):
+        for t in (t for _, w in _fp8_parameters(m) for t in (w.qdata, w.scale)):
             key = (t.untyped_storage().data_ptr(), t.storage_offset())
             if key not in seen:
                 seen.add(key)

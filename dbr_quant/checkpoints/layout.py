@@ -251,9 +251,26 @@ def _kv_scales(model: nn.Module, record: ModelRecord, plan: Plan) -> dict[str, t
     return out
 
 
+def _refuse_functional_fp8(model: nn.Module, record: ModelRecord) -> None:
+    """compressed-tensors stores FP8 per Linear module (weight + input_scale, matched by module class); a parameter
+    that a functional linear reads in FP8 (param_weights.py: an attention's in_proj_weight, F.linear(x, self.w),
+    x @ A.t()) has no place there, and a loader would read its bytes as a high-precision weight."""
+    params = dict(model.named_parameters())
+    stored = sorted({op.weight_param.name for st in record.states for op in st.seen_ops
+                     if op.weight_param is not None and isinstance(params.get(op.weight_param.name), FP8Weight)})
+    if stored:
+        raise CheckpointError(
+            f"save_pretrained(): {len(stored)} FP8 weight(s) are read by functional linears, not by Linear modules "
+            f"({', '.join(stored[:4])}{', …' if len(stored) > 4 else ''}), which the compressed-tensors format "
+            "cannot describe. Save with torch.save(model.state_dict()) (FP8 bytes + scales) and load into a model "
+            "converted the same way, or prepare with QConfig(overrides=(Override(pattern=..., skip=True),)) for "
+            "those ops to keep them high precision.")
+
+
 def build_plan(model: nn.Module) -> Plan:
     """Map a converted model to tensor groups and a quantization_config; raises before anything is written."""
     record = record_of(model)
+    _refuse_functional_fp8(model, record)
     plan = Plan()
     sites = _linear_input_scales(record)
     kv = _kv_scales(model, record, plan)
