@@ -63,6 +63,7 @@ class ConvertRun(Run):
     def _scan(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, _Pending | None]:
         """Swap resolved placeholders for values; return the pending subgraph an argument belongs to."""
         hit = None
+        seen: list[int] = []  # the placeholders read, to catch one read twice
 
         def fix(a):
             nonlocal hit
@@ -75,12 +76,16 @@ class ConvertRun(Run):
                     if hit is not None and hit is not p:
                         self.materialize(hit)
                     hit = p
+                    seen.append(key)
             elif isinstance(a, (list, tuple)) and a and any(isinstance(x, torch.Tensor) for x in a):
                 return type(a)(fix(x) for x in a) if not hasattr(a, "_fields") else a
             return a
 
         args = tuple(fix(a) for a in args)
         kwargs = {k: fix(v) for k, v in kwargs.items()} if kwargs else kwargs
+        if len(seen) > 1 and len(set(seen)) < len(seen):  # `y + y` where the trace saw `y + r`: no fused run
+            self.materialize(hit)  # reads its operands apart; the ops run one by one and the call sees values
+            return self._scan(args, kwargs)
         if hit is not None and hit.subgraph.id not in self.pending:  # materialized while scanning
             args = tuple(self.resolved.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args)
             hit = None

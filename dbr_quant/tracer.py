@@ -112,7 +112,7 @@ class TraceRun(Run):
                                                                                             kwargs))
         self.producers.update((i, ev.index) for i in out_ids)
         if inplace:
-            ev.kind = None  # an in-place op mutates its input: never part of a subgraph
+            ev.kind, ev.writes = None, True  # an in-place op mutates its input: never part of a subgraph
         if kind in INDEXED:
             operands = observed_inputs(kind, args, kwargs).values() if kind in (MATMUL, SDPA) else ()
             ev.op = self._seen_op(kind, func, args, kwargs, out, module,
@@ -227,7 +227,7 @@ class TraceRun(Run):
         for ev in self.events:
             for i in {*ev.arg_ids, *ev.kwarg_ids} - {None}:
                 consumers[i].append(ev.index)
-        graph = TraceGraph(self.events, dict(consumers), self.escaped)
+        graph = TraceGraph(self.events, dict(consumers), self.escaped, storage=[_storage(t) for t in self.keep])
         if self.record.qconfig.fuse:
             for gid, (fusion, events) in enumerate(find_subgraphs(graph)):
                 self.record.subgraphs[gid] = Subgraph(gid, fusion, tuple(ev.kind for ev in events))
@@ -237,6 +237,15 @@ class TraceRun(Run):
                         ev.op.fusion = fusion.name
         self.keep.clear()
         self.tids.clear()
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """Where a tensor's data lives (views of one tensor share it), so that fusion matching sees an in-place
+    write through any alias; None where it cannot be told (a tensor subclass without storage)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 def _mutates(func: Any, kwargs: dict) -> bool:
