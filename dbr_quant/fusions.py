@@ -61,7 +61,7 @@ class Event:
     output: int | None
     op: SeenOp | None = None
     detail: dict = field(default_factory=dict)
-    writes: bool = False  # an in-place op (``add_``, ``+=``, ``out=``): it writes into ``output``, an existing tensor
+    written: int | None = None  # the tensor an in-place op (``add_``, ``+=``, ``x[i] = v``, ``out=``) writes into
 
     def quantized(self, kind: str) -> bool:
         return self.kind == kind and self.op is not None and self.op.quantize
@@ -196,19 +196,18 @@ def _self_contained(graph: TraceGraph, fusion: Fusion, matched: list[Event]) -> 
         reads = sum((*graph.events[u].arg_ids, *graph.events[u].kwarg_ids).count(ev.output) for u in users)
         if not members.issuperset(users) or reads != (fusion.head_readers if ev is matched[0] else 1):
             return False
+    def storage(tid: int) -> int | None:
+        return graph.storage[tid] if tid < len(graph.storage) else None
+
     read: set[int | None] = set()  # storages the subgraph has read so far, in trace order
     for ev in graph.events[min(members): max(members)]:
         if ev.index in members:
-            read.update(_storage(graph, i) for i in (*ev.arg_ids, *ev.kwarg_ids) if i is not None)
-        elif ev.writes and read:
-            written = _storage(graph, ev.output)
-            if written is None or written in read or None in read:
+            read.update(storage(i) for i in (*ev.arg_ids, *ev.kwarg_ids) if i is not None)
+        elif ev.written is not None and read:
+            written = storage(ev.written)
+            if written is None or written in read or None in read:  # None: not known, so it may alias any
                 return False
     return True
-
-
-def _storage(graph: TraceGraph, tid: int | None) -> int | None:
-    return graph.storage[tid] if tid is not None and tid < len(graph.storage) else None
 
 
 # --------------------------------------------------------------------------- step conditions

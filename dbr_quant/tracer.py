@@ -112,7 +112,8 @@ class TraceRun(Run):
                                                                                             kwargs))
         self.producers.update((i, ev.index) for i in out_ids)
         if inplace:
-            ev.kind, ev.writes = None, True  # an in-place op mutates its input: never part of a subgraph
+            ev.kind = None  # an in-place op mutates its input: never part of a subgraph
+            ev.written = output if output is not None else arg_ids[0] if arg_ids else None  # `x[i] = v`: None out
         if kind in INDEXED:
             operands = observed_inputs(kind, args, kwargs).values() if kind in (MATMUL, SDPA) else ()
             ev.op = self._seen_op(kind, func, args, kwargs, out, module,
@@ -249,12 +250,12 @@ def _storage(t: torch.Tensor) -> int | None:
 
 
 def _mutates(func: Any, kwargs: dict) -> bool:
-    """In-place ops (``relu_``, ``+=``) and ``out=`` calls write into an existing tensor.
+    """In-place ops (``relu_``, ``+=``, ``x[i] = v``) and ``out=`` calls write into an existing tensor.
 
     A no-op ``x.to(x.dtype)`` also returns its input object, but writes nothing: identity is no test.
     """
     name = getattr(func, "__name__", "")
-    return "out" in kwargs or (name.endswith("_") and not name.startswith("__")) or (
+    return "out" in kwargs or (name.endswith("_") and not name.startswith("__")) or name == "__setitem__" or (
         name.startswith("__i") and name.endswith("__") and name[3:-2] in _INPLACE_DUNDERS)
 
 

@@ -20,7 +20,8 @@ ACTS = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approxi
         "relu_module": nn.ReLU()}
 BINARY = {"+": operator.add, "torch.add": torch.add, ".add": torch.Tensor.add, "*": operator.mul,
           "torch.mul": torch.mul}
-INPLACE = {"+=": operator.iadd, ".add_": torch.Tensor.add_, ".mul_": torch.Tensor.mul_}
+INPLACE = {"+=": operator.iadd, ".add_": torch.Tensor.add_, ".mul_": torch.Tensor.mul_,
+           "a[0] = b[0]": lambda a, b: (a.__setitem__(0, b[0]), a)[1]}
 BETWEEN = {"tanh": torch.tanh, "scale": lambda x: x * 0.5, "dropout": lambda x: F.dropout(x, 0.1, False),
            "contiguous": torch.Tensor.contiguous}
 MIDDLE = {"tanh of the input": lambda x: torch.tanh(x), "input +=": lambda x: x.add_(0.25),
@@ -249,23 +250,27 @@ def test_a_residual_traced_as_another_tensor_and_run_as_the_output_itself():
         assert torch.equal(c[True](x, r), c[False](x, r))
 
 
+WRITES = {"x.add_": lambda x: x.add_(1.0), "x.view(-1).add_": lambda x: x.view(-1).add_(1.0),
+          "x[0] = 0": lambda x: x.__setitem__(0, 0.0), "torch.mul(out=x[1:])": lambda x: torch.mul(x[1:], 2, out=x[1:])}
+
+
 class WritesItsInput(nn.Module):
     """An in-place write, between two fusable ops, into a tensor the first one read."""
 
-    def __init__(self, through_view):
+    def __init__(self, write):
         super().__init__()
-        self.fc, self.through_view = nn.Linear(D, D), through_view
+        self.fc, self.write = nn.Linear(D, D), WRITES[write]
 
     def forward(self, x):
         x = x * 1.0  # not the caller's tensor
         h = self.fc(x)
-        (x.view(-1) if self.through_view else x).add_(1.0)
+        self.write(x)
         return F.gelu(h) + x
 
 
-@pytest.mark.parametrize("through_view", [False, True])
-def test_an_in_place_write_between_fused_ops_into_what_they_read_stops_the_fusion(through_view):
-    model = WritesItsInput(through_view).eval()
+@pytest.mark.parametrize("write", sorted(WRITES))
+def test_an_in_place_write_between_fused_ops_into_what_they_read_stops_the_fusion(write):
+    model = WritesItsInput(write).eval()
     fused, single = converted(model, True), converted(model, False)
     assert {r["fusion"] for r in dq.report(fused)} == {None}
     x = data(5, b=3)
