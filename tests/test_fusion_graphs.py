@@ -226,18 +226,20 @@ def test_rewritten_doubled_output_equals_eager_converted(head, combine):
         assert_bit_equal(run(gm, x), run(c, x))
 
 
-class ResidualOrSelf(nn.Module):
-    def __init__(self):
+class ResidualOrInside(nn.Module):
+    def __init__(self, inside):
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+        self.fc1, self.fc2, self.inside = nn.Linear(D, D), nn.Linear(D, D), inside
 
     def forward(self, x, r=None):
-        y = self.fc2(F.relu(self.fc1(x)))
-        return y + (r if r is not None else y)
+        h = self.fc1(x)
+        y = self.fc2(F.relu(h))
+        return y + (r if r is not None else y if self.inside == "output" else h)
 
 
-def test_a_residual_traced_as_another_tensor_and_run_as_the_output_itself():
-    model = ResidualOrSelf().eval()
+@pytest.mark.parametrize("inside", ["output", "fc1 output"])
+def test_a_residual_traced_as_another_tensor_and_run_as_one_made_inside(inside):
+    model = ResidualOrInside(inside).eval()
     x, r = data(1), data(2)
     c = {}
     for fuse in (True, False):
