@@ -65,6 +65,7 @@ class ConvertRun(Run):
     def _scan(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, _Pending | None]:
         """Swap resolved placeholders for values; return the pending subgraph an argument belongs to."""
         hit = None
+        seen: list[int] = []  # the placeholders read, to catch one read twice
 
         def fix(a):
             nonlocal hit
@@ -77,12 +78,18 @@ class ConvertRun(Run):
                     if hit is not None and hit is not p:
                         self.materialize(hit)
                     hit = p
+                    seen.append(key)
             elif isinstance(a, (list, tuple)) and a and any(isinstance(x, torch.Tensor) for x in a):
                 return type(a)(fix(x) for x in a) if not hasattr(a, "_fields") else a
             return a
 
         args = tuple(fix(a) for a in args)
         kwargs = {k: fix(v) for k, v in kwargs.items()} if kwargs else kwargs
+        if len(seen) > 1 and (len(set(seen)) < len(seen) or _read_before(hit, seen)):
+            # `y + y` or `fc2(relu(h)) + h` where the trace saw `y + r`: a fused run would take a placeholder
+            # for the residual; the ops so far run one by one instead and this call sees values
+            self.materialize(hit)
+            return self._scan(args, kwargs)
         if hit is not None and hit.subgraph.id not in self.pending:  # materialized while scanning
             args = tuple(self.resolved.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args)
             hit = None
@@ -356,6 +363,11 @@ class ConvertRun(Run):
         if self.resolved:
             out = tree_map(lambda t: self.resolved.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
         return out
+
+
+def _read_before(p: _Pending, keys: list[int]) -> bool:
+    """Whether an op of ``p`` already read one of these placeholders (each is read once, by the next op)."""
+    return any(isinstance(a, torch.Tensor) and id(a) in keys for c in p.calls for a in c.args)
 
 
 _container_classes: dict[type, bool] = {}

@@ -61,6 +61,7 @@ class Event:
     output: int | None
     op: SeenOp | None = None
     detail: dict = field(default_factory=dict)
+    written: int | None = None  # the tensor an in-place op (``add_``, ``+=``, ``x[i] = v``, ``out=``) writes into
 
     def quantized(self, kind: str) -> bool:
         return self.kind == kind and self.op is not None and self.op.quantize
@@ -74,6 +75,7 @@ class TraceGraph:
     consumers: dict[int, list[int]]
     escaped: set[int]  # returned to the caller, or seen by a module that has hooks
     taken: set[int] = field(default_factory=set)  # events already in a subgraph
+    storage: Sequence[int | None] = ()  # trace id → its storage (views share one; None: unknown, may alias any)
 
     def sole_consumer(self, tid: int | None) -> Event | None:
         """The one event that reads ``tid``, if it is free: a consumer taken by an earlier subgraph ends a
@@ -98,6 +100,7 @@ class Fusion:
 
     name: str = ""
     steps: tuple[Step, ...] = ()
+    head_readers: int = 1  # how many ops of the subgraph read the head's output (a norm feeding gate and up: 2)
 
     def match(self, graph: TraceGraph, head: Event) -> list[Event] | None:
         if not _accepts(self.steps[0], head, None):
@@ -142,9 +145,15 @@ def _accepts(step: Step, ev: Event, prev: Event | None) -> bool:
         return False
     if ev.kind in (LINEAR, MATMUL) and (ev.op is None or not ev.op.quantize):
         return False
-    if prev is not None and prev.output not in ev.arg_ids:
+    if prev is not None and not _threads(ev, prev.output):
         return False
     return step.accepts(ev, prev)
+
+
+def _threads(ev: Event, tid: int | None) -> bool:
+    """``ev`` reads ``tid`` (the previous op's output) in exactly one of its tensor arguments: in ``y + y``
+    or ``y * y`` it is also the other operand, which a fused kernel reads from outside the subgraph."""
+    return tid is not None and (*ev.arg_ids, *ev.kwarg_ids).count(tid) == 1
 
 
 FUSIONS: list[Fusion] = []
@@ -166,11 +175,39 @@ def find_subgraphs(graph: TraceGraph) -> list[tuple[Fusion, list[Event]]]:
             continue
         for fusion in FUSIONS:
             matched = fusion.match(graph, head)
-            if matched and not any(ev.index in taken for ev in matched):
+            if matched and not any(ev.index in taken for ev in matched) and _self_contained(graph, fusion, matched):
                 taken.update(ev.index for ev in matched)
                 found.append((fusion, matched))
                 break
     return found
+
+
+def _self_contained(graph: TraceGraph, fusion: Fusion, matched: list[Event]) -> bool:
+    """Whatever a fusion's ``match`` found, the subgraph runs as one only if its dataflow is what its ``run``
+    assumes. Each tensor made inside (but the last) exists only as a placeholder that the pattern's next op
+    reads, once: read by any other op (even one of the subgraph, as ``y + y``'s other operand or a residual),
+    returned, or seen by a hook, it would be that empty placeholder. And as every op of the subgraph runs
+    when its last one arrives, no op in between may write in place into a tensor the subgraph read before."""
+    members = {ev.index for ev in matched}
+    for ev in matched[:-1]:
+        if ev.output is None or ev.output in graph.escaped:
+            return False
+        users = graph.consumers.get(ev.output, ())
+        reads = sum((*graph.events[u].arg_ids, *graph.events[u].kwarg_ids).count(ev.output) for u in users)
+        if not members.issuperset(users) or reads != (fusion.head_readers if ev is matched[0] else 1):
+            return False
+    def storage(tid: int) -> int | None:
+        return graph.storage[tid] if tid < len(graph.storage) else None
+
+    read: set[int | None] = set()  # storages the subgraph has read so far, in trace order
+    for ev in graph.events[min(members): max(members)]:
+        if ev.index in members:
+            read.update(storage(i) for i in (*ev.arg_ids, *ev.kwarg_ids) if i is not None)
+        elif ev.written is not None and read:
+            written = storage(ev.written)
+            if written is None or written in read or None in read:  # None: not known, so it may alias any
+                return False
+    return True
 
 
 # --------------------------------------------------------------------------- step conditions
@@ -391,7 +428,7 @@ def _gated_mlp(gate: Call, up: Call, down: Call | None, env: Env, x: torch.Tenso
 
 def _residual_after(graph: TraceGraph, last: Event) -> Event | None:
     add = graph.sole_consumer(last.output)
-    return add if add is not None and add.kind == ADD and last.output in add.arg_ids and _residual(add, last) else None
+    return add if add is not None and add.kind == ADD and _threads(add, last.output) and _residual(add, last) else None
 
 
 @register_fusion
@@ -409,7 +446,7 @@ class GatedMLP(Fusion):
         if act is None or act.kind != ACT:
             return None
         mul = graph.sole_consumer(act.output)
-        if mul is None or mul.kind != MUL or act.output not in mul.arg_ids[:2]:
+        if mul is None or mul.kind != MUL or not _threads(mul, act.output):
             return None
         other = [i for i in mul.arg_ids[:2] if i != act.output]
         ups = [ev for ev in graph.events[act.index + 1: mul.index] if ev.quantized(LINEAR) and
@@ -440,6 +477,7 @@ class NormGatedMLP(Fusion):
     name = "norm_gated_mlp"
     steps = (Step(NORM), Step(LINEAR), Step(ACT), Step(LINEAR), Step(MUL), Step(LINEAR, optional=True),
              Step(ADD, optional=True))
+    head_readers = 2  # gate and up
 
     def match(self, graph, head):
         users = graph.consumers.get(head.output, [])

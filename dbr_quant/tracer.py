@@ -117,6 +117,7 @@ class TraceRun(Run):
         self.producers.update((i, ev.index) for i in out_ids)
         if inplace:
             ev.kind = None  # an in-place op mutates its input: never part of a subgraph
+            ev.written = output if output is not None else arg_ids[0] if arg_ids else None  # `x[i] = v`: None out
         if kind in INDEXED:
             operands = observed_inputs(kind, args, kwargs).values() if kind in (MATMUL, SDPA) else ()
             ev.op = self._seen_op(kind, func, args, kwargs, out, module,
@@ -240,7 +241,7 @@ class TraceRun(Run):
         for ev in self.events:
             for i in {*ev.arg_ids, *ev.kwarg_ids} - {None}:
                 consumers[i].append(ev.index)
-        graph = TraceGraph(self.events, dict(consumers), self.escaped)
+        graph = TraceGraph(self.events, dict(consumers), self.escaped, storage=[_storage(t) for t in self.keep])
         self.param_uses.finish([op for st in self.states.values() for op in st.seen_ops])
         if self.record.qconfig.fuse:
             for gid, (fusion, events) in enumerate(find_subgraphs(graph)):
@@ -253,13 +254,22 @@ class TraceRun(Run):
         self.tids.clear()
 
 
+def _storage(t: torch.Tensor) -> int | None:
+    """Where a tensor's data lives (views of one tensor share it), so that fusion matching sees an in-place
+    write through any alias; None where it cannot be told (a tensor subclass without storage)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
 def _mutates(func: Any, kwargs: dict) -> bool:
-    """In-place ops (``relu_``, ``+=``) and ``out=`` calls write into an existing tensor.
+    """In-place ops (``relu_``, ``+=``, ``x[i] = v``) and ``out=`` calls write into an existing tensor.
 
     A no-op ``x.to(x.dtype)`` also returns its input object, but writes nothing: identity is no test.
     """
     name = getattr(func, "__name__", "")
-    return "out" in kwargs or (name.endswith("_") and not name.startswith("__")) or (
+    return "out" in kwargs or (name.endswith("_") and not name.startswith("__")) or name == "__setitem__" or (
         name.startswith("__i") and name.endswith("__") and name[3:-2] in _INPLACE_DUNDERS)
 
 
