@@ -22,6 +22,9 @@ converted linear holds ``weight`` (float8) and ``weight_scale`` (fp32), the keys
 from __future__ import annotations
 
 import copy
+import hashlib
+import pickle
+import weakref
 from typing import Any
 
 import torch
@@ -99,9 +102,24 @@ class FP8Weight(torch.Tensor):
         memo[id(self)] = out
         return out
 
-    def __reduce_ex__(self, protocol: int):  # torch.save(model) / pickle
-        return _rebuild, (self.qdata, self.scale, self.dtype, self.transposed, isinstance(self, nn.Parameter),
-                          self.block)
+    def __reduce_ex__(self, protocol: int):  # pickle (joblib, Ray, mlflow), copy, torch.save(model)
+        # qdata and scale travel as views of their storage's bytes: torch cannot pickle a float8 storage
+        # (its legacy storage format has no float8 class), and one byte tensor per storage keeps a stacked
+        # [gate; up] pair sharing one buffer after loading (pickle's memo and torch.save both store it once)
+        return _rebuild_from_bytes, (_storage_view(self.qdata), _storage_view(self.scale), self.dtype, self.transposed,
+                                     isinstance(self, nn.Parameter), self.block)
+
+    def _stable_hash_for_caching(self) -> str:
+        """What torch.compile's AOT autograd cache keys this weight on (see torch/_functorch/_aot_autograd/
+        autograd_cache.py): the inner tensors' metadata (dtype, shape, strides, device) plus the reported
+        dtype, shape, layout flags and block. Like a plain parameter, the values are not part of the key: a
+        compiled graph takes the FP8 bytes and scales as inputs (freezing, which would bake them in,
+        bypasses that cache)."""
+        from torch._inductor.codecache import extract_tensor_metadata_for_cache_key
+
+        payload = (tuple(self.shape), str(self.dtype), self.requires_grad, self.transposed, self.block,
+                   [extract_tensor_metadata_for_cache_key(t) for t in (self.qdata, self.scale)])
+        return hashlib.blake2b(pickle.dumps(payload), digest_size=16).hexdigest()
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The high-precision values ``qdata × scale`` in ``dtype`` (default: the reported dtype)."""
@@ -141,6 +159,36 @@ class FP8Weight(torch.Tensor):
 def _rebuild(qdata, scale, dtype, transposed, is_param, block=None):
     w = FP8Weight(qdata, scale, dtype, transposed, block)
     return nn.Parameter(w, requires_grad=False) if is_param else w
+
+
+# storage → its bytes as one uint8 tensor, alive while a pickle holds it: the same storage reduces to the same
+# object, which pickle's memo stores once
+_STORAGE_BYTES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _storage_view(t: torch.Tensor) -> tuple:
+    """``t`` as (uint8 tensor over its whole storage, dtype, size, stride, offset); a meta tensor as itself."""
+    if t.is_meta:
+        return (t,)
+    storage = t.untyped_storage()
+    key = (str(t.device), storage.data_ptr(), storage.nbytes())
+    whole = _STORAGE_BYTES.get(key) if storage.nbytes() else None
+    if whole is None:
+        whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+        if storage.nbytes():
+            _STORAGE_BYTES[key] = whole
+    return whole, t.dtype, tuple(t.shape), t.stride(), t.storage_offset()
+
+
+def _from_storage_view(whole: torch.Tensor, dtype: torch.dtype | None = None, size=None, stride=None,
+                       offset: int = 0) -> torch.Tensor:
+    if dtype is None:  # a meta tensor, pickled as itself
+        return whole
+    return whole.view(dtype).as_strided(size, stride, offset)
+
+
+def _rebuild_from_bytes(qdata: tuple, scale: tuple, dtype, transposed, is_param, block=None):
+    return _rebuild(_from_storage_view(*qdata), _from_storage_view(*scale), dtype, transposed, is_param, block)
 
 
 def _to_copy(w: FP8Weight, *, dtype=None, device=None, layout=None, pin_memory=None, non_blocking=False,
