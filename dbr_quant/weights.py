@@ -25,12 +25,15 @@ import copy
 import hashlib
 import pickle
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map
+
+if TYPE_CHECKING:
+    from .qconfig import TensorQConfig
 
 aten = torch.ops.aten
 
@@ -45,35 +48,64 @@ class FP8Weight(torch.Tensor):
     (rows, columns) tile of a block-scaled weight, None for per-tensor / per-channel scales. A 3-D ``qdata``
     ``[E, out, in]`` is the stacked weights of an MoE experts module (``dbr_quant.moe``; ``scale`` ``[E, out]``,
     ``[E, 1]``, or ``[E, ⌈out/bn⌉, ⌈in/bk⌉]`` with ``block``); ``transposed`` then swaps the last two dims
-    (experts stored ``[E, in, out]``).
+    (experts stored ``[E, in, out]``). ``qconfig`` is the weight config convert quantized it with (None when
+    loaded from a checkpoint): an in-place edit (``add_``, ``.data +=``, ``copy_``, ``normal_``, …) re-quantizes
+    with it (``weight_edits.py``).
     """
 
     qdata: torch.Tensor
     scale: torch.Tensor
     transposed: bool
     block: tuple[int, int] | None
+    qconfig: TensorQConfig | None
 
     @staticmethod
     def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None,
-                transposed: bool = False, block: tuple[int, int] | None = None, *, requires_grad: bool = False):
+                transposed: bool = False, block: tuple[int, int] | None = None, *, requires_grad: bool = False,
+                qconfig: TensorQConfig | None = None):
         if isinstance(qdata, FP8Weight) and scale is None:
             # ``type(param)(value, requires_grad=...)``: how accelerate's set_module_tensor_to_device rebuilds a
             # parameter it moves (offloaded models, see offload.py). A parameter, like nn.Parameter(value).
             if requires_grad:
                 raise RuntimeError("dbr_quant: an FP8 weight is inference-only; it cannot require grad")
             return nn.Parameter(qdata._like(), requires_grad=False)
+        if scale is None:
+            raise TypeError("dbr_quant: FP8Weight(tensor) got high-precision values without scales (what accelerate's "
+                            "set_module_tensor_to_device(module, 'weight', device, value=tensor) does to a converted "
+                            "linear); give a converted weight new values in place instead: `with torch.no_grad(): "
+                            "module.weight.copy_(values)` re-quantizes them with the weight's own scale rule")
         shape = (*qdata.shape[:-2], qdata.shape[-1], qdata.shape[-2]) if transposed else qdata.shape
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=qdata.device,
                                                    requires_grad=False)
 
     def __init__(self, qdata: torch.Tensor, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None,
-                 transposed: bool = False, block: tuple[int, int] | None = None, *, requires_grad: bool = False):
+                 transposed: bool = False, block: tuple[int, int] | None = None, *, requires_grad: bool = False,
+                 qconfig: TensorQConfig | None = None):
         if scale is None:  # the copy form above: __new__ returned a complete FP8Weight
             return
         self.qdata = qdata
         self.scale = scale
         self.transposed = transposed
         self.block = None if block is None else (int(block[0]), int(block[1]))
+        self.qconfig = qconfig
+
+    @property
+    def data(self) -> FP8Weight:
+        return torch._C.TensorBase.data.__get__(self)  # an FP8Weight sharing qdata and scale (aten.detach below)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """``param.data = value`` (PEFT's merge): high-precision values are re-quantized into this weight."""
+        from .weight_edits import set_data
+
+        set_data(self, value)
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        """``weight[i] = v``: the edited values are re-quantized into this weight (not a temporary copy)."""
+        from .weight_edits import edit
+
+        v = value.dequantize(torch.float32) if isinstance(value, FP8Weight) else value
+        edit(self, lambda high: high.__setitem__(index, v), "`weight[...] = value`")
 
     def data_ptr(self) -> int:
         """The FP8 data's address (a wrapper has no storage of its own; accelerate tells tied weights apart
@@ -96,7 +128,7 @@ class FP8Weight(torch.Tensor):
     def __deepcopy__(self, memo: dict) -> FP8Weight:
         # memo-aware copies keep a stacked [gate; up] pair sharing one storage after deepcopy
         out = FP8Weight(copy.deepcopy(self.qdata, memo), copy.deepcopy(self.scale, memo), self.dtype, self.transposed,
-                        self.block)
+                        self.block, qconfig=self.qconfig)
         if isinstance(self, nn.Parameter):
             out = nn.Parameter(out, requires_grad=False)
         memo[id(self)] = out
@@ -107,7 +139,7 @@ class FP8Weight(torch.Tensor):
         # (its legacy storage format has no float8 class), and one byte tensor per storage keeps a stacked
         # [gate; up] pair sharing one buffer after loading (pickle's memo and torch.save both store it once)
         return _rebuild_from_bytes, (_storage_view(self.qdata), _storage_view(self.scale), self.dtype, self.transposed,
-                                     isinstance(self, nn.Parameter), self.block)
+                                     isinstance(self, nn.Parameter), self.block, self.qconfig)
 
     def _stable_hash_for_caching(self) -> str:
         """What torch.compile's AOT autograd cache keys this weight on (see torch/_functorch/_aot_autograd/
@@ -141,7 +173,7 @@ class FP8Weight(torch.Tensor):
     def _like(self, qdata: torch.Tensor | None = None, scale: torch.Tensor | None = None,
               dtype: torch.dtype | None = None) -> FP8Weight:
         return FP8Weight(self.qdata if qdata is None else qdata, self.scale if scale is None else scale,
-                         self.dtype if dtype is None else dtype, self.transposed, self.block)
+                         self.dtype if dtype is None else dtype, self.transposed, self.block, qconfig=self.qconfig)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -151,6 +183,12 @@ class FP8Weight(torch.Tensor):
         handler = _HANDLERS.get(func)
         if handler is not None:
             return handler(*args, **kwargs)
+        if func._schema.is_mutable:  # add_, mul_, zero_, normal_, out=…: re-quantize what it writes
+            from .weight_edits import edit_in_place
+
+            edited = edit_in_place(func, args, kwargs)
+            if edited is not None:
+                return edited
         # any other use as a tensor: the dequantized high-precision values
         unwrap = lambda t: t.dequantize() if isinstance(t, FP8Weight) else t  # noqa: E731
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
@@ -187,8 +225,9 @@ def _from_storage_view(whole: torch.Tensor, dtype: torch.dtype | None = None, si
     return whole.view(dtype).as_strided(size, stride, offset)
 
 
-def _rebuild_from_bytes(qdata: tuple, scale: tuple, dtype, transposed, is_param, block=None):
-    return _rebuild(_from_storage_view(*qdata), _from_storage_view(*scale), dtype, transposed, is_param, block)
+def _rebuild_from_bytes(qdata: tuple, scale: tuple, dtype, transposed, is_param, block=None, qconfig=None):
+    w = FP8Weight(_from_storage_view(*qdata), _from_storage_view(*scale), dtype, transposed, block, qconfig=qconfig)
+    return nn.Parameter(w, requires_grad=False) if is_param else w
 
 
 def _to_copy(w: FP8Weight, *, dtype=None, device=None, layout=None, pin_memory=None, non_blocking=False,
@@ -204,9 +243,12 @@ def _to_copy(w: FP8Weight, *, dtype=None, device=None, layout=None, pin_memory=N
 
 
 def _copy_(dst: FP8Weight, src: torch.Tensor, non_blocking: bool = False) -> FP8Weight:
+    """Another FP8 weight's bytes and scales as they are; high-precision values re-quantized (weight_edits.py)."""
     if not isinstance(src, FP8Weight):
-        raise TypeError("dbr_quant: copying high-precision values into an FP8 weight would re-quantize it "
-                        "with stale scales; load a converted state_dict (weight + weight_scale) instead")
+        from .weight_edits import edit
+
+        edit(dst, lambda high: high.copy_(src), "copy_ of high-precision values")
+        return dst
     if src.block != dst.block:
         raise RuntimeError(f"dbr_quant: FP8 weight block mismatch: {src.block} into {dst.block}")
     if src.qdata.shape != dst.qdata.shape or src.scale.shape != dst.scale.shape:
@@ -235,10 +277,12 @@ def fp8_weight_of(module: nn.Module) -> FP8Weight | None:
 
 
 def attach_fp8_weight(module: nn.Module, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                      transposed: bool = False, block: tuple[int, int] | None = None) -> None:
+                      transposed: bool = False, block: tuple[int, int] | None = None, *,
+                      qconfig: TensorQConfig | None = None) -> None:
     """Make ``module.weight`` an FP8 weight; its state_dict entries become ``weight`` (FP8) + ``weight_scale``
-    (2-d [⌈out/bn⌉, ⌈in/bk⌉] for a block-scaled weight, as compressed-tensors FP8_BLOCK stores it)."""
-    module._parameters["weight"] = nn.Parameter(FP8Weight(qdata, scale, dtype, transposed, block),
+    (2-d [⌈out/bn⌉, ⌈in/bk⌉] for a block-scaled weight, as compressed-tensors FP8_BLOCK stores it). ``qconfig``:
+    the weight config it was quantized with (an in-place edit re-quantizes with it)."""
+    module._parameters["weight"] = nn.Parameter(FP8Weight(qdata, scale, dtype, transposed, block, qconfig=qconfig),
                                                 requires_grad=False)
     if not module.__dict__.get("_dbr_fp8_hooks"):
         module._register_state_dict_hook(_state_dict_hook)
