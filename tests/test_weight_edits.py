@@ -219,3 +219,21 @@ def test_hf_init_weights_and_tie_weights():
     assert c.cls.predictions.decoder.weight is c.bert.embeddings.word_embeddings.weight
     with torch.no_grad():
         torch.testing.assert_close(c(ids).logits, after, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("granularity", ["channel", "tensor"])
+def test_moe_expert_weights_requantize_per_expert(granularity):
+    from test_moe import _experts_modules, pipeline
+
+    qc = dq.QConfig(weight=dq.TensorQConfig(granularity=granularity))
+    _, _, c = pipeline("mixtral", "eager", qconfig=qc)  # 3-D expert weights [E, out, in]
+    p = next(getattr(mod, name) for mod in _experts_modules(c) for name in mod._parameters
+             if type(getattr(mod, name)) is FP8Weight and getattr(mod, name).dim() == 3)
+    with torch.no_grad():
+        values = p.dequantize(torch.float32) + _delta(p.shape)
+        p.data += _delta(p.shape)
+    stored = values.transpose(-2, -1) if p.transposed else values  # qdata's [E, out, in]
+    for e in range(stored.shape[0]):
+        q_ref, s_ref = _reference_fp8(stored[e], granularity)
+        assert torch.equal(_bits(p.qdata[e]), _bits(q_ref)), e
+        assert torch.equal(p.scale[e], s_ref.reshape(p.scale[e].shape)), e
