@@ -74,6 +74,7 @@ def test_round_tripped_model_gives_bit_identical_outputs(build, trip):
         a, b = fp8_weight_of(c.get_submodule(n)), fp8_weight_of(c2.get_submodule(n))
         assert isinstance(b, nn.Parameter) and not b.requires_grad
         assert torch.equal(a.qdata.view(torch.uint8), b.qdata.view(torch.uint8)) and torch.equal(a.scale, b.scale)
+        assert b.qconfig == a.qconfig is not None  # an edit after loading re-quantizes with convert's rule
     assert torch.equal(_out(c2, x), want)
     assert [r["fp8"] for r in dq.report(c2)] == [r["fp8"] for r in dq.report(c)]
 
