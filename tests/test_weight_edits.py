@@ -237,3 +237,17 @@ def test_moe_expert_weights_requantize_per_expert(granularity):
         q_ref, s_ref = _reference_fp8(stored[e], granularity)
         assert torch.equal(_bits(p.qdata[e]), _bits(q_ref)), e
         assert torch.equal(p.scale[e], s_ref.reshape(p.scale[e].shape)), e
+
+
+def test_rewritten_graph_sees_edits_of_the_converted_model():
+    from dbr_quant import fx_rewriter
+
+    c = _converted("channel")
+    x = torch.randn(2, 5, 16)
+    gm = fx_rewriter.rewrite(c, (x,))
+    with torch.no_grad():
+        before = gm(x)
+        c.fc1.weight.data += _delta(c.fc1.weight.shape)  # in place
+        _peft_safe_merge(c.gate.weight)  # `.data =` another FP8 weight: rebinds its bytes
+        after = gm(x)
+        assert not torch.equal(after, before) and torch.equal(after, c(x))
