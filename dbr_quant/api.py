@@ -315,8 +315,8 @@ def _stack_gate_up_weights(m: nn.Module, record: ModelRecord) -> None:
             s_gate = n_gate
         else:  # [gate blocks; up blocks]: each half keeps its own block rows (a ragged last one included)
             s, s_gate = torch.cat([gw.scale, uw.scale]), gw.scale.shape[0]
-        attach_fp8_weight(gate, q[:n_gate], s[:s_gate], gw.dtype, block=gw.block)
-        attach_fp8_weight(up, q[n_gate:], s[s_gate:], uw.dtype, block=uw.block)
+        attach_fp8_weight(gate, q[:n_gate], s[:s_gate], gw.dtype, block=gw.block, qconfig=gw.qconfig)
+        attach_fp8_weight(up, q[n_gate:], s[s_gate:], uw.dtype, block=uw.block, qconfig=uw.qconfig)
         up.__dict__["_dbr_stacked_after"] = gate
 
 
@@ -340,7 +340,8 @@ def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
         q, scale, block = quantize_fp8_weight(w, cfg)  # per-channel/tensor in row blocks: temporaries of a block
         if block is None and record.hessians is not None and any(op.qconfig.weight_rounding == "gptq" for op in ops):
             q = record.hessians.round(fqn, type(module).__name__, w, cfg, scale, q)  # same scale, GPTQ's points
-        attach_fp8_weight(module, q, scale, w.dtype, transposed=is_transposed_linear(module), block=block)
+        attach_fp8_weight(module, q, scale, w.dtype, transposed=is_transposed_linear(module), block=block,
+                          qconfig=cfg)
         if home is not None:
             home.store(module)  # FP8 goes back where accelerate kept the weight; the module keeps meta
         del w, q  # one layer at a time: the high-precision weight can go before the next one is read

@@ -20,6 +20,7 @@ from torch import nn
 
 from . import kernels
 from .moe import MoeState, experts_spec
+from .qconfig import TensorQConfig
 from .weights import FP8Weight
 
 
@@ -38,21 +39,26 @@ def quantize_expert_weights(model: nn.Module, record: Any) -> None:
                 raise ValueError(f"convert(): the expert weight '{op.fqn}' has NaN/inf values; fix the weights or "
                                  f"skip it with QConfig(overrides=(Override(pattern=..., skip=True),))")
             w3 = w.transpose(-2, -1).contiguous() if st.spec.transposed else w  # [E, N, K]
-            num_e, n, k = w3.shape
             cfg = op.qconfig.weight
-            observer = cfg.observer.create(cfg.format, 0)
-            if cfg.granularity == "block":
-                q, scale = block_quantize_experts(w3, cfg.block, cfg.format)
-                attach_fp8_param(module, name, q, scale, w.dtype, st.spec.transposed, cfg.block)
-                continue
-            if cfg.granularity == "channel":
-                observer(w3.reshape(num_e * n, k))
-                scale = observer.scale().reshape(num_e, n)
-            else:
-                observer(w3.reshape(num_e, n * k))
-                scale = observer.scale().reshape(num_e, 1)
-            q = kernels.quantize(w3, scale.unsqueeze(-1), cfg.format).contiguous()
-            attach_fp8_param(module, name, q, scale, w.dtype, st.spec.transposed)
+            q, scale = quantize_experts(w3, cfg)
+            attach_fp8_param(module, name, q, scale, w.dtype, st.spec.transposed,
+                             cfg.block if cfg.granularity == "block" else None, qconfig=cfg)
+
+
+def quantize_experts(w3: torch.Tensor, cfg: TensorQConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 data [E, N, K], scale) of stacked expert weights with the weight observer of ``cfg``: scale [E, N] per
+    channel, [E, 1] per tensor (one per expert), [E, ⌈N/bn⌉, ⌈K/bk⌉] per block."""
+    num_e, n, k = w3.shape
+    if cfg.granularity == "block":
+        return block_quantize_experts(w3, cfg.block, cfg.format)
+    observer = cfg.observer.create(cfg.format, 0)
+    if cfg.granularity == "channel":
+        observer(w3.reshape(num_e * n, k))
+        scale = observer.scale().reshape(num_e, n)
+    else:
+        observer(w3.reshape(num_e, n * k))
+        scale = observer.scale().reshape(num_e, 1)
+    return kernels.quantize(w3, scale.unsqueeze(-1), cfg.format).contiguous(), scale
 
 
 def block_quantize_experts(w3: torch.Tensor, block: tuple[int, int], fmt) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,10 +69,13 @@ def block_quantize_experts(w3: torch.Tensor, block: tuple[int, int], fmt) -> tup
 
 
 def attach_fp8_param(module: nn.Module, name: str, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                     transposed: bool, block: tuple[int, int] | None = None) -> None:
+                     transposed: bool, block: tuple[int, int] | None = None, *,
+                     qconfig: TensorQConfig | None = None) -> None:
     """``module.<name>`` becomes an FP8Weight parameter; its state_dict entries ``<name>`` (FP8) and
-    ``<name>_scale`` (fp32)."""
-    module._parameters[name] = nn.Parameter(FP8Weight(qdata, scale, dtype, transposed, block), requires_grad=False)
+    ``<name>_scale`` (fp32). ``qconfig``: the weight config it was quantized with (an in-place edit re-quantizes
+    with it)."""
+    module._parameters[name] = nn.Parameter(FP8Weight(qdata, scale, dtype, transposed, block, qconfig=qconfig),
+                                            requires_grad=False)
     if not module.__dict__.get("_dbr_fp8_param_hooks"):
         module._register_state_dict_hook(_state_dict_hook)
         module._register_load_state_dict_pre_hook(_load_hook, with_module=True)

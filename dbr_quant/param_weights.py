@@ -168,7 +168,8 @@ def quantize_param_weights(m: nn.Module, ops: list) -> None:
                              "has NaN/inf values; fix the weights or skip those ops with QConfig(overrides=...)")
         q, scale, block = quantize_fp8_weight(w, cfg)
         for mod, held_as in holders[id(p)]:
-            attach_fp8_weight(mod, q, scale, p.dtype, transposed=transposed, block=block, name=held_as)
+            attach_fp8_weight(mod, q, scale, p.dtype, transposed=transposed, block=block, name=held_as,
+                              qconfig=cfg)
 
 
 def _block_aligned(rows: tuple[int, int], block_rows: int, n: int) -> bool:

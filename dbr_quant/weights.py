@@ -22,12 +22,18 @@ converted linear holds ``weight`` (float8) and ``weight_scale`` (fp32), the keys
 from __future__ import annotations
 
 import copy
-from typing import Any
+import hashlib
+import pickle
+import weakref
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map
+
+if TYPE_CHECKING:
+    from .qconfig import TensorQConfig
 
 aten = torch.ops.aten
 
@@ -42,35 +48,64 @@ class FP8Weight(torch.Tensor):
     (rows, columns) tile of a block-scaled weight, None for per-tensor / per-channel scales. A 3-D ``qdata``
     ``[E, out, in]`` is the stacked weights of an MoE experts module (``dbr_quant.moe``; ``scale`` ``[E, out]``,
     ``[E, 1]``, or ``[E, ⌈out/bn⌉, ⌈in/bk⌉]`` with ``block``); ``transposed`` then swaps the last two dims
-    (experts stored ``[E, in, out]``).
+    (experts stored ``[E, in, out]``). ``qconfig`` is the weight config convert quantized it with (None when
+    loaded from a checkpoint): an in-place edit (``add_``, ``.data +=``, ``copy_``, ``normal_``, …) re-quantizes
+    with it (``weight_edits.py``).
     """
 
     qdata: torch.Tensor
     scale: torch.Tensor
     transposed: bool
     block: tuple[int, int] | None
+    qconfig: TensorQConfig | None
 
     @staticmethod
     def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None,
-                transposed: bool = False, block: tuple[int, int] | None = None, *, requires_grad: bool = False):
+                transposed: bool = False, block: tuple[int, int] | None = None, *, requires_grad: bool = False,
+                qconfig: TensorQConfig | None = None):
         if isinstance(qdata, FP8Weight) and scale is None:
             # ``type(param)(value, requires_grad=...)``: how accelerate's set_module_tensor_to_device rebuilds a
             # parameter it moves (offloaded models, see offload.py). A parameter, like nn.Parameter(value).
             if requires_grad:
                 raise RuntimeError("dbr_quant: an FP8 weight is inference-only; it cannot require grad")
             return nn.Parameter(qdata._like(), requires_grad=False)
+        if scale is None:
+            raise TypeError("dbr_quant: FP8Weight(tensor) got high-precision values without scales (what accelerate's "
+                            "set_module_tensor_to_device(module, 'weight', device, value=tensor) does to a converted "
+                            "linear); give a converted weight new values in place instead: `with torch.no_grad(): "
+                            "module.weight.copy_(values)` re-quantizes them with the weight's own scale rule")
         shape = (*qdata.shape[:-2], qdata.shape[-1], qdata.shape[-2]) if transposed else qdata.shape
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=qdata.device,
                                                    requires_grad=False)
 
     def __init__(self, qdata: torch.Tensor, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None,
-                 transposed: bool = False, block: tuple[int, int] | None = None, *, requires_grad: bool = False):
+                 transposed: bool = False, block: tuple[int, int] | None = None, *, requires_grad: bool = False,
+                 qconfig: TensorQConfig | None = None):
         if scale is None:  # the copy form above: __new__ returned a complete FP8Weight
             return
         self.qdata = qdata
         self.scale = scale
         self.transposed = transposed
         self.block = None if block is None else (int(block[0]), int(block[1]))
+        self.qconfig = qconfig
+
+    @property
+    def data(self) -> FP8Weight:
+        return torch._C.TensorBase.data.__get__(self)  # an FP8Weight sharing qdata and scale (aten.detach below)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """``param.data = value`` (PEFT's merge): high-precision values are re-quantized into this weight."""
+        from .weight_edits import set_data
+
+        set_data(self, value)
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        """``weight[i] = v``: the edited values are re-quantized into this weight (not a temporary copy)."""
+        from .weight_edits import edit
+
+        v = value.dequantize(torch.float32) if isinstance(value, FP8Weight) else value
+        edit(self, lambda high: high.__setitem__(index, v), "`weight[...] = value`")
 
     def data_ptr(self) -> int:
         """The FP8 data's address (a wrapper has no storage of its own; accelerate tells tied weights apart
@@ -93,15 +128,30 @@ class FP8Weight(torch.Tensor):
     def __deepcopy__(self, memo: dict) -> FP8Weight:
         # memo-aware copies keep a stacked [gate; up] pair sharing one storage after deepcopy
         out = FP8Weight(copy.deepcopy(self.qdata, memo), copy.deepcopy(self.scale, memo), self.dtype, self.transposed,
-                        self.block)
+                        self.block, qconfig=self.qconfig)
         if isinstance(self, nn.Parameter):
             out = nn.Parameter(out, requires_grad=False)
         memo[id(self)] = out
         return out
 
-    def __reduce_ex__(self, protocol: int):  # torch.save(model) / pickle
-        return _rebuild, (self.qdata, self.scale, self.dtype, self.transposed, isinstance(self, nn.Parameter),
-                          self.block)
+    def __reduce_ex__(self, protocol: int):  # pickle (joblib, Ray, mlflow), copy, torch.save(model)
+        # qdata and scale travel as views of their storage's bytes: torch cannot pickle a float8 storage
+        # (its legacy storage format has no float8 class), and one byte tensor per storage keeps a stacked
+        # [gate; up] pair sharing one buffer after loading (pickle's memo and torch.save both store it once)
+        return _rebuild_from_bytes, (_storage_view(self.qdata), _storage_view(self.scale), self.dtype, self.transposed,
+                                     isinstance(self, nn.Parameter), self.block, self.qconfig)
+
+    def _stable_hash_for_caching(self) -> str:
+        """What torch.compile's AOT autograd cache keys this weight on (see torch/_functorch/_aot_autograd/
+        autograd_cache.py): the inner tensors' metadata (dtype, shape, strides, device) plus the reported
+        dtype, shape, layout flags and block. Like a plain parameter, the values are not part of the key: a
+        compiled graph takes the FP8 bytes and scales as inputs (freezing, which would bake them in,
+        bypasses that cache)."""
+        from torch._inductor.codecache import extract_tensor_metadata_for_cache_key
+
+        payload = (tuple(self.shape), str(self.dtype), self.requires_grad, self.transposed, self.block,
+                   [extract_tensor_metadata_for_cache_key(t) for t in (self.qdata, self.scale)])
+        return hashlib.blake2b(pickle.dumps(payload), digest_size=16).hexdigest()
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The high-precision values ``qdata × scale`` in ``dtype`` (default: the reported dtype)."""
@@ -123,7 +173,7 @@ class FP8Weight(torch.Tensor):
     def _like(self, qdata: torch.Tensor | None = None, scale: torch.Tensor | None = None,
               dtype: torch.dtype | None = None) -> FP8Weight:
         return FP8Weight(self.qdata if qdata is None else qdata, self.scale if scale is None else scale,
-                         self.dtype if dtype is None else dtype, self.transposed, self.block)
+                         self.dtype if dtype is None else dtype, self.transposed, self.block, qconfig=self.qconfig)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -138,6 +188,12 @@ class FP8Weight(torch.Tensor):
             out = view(*args, **kwargs)
             if out is not None:
                 return out
+        if func._schema.is_mutable:  # add_, mul_, zero_, normal_, out=…: re-quantize what it writes
+            from .weight_edits import edit_in_place
+
+            edited = edit_in_place(func, args, kwargs)
+            if edited is not None:
+                return edited
         # any other use as a tensor: the dequantized high-precision values
         unwrap = lambda t: t.dequantize() if isinstance(t, FP8Weight) else t  # noqa: E731
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
@@ -145,6 +201,37 @@ class FP8Weight(torch.Tensor):
 
 def _rebuild(qdata, scale, dtype, transposed, is_param, block=None):
     w = FP8Weight(qdata, scale, dtype, transposed, block)
+    return nn.Parameter(w, requires_grad=False) if is_param else w
+
+
+# storage → its bytes as one uint8 tensor, alive while a pickle holds it: the same storage reduces to the same
+# object, which pickle's memo stores once
+_STORAGE_BYTES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _storage_view(t: torch.Tensor) -> tuple:
+    """``t`` as (uint8 tensor over its whole storage, dtype, size, stride, offset); a meta tensor as itself."""
+    if t.is_meta:
+        return (t,)
+    storage = t.untyped_storage()
+    key = (str(t.device), storage.data_ptr(), storage.nbytes())
+    whole = _STORAGE_BYTES.get(key) if storage.nbytes() else None
+    if whole is None:
+        whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+        if storage.nbytes():
+            _STORAGE_BYTES[key] = whole
+    return whole, t.dtype, tuple(t.shape), t.stride(), t.storage_offset()
+
+
+def _from_storage_view(whole: torch.Tensor, dtype: torch.dtype | None = None, size=None, stride=None,
+                       offset: int = 0) -> torch.Tensor:
+    if dtype is None:  # a meta tensor, pickled as itself
+        return whole
+    return whole.view(dtype).as_strided(size, stride, offset)
+
+
+def _rebuild_from_bytes(qdata: tuple, scale: tuple, dtype, transposed, is_param, block=None, qconfig=None):
+    w = FP8Weight(_from_storage_view(*qdata), _from_storage_view(*scale), dtype, transposed, block, qconfig=qconfig)
     return nn.Parameter(w, requires_grad=False) if is_param else w
 
 
@@ -161,9 +248,12 @@ def _to_copy(w: FP8Weight, *, dtype=None, device=None, layout=None, pin_memory=N
 
 
 def _copy_(dst: FP8Weight, src: torch.Tensor, non_blocking: bool = False) -> FP8Weight:
+    """Another FP8 weight's bytes and scales as they are; high-precision values re-quantized (weight_edits.py)."""
     if not isinstance(src, FP8Weight):
-        raise TypeError("dbr_quant: copying high-precision values into an FP8 weight would re-quantize it "
-                        "with stale scales; load a converted state_dict (weight + weight_scale) instead")
+        from .weight_edits import edit
+
+        edit(dst, lambda high: high.copy_(src), "copy_ of high-precision values")
+        return dst
     if src.block != dst.block:
         raise RuntimeError(f"dbr_quant: FP8 weight block mismatch: {src.block} into {dst.block}")
     if src.qdata.shape != dst.qdata.shape or src.scale.shape != dst.scale.shape:
@@ -254,11 +344,14 @@ def fp8_weight_of(module: nn.Module) -> FP8Weight | None:
 
 
 def attach_fp8_weight(module: nn.Module, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                      transposed: bool = False, block: tuple[int, int] | None = None, name: str = "weight") -> None:
+                      transposed: bool = False, block: tuple[int, int] | None = None, name: str = "weight", *,
+                      qconfig: TensorQConfig | None = None) -> None:
     """Make ``module.<name>`` (``weight`` unless a functional linear reads another parameter, e.g. an attention's
     ``in_proj_weight``) an FP8 weight; its state_dict entries become ``<name>`` (FP8) + ``<name>_scale`` (2-d
-    [⌈out/bn⌉, ⌈in/bk⌉] for a block-scaled weight, as compressed-tensors FP8_BLOCK stores it)."""
-    module._parameters[name] = nn.Parameter(FP8Weight(qdata, scale, dtype, transposed, block), requires_grad=False)
+    [⌈out/bn⌉, ⌈in/bk⌉] for a block-scaled weight, as compressed-tensors FP8_BLOCK stores it). ``qconfig``: the
+    weight config it was quantized with (an in-place edit re-quantizes with it)."""
+    module._parameters[name] = nn.Parameter(FP8Weight(qdata, scale, dtype, transposed, block, qconfig=qconfig),
+                                            requires_grad=False)
     if not module.__dict__.get("_dbr_fp8_hooks"):
         module._register_state_dict_hook(_state_dict_hook)
         module._register_load_state_dict_pre_hook(_load_hook, with_module=True)
