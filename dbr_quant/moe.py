@@ -538,7 +538,7 @@ def report_rows(st: MoeState) -> list[dict[str, Any]]:
         elif op.quantize and op.index == 1 and st.converted:
             note = fallback_note(st.fallback, st.spec.num_experts)
         rows.append({"fqn": op.fqn, "kind": EXPERTS, "module": st.fqn, "fp8": op.quantize, "fusion": op.fusion,
-                     "reason": note})
+                     "reason": note, "weight": op.fqn})
     return rows
 
 

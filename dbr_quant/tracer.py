@@ -39,6 +39,7 @@ from .mappings import (
     rms_norm_module_eps,
 )
 from .offload import onloaded
+from .precision import ParamUses, skip_reason, tie_reason, tied_names
 from .quantization_state import AutoQuantizationState, SeenOp, TensorInfo
 from .runs import ModelRecord, Run, Subgraph, observed_inputs, tensor_leaves
 
@@ -64,6 +65,8 @@ class TraceRun(Run):
         self.activations: set[int] = set()
         self.data_ints: set[int] = set()
         self.producers: dict[int, int] = {}  # tensor id → index of the event that wrote it (moe.py walks it)
+        self.param_uses = ParamUses(root)  # which calls read each parameter: the report's reasons (precision.py)
+        self.tied = tied_names(root)
 
     # ------------------------------------------------------------------ ids
     def tid(self, t: torch.Tensor, new: bool = False, activation: bool = False, data_int: bool = False) -> int:
@@ -96,8 +99,8 @@ class TraceRun(Run):
     def _record(self, kind: str | None, func: Any, args: tuple, kwargs: dict, out: Any,
                 module: nn.Module | None = None) -> None:
         arg_ids = tuple(self.tid(a) if isinstance(a, torch.Tensor) else None for a in args)
-        nested = [t for a in args if not isinstance(a, torch.Tensor) for t in tensor_leaves(a)]
-        kwarg_ids = tuple(self.tid(t) for t in nested + tensor_leaves(kwargs))
+        nested = [t for a in args if not isinstance(a, torch.Tensor) for t in tensor_leaves(a)] + tensor_leaves(kwargs)
+        kwarg_ids = tuple(self.tid(t) for t in nested)
         inputs = [i for i in (*arg_ids, *kwarg_ids) if i is not None]
         outs = tensor_leaves(out)
         if not inputs and not outs:
@@ -117,6 +120,7 @@ class TraceRun(Run):
             operands = observed_inputs(kind, args, kwargs).values() if kind in (MATMUL, SDPA) else ()
             ev.op = self._seen_op(kind, func, args, kwargs, out, module,
                                   constant_operand=any(self.tid(t) not in self.activations for t in operands))
+        self.param_uses.see(func, [a for a in args if isinstance(a, torch.Tensor)] + nested, inputs, out_ids, ev.op)
         self.events.append(ev)
 
     def _seen_op(self, kind, func, args, kwargs, out, module, constant_operand: bool) -> SeenOp:
@@ -125,6 +129,11 @@ class TraceRun(Run):
         types = tuple(type(m) for m in self.stack) + ((type(module),) if module is not None else ())
         qc = self.record.qconfig.for_op(fqn, types)
         quantize, reason = _decide(kind, args, kwargs, qc, module, self.record.qconfig.quantize_attention)
+        tied = self.tied.get(f"{fqn}.weight") if module is not None else None
+        if qc.skip and kind != NORM:
+            reason = skip_reason(self.record.qconfig.override_for(fqn, types))
+        elif quantize and tied and not qc.untie:  # the weight is another module's too (lm_head ↔ embedding)
+            quantize, reason = False, tie_reason(tied)
         if kind == NORM:
             reason = "norm (a fusion partner, not quantized itself)"
         elif kind in (MATMUL, SDPA) and quantize and constant_operand:
@@ -237,6 +246,7 @@ class TraceRun(Run):
                         ev.op.fusion = fusion.name
         self.keep.clear()
         self.tids.clear()
+        self.record.param_uses = self.param_uses.by_param
 
 
 def _mutates(func: Any, kwargs: dict) -> bool:
