@@ -95,7 +95,8 @@ def tied_names(root: nn.Module) -> dict[str, list[str]]:
 
 
 class ParamUses:
-    """During prepare's trace: which calls read each parameter (through views and casts of it)."""
+    """During prepare's trace: which calls read each parameter (through views of it and tensors computed from
+    parameters only)."""
 
     def __init__(self, root: nn.Module) -> None:
         self.names = {id(p): fqn for fqn, p in root.named_parameters()}
@@ -110,7 +111,9 @@ class ParamUses:
         if not read:
             return
         name = getattr(func, "__name__", str(func))
-        if name in _VIEWS and op is None:
+        if op is None and (name in _VIEWS or all(i in self.derived for i in tids)):
+            # a view, or a tensor computed from parameters only (``self.base * 2 + 1``): the op that reads it
+            # (with activations) is the one that uses these parameters
             self.derived.update((o, p) for o in out_tids for p in read)
             return
         use = (name, None, None, False, "") if op is None else (name, op.fqn, op.kind, op.quantize, op.reason)
