@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .mappings import LINEAR, MATMUL, SDPA, is_linear_module, is_transposed_linear
+from .moe import EXPERTS, ROUTER_REASON
 from .weights import FP8Weight, fp8_weight_of
 
 # calls that hand a parameter on unchanged in value (the op reading their output is the one that uses it)
@@ -32,8 +33,14 @@ _VIEWS = frozenset({"t", "T", "mT", "transpose", "permute", "view", "reshape", "
                     "expand", "unsqueeze", "squeeze", "float", "half", "bfloat16", "type_as", "detach", "chunk",
                     "split", "unbind", "__getitem__", "narrow"})
 WEIGHT = "weight"  # the kind of a report row for a weight that no recorded quantizeable op reads
-# a call reading a parameter: (function, recorded op's fqn, its kind, whether it runs in FP8, why not)
-Use = tuple[str, str | None, str | None, bool, str]
+# a call reading a parameter: (function, the recorded op's fqn or None); the op's verdict is read at report time
+# (prepare revises some after the trace: a MoE router's linear)
+Use = tuple[str, str | None]
+
+
+def _by_design(reason: str) -> bool:
+    """High precision on purpose, as serving engines keep it: listed, but no warning on its own."""
+    return reason.startswith("tied to ") or reason == ROUTER_REASON or ": a lookup table" in reason
 
 
 def tie_reason(others: list[str]) -> str:
@@ -45,10 +52,10 @@ def skip_reason(override: Any) -> str:
     return f"skipped by {override}" if override is not None else "skipped by a QConfig override"
 
 
-def unreached_linear_reason(module: nn.Module, uses: list[Use]) -> str:
+def unreached_linear_reason(module: nn.Module, uses: list[Use], ops: dict[str, Any]) -> str:
     """Why a linear module that no recorded op ran as a module stays high precision."""
     if uses:  # e.g. nn.MultiheadAttention's fused path passes out_proj.weight to a function
-        return f"not called as a module: its weight is {_uses_reason(uses)}"
+        return f"not called as a module: its weight is {_uses_reason(uses, ops)}"
     if not is_linear_module(module):
         return (f"{type(module).__name__} overrides nn.Linear.forward: its torch ops run as written (an F.linear "
                 "inside is recorded as a functional linear with a weight quantized per call)")
@@ -56,31 +63,34 @@ def unreached_linear_reason(module: nn.Module, uses: list[Use]) -> str:
             "prepare with example inputs that reach it to quantize it")
 
 
-def _module_reason(module: nn.Module) -> tuple[str, bool] | None:
-    """(reason, by design) for a weight of a module type with no FP8 path; None for other modules."""
+def _module_reason(module: nn.Module) -> str | None:
+    """Why a weight of a module type with no FP8 path stays high precision; None for other modules."""
     name = type(module).__name__
     if isinstance(module, nn.modules.conv._ConvNd):
-        return f"{name}: no FP8 convolution kernel in this release", False
+        return f"{name}: no FP8 convolution kernel in this release"
     if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
-        return f"{name}: a lookup table, stays high precision (as serving engines keep it)", True
+        return f"{name}: a lookup table, stays high precision (as serving engines keep it)"
     return None
 
 
-def _uses_reason(uses: list[Use]) -> str:
-    """Why a parameter read by these trace calls is stored in high precision."""
+def _uses_reason(uses: list[Use], ops: dict[str, Any]) -> str:
+    """Why a parameter read by these trace calls (``ops``: the record's ops by fqn) is stored in high precision."""
     if not uses:
         return "never used during prepare()'s trace (prepare with example inputs that reach it)"
-    fp8 = [op for _, op, _, quantize, _ in uses if op is not None and quantize]
+    read = [(func, ops[fqn]) for func, fqn in uses if fqn in ops]
+    fp8 = [op.fqn for _, op in read if op.quantize]
     if fp8:
         return (f"read by {', '.join(fp8)}, which runs in FP8 quantizing this weight on every call; it is stored in "
                 "high precision (only nn.Linear, Conv1D and MoE expert weights are stored in FP8)")
-    matmuls = [op for _, op, kind, _, _ in uses if kind in (MATMUL, SDPA)]
+    matmuls = [op.fqn for _, op in read if op.kind in (MATMUL, SDPA)]
     if matmuls:  # whatever the op's own reason says, an operand that is a parameter keeps it high precision
         return (f"read by {', '.join(matmuls)} as an operand: a matmul with a parameter operand (a linear written "
                 "as x @ W.t()) runs in high precision; only linears and activation × activation matmuls run in FP8")
-    high = [f"{op} ({why})" for _, op, _, _, why in uses if op is not None]
+    high = dict.fromkeys(op.reason for _, op in read)
+    if len(high) == 1 and _by_design(next(iter(high))):
+        return next(iter(high))  # e.g. a router written as F.linear(x, self.weight)
     if high:
-        return f"read by {'; '.join(high)}"
+        return f"read by {'; '.join(f'{op.fqn} ({op.reason})' for _, op in read)}"
     funcs = ", ".join(dict.fromkeys(func for func, *_ in uses))
     return f"read by {funcs}: no FP8 kernel for it (only linear, matmul and attention run in FP8)"
 
@@ -116,7 +126,7 @@ class ParamUses:
             # (with activations) is the one that uses these parameters
             self.derived.update((o, p) for o in out_tids for p in read)
             return
-        use = (name, None, None, False, "") if op is None else (name, op.fqn, op.kind, op.quantize, op.reason)
+        use = (name, op.fqn if op is not None else None)
         for p in read:
             if use not in self.by_param.setdefault(p, []):
                 self.by_param[p].append(use)
@@ -144,8 +154,6 @@ def _linear_ops(record: Any) -> dict[str, list]:
 
 
 def _expert_ops(record: Any) -> dict[str, Any]:
-    from .moe import EXPERTS  # moe imports the tracer's pieces: imported here, on use
-
     return {op.fqn: op for st in record.states for op in st.seen_ops if op.kind == EXPERTS}
 
 
@@ -158,6 +166,7 @@ def _nbytes(p: torch.Tensor) -> int:
 def weights(model: nn.Module, record: Any) -> list[Weight]:
     """Every weight of the model (each Parameter once), FP8 or not and why not."""
     linear_ops, expert_ops = _linear_ops(record), _expert_ops(record)
+    all_ops = {op.fqn: op for st in record.states for op in st.seen_ops}
     converted = record.phase == "converted"
     ties = tied_names(model)
     out = []
@@ -175,16 +184,18 @@ def weights(model: nn.Module, record: Any) -> list[Weight]:
         reason, by_design = "", False
         if not fp8:
             hp = next((op for op in ops if not op.quantize), None)
+            uses = record.param_uses.get(fqn, [])
             if hp is not None:
-                reason, by_design = hp.reason, hp.reason.startswith("tied to ")
+                reason = hp.reason
             elif expert is not None:
                 reason = expert.reason
             elif pname == "weight" and (isinstance(module, nn.Linear) or is_transposed_linear(module)):
-                reason = unreached_linear_reason(module, record.param_uses.get(fqn, []))
+                reason = unreached_linear_reason(module, uses, all_ops)
             elif fqn in ties and _module_reason(module) is None:
-                reason, by_design = tie_reason(ties[fqn]), True
+                reason = tie_reason(ties[fqn])
             else:
-                reason, by_design = _module_reason(module) or (_uses_reason(record.param_uses.get(fqn, [])), False)
+                reason = _module_reason(module) or _uses_reason(uses, all_ops)
+            by_design = _by_design(reason)
         out.append(Weight(fqn, mfqn, _nbytes(p), p.numel(), fp8, reason, by_design))
     return out
 
@@ -205,8 +216,9 @@ def report_rows(model: nn.Module, record: Any, rows: list[dict[str, Any]]) -> li
 def linear_rows(model: nn.Module, record: Any) -> list[dict[str, Any]]:
     """Linear modules that no recorded op ran as a module: they stay high precision; say why."""
     owners = {op.weight_owner for st in record.states for op in st.seen_ops if op.weight_owner is not None}
+    ops = {op.fqn: op for st in record.states for op in st.seen_ops}
     return [{"fqn": fqn, "kind": LINEAR, "module": fqn.rpartition(".")[0], "fp8": False, "fusion": None,
-             "reason": unreached_linear_reason(mod, record.param_uses.get(f"{fqn}.weight", [])),
+             "reason": unreached_linear_reason(mod, record.param_uses.get(f"{fqn}.weight", []), ops),
              "weight": f"{fqn}.weight"}
             for fqn, mod in model.named_modules()
             if (isinstance(mod, nn.Linear) or is_transposed_linear(mod)) and fqn not in owners]
