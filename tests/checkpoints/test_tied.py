@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from ckpt_models import ids, llama
+from ckpt_models import gpt2, ids, llama
 from transformers import AutoModelForCausalLM
 
 import dbr_quant as dq
@@ -96,3 +96,20 @@ def test_untied_lm_head_is_still_fp8():
     converted, _ = _run(model)
     assert fp8_weight_of(converted.lm_head) is not None
     assert next(r for r in dq.report(converted) if r["fqn"] == "lm_head")["fp8"]
+
+
+def test_gpt2_with_only_a_tied_head_and_conv1d_saves_a_plain_folder(tmp_path):
+    """GPT-2: its only nn.Linear is the tied lm_head (kept high precision) and Conv1D layers have no
+    compressed-tensors form: no layer is FP8 in the file, so config.json has no quantization_config (an empty one
+    makes transformers' compressed-tensors loader fail), and the folder loads as a plain model."""
+    model = gpt2()
+    converted, _ = _run(model)
+    assert converted.lm_head.weight is converted.transformer.wte.weight
+    with pytest.warns(UserWarning, match="no layer has a compressed-tensors FP8 form"):
+        dq.save_pretrained(converted, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert "quantization_config" not in config and config["tie_word_embeddings"] is True
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    conv = converted.transformer.h[0].attn.c_attn
+    assert torch.equal(loaded.transformer.h[0].attn.c_attn.weight, fp8_weight_of(conv).dequantize())
