@@ -113,3 +113,18 @@ def test_gpt2_with_only_a_tied_head_and_conv1d_saves_a_plain_folder(tmp_path):
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
     conv = converted.transformer.h[0].attn.c_attn
     assert torch.equal(loaded.transformer.h[0].attn.c_attn.weight, fp8_weight_of(conv).dequantize())
+
+
+@pytest.mark.parametrize("untie", [False, True])
+def test_load_pretrained_restores_the_tie_or_the_untied_fp8_head(tmp_path, untie):
+    qconfig = dq.QConfig(overrides=(dq.Override(pattern="^lm_head$", untie=True),)) if untie else None
+    converted, _ = _run(_tied_llama(), qconfig)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # save_pretrained's notes on what loaders run differently
+        dq.save_pretrained(converted, tmp_path)
+        again = dq.load_pretrained(tmp_path, _tied_llama())
+    assert (fp8_weight_of(again.lm_head) is not None) is untie
+    assert (again.lm_head.weight is again.get_input_embeddings().weight) is not untie
+    x = ids(2, 9, 3)
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=x).logits, converted(input_ids=x).logits)
