@@ -358,8 +358,8 @@ def _loaded_weight(module: nn.Module, home: offload.WeightHome) -> torch.Tensor:
 # ---------------------------------------------------------------------- report
 def report(model: nn.Module) -> list[dict[str, Any]]:
     """One row per recorded quantizeable op, plus one per weight (parameter of 2+ dims) that stays high
-    precision without one — a linear module no recorded op ran, a convolution, an embedding, a bare parameter —
-    : where it is, whether it runs in FP8, and why not (``dbr_quant.precision``). ``weight`` names the parameter
+    precision without one (a linear module no recorded op ran, a convolution, an embedding, a bare parameter):
+    where it is, whether it runs in FP8, and why not (``dbr_quant.precision``). ``weight`` names the parameter
     a row stands for (None for an op between activations)."""
     record = model.__dict__.get("_dbr_record")
     if record is None:
