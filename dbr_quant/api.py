@@ -13,11 +13,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import moe, moe_siblings, moe_weights, offload
+from . import moe, moe_siblings, moe_weights, offload, precision
 from .auto_trace import FAST_PATH_MODULES, current_run, disabled, intercepting, is_disabled
 from .convert_run import ConvertRun
 from .distributed import sync_observers
-from .mappings import LINEAR, QUANTIZEABLE, is_container, is_linear_module, is_transposed_linear, linear_weight
+from .mappings import LINEAR, QUANTIZEABLE, is_container, is_transposed_linear, linear_weight
 from .param_weights import quantize_param_weights
 from .qconfig import QConfig
 from .quantization_state import AutoQuantizationState, UncalibratedError
@@ -169,7 +169,7 @@ def prepare(
         warnings.warn("dbr_quant.prepare(): the forward ran no quantizeable op (linear, matmul, "
                       "scaled_dot_product_attention); nothing will be converted to FP8", stacklevel=2)
     else:
-        _warn_high_precision(m, record, "prepare")
+        precision.warn_high_precision(m, record, "prepare")
     return m
 
 
@@ -261,12 +261,14 @@ def convert(prepared: nn.Module, *, inplace: bool = False, sync: Any = True) -> 
     record = m.__dict__["_dbr_record"]
     for st in record.states:
         st.freeze_scales()
+    ties = precision.tied_names(m)  # before quantizing: a tied linear forced to FP8 (Override untie) unties
     _quantize_linear_weights(m, record)
     quantize_param_weights(m, [op for st in record.states for op in st.seen_ops])  # F.linear(x, self.w), in_proj
     moe_weights.quantize_expert_weights(m, record)  # 3-D expert weights (moe_weights.py)
     _stack_gate_up_weights(m, record)
     record.phase = "converted"
-    _warn_high_precision(m, record, "convert")
+    precision.warn_high_precision(m, record, "convert")
+    precision.warn_untied(m, ties)
     return m
 
 
@@ -353,58 +355,11 @@ def _loaded_weight(module: nn.Module, home: offload.WeightHome) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- report
-def _linear_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every module that holds a linear weight: nn.Linear (and subclasses), Hugging Face Conv1D."""
-    return [(fqn, mod) for fqn, mod in model.named_modules()
-            if isinstance(mod, nn.Linear) or (is_linear_module(mod) and is_transposed_linear(mod))]
-
-
-def _unreached_rows(model: nn.Module, record: ModelRecord) -> list[dict[str, Any]]:
-    """Linear modules that no recorded op ran as a module: they stay high precision; say why."""
-    owners = {op.weight_owner for st in record.states for op in st.seen_ops if op.weight_owner is not None}
-    owners |= {op.weight_param.name.removesuffix(".weight") for st in record.states for op in st.seen_ops
-               if op.weight_param is not None}  # an nn.Linear whose weight a functional linear reads (out_proj)
-    rows = []
-    for fqn, mod in _linear_modules(model):
-        if fqn in owners:
-            continue
-        if not is_linear_module(mod):
-            reason = (f"{type(mod).__name__} overrides nn.Linear.forward: its torch ops run as written (an F.linear "
-                      "inside is recorded as a functional linear with a weight quantized per call)")
-        else:
-            reason = ("never called during prepare()'s trace (a branch not taken, an expert not routed to, an "
-                      "unused head); prepare with example inputs that reach it to quantize it")
-        rows.append({"fqn": fqn, "kind": LINEAR, "module": fqn.rpartition(".")[0], "fp8": False, "fusion": None,
-                     "reason": reason})
-    return rows
-
-
-def _warn_high_precision(model: nn.Module, record: ModelRecord, fn: str) -> None:
-    """One warning naming how many linear weights (and bytes) stay high precision, and why."""
-    fp8 = {op.weight_owner for st in record.states for op in st.seen_ops
-           if op.weight_owner is not None and op.kind == LINEAR and op.quantize}
-    hp_ops = {op.weight_owner: op.reason for st in record.states for op in st.seen_ops
-              if op.weight_owner is not None and op.kind == LINEAR and not op.quantize}
-    reasons = {r["fqn"]: r["reason"] for r in _unreached_rows(model, record)}
-    reasons.update({fqn: why for fqn, why in hp_ops.items()})
-    experts_hp = moe.high_precision_tensors(model, record)  # 3-D expert weights that stay high precision
-    reasons.update({fqn: why for fqn, (why, _) in experts_hp.items()})
-    if not reasons:
-        return
-    mods = dict(_linear_modules(model))
-    nbytes = sum(w.numel() * w.element_size() for fqn in reasons if fqn in mods
-                 for w in [mods[fqn]._parameters.get("weight")] if w is not None and fqn not in fp8)
-    nbytes += sum(b for _, b in experts_hp.values())
-    shown = "; ".join(f"{fqn}: {why}" for fqn, why in list(reasons.items())[:5])
-    more = f"; … and {len(reasons) - 5} more" if len(reasons) > 5 else ""
-    warnings.warn(f"dbr_quant.{fn}(): {len(reasons)} linear module(s) stay high precision "
-                  f"({nbytes / 2**20:.2f} MiB of weights): {shown}{more}. dbr_quant.report(model) lists every one.",
-                  stacklevel=3)
-
-
 def report(model: nn.Module) -> list[dict[str, Any]]:
-    """One row per recorded quantizeable op, plus one per linear module no recorded op ran (those stay high
-    precision): where it is, whether it runs in FP8, and why not."""
+    """One row per recorded quantizeable op, plus one per weight (parameter of 2+ dims) that stays high
+    precision without one (a linear module no recorded op ran, a convolution, an embedding, a bare parameter):
+    where it is, whether it runs in FP8, and why not (``dbr_quant.precision``). ``weight`` names the parameter
+    a row stands for (None for an op between activations)."""
     record = model.__dict__.get("_dbr_record")
     if record is None:
         raise TypeError("dbr_quant.report() needs a model returned by prepare() or convert()")
@@ -416,10 +371,15 @@ def report(model: nn.Module) -> list[dict[str, Any]]:
         for op in st.seen_ops:
             if op.kind not in QUANTIZEABLE:
                 continue
-            fqn = op.weight_param.label() if op.weight_param is not None else op.fqn
+            if op.weight_param is not None:  # a functional linear on a parameter (in_proj_weight, x @ A.t())
+                fqn, weight = op.weight_param.label(), op.weight_param.name
+            else:
+                fqn = op.fqn
+                weight = f"{op.weight_owner}.weight" if op.kind == LINEAR and op.weight_owner is not None else None
             rows.append({"fqn": fqn, "kind": op.kind, "module": st.fqn, "fp8": op.quantize,
-                         "fusion": op.fusion, "reason": op.reason})
-    return rows + _unreached_rows(model, record)
+                         "fusion": op.fusion, "reason": op.reason, "weight": weight})
+    rows += precision.linear_rows(model, record)
+    return rows + precision.report_rows(model, record, rows)
 
 
 def format_report(rows: list[dict[str, Any]]) -> str:

@@ -538,17 +538,6 @@ def report_rows(st: MoeState) -> list[dict[str, Any]]:
         elif op.quantize and op.index == 1 and st.converted:
             note = fallback_note(st.fallback, st.spec.num_experts)
         rows.append({"fqn": op.fqn, "kind": EXPERTS, "module": st.fqn, "fp8": op.quantize, "fusion": op.fusion,
-                     "reason": note})
+                     "reason": note, "weight": op.fqn})
     return rows
 
-
-def high_precision_tensors(model: nn.Module, record: Any) -> dict[str, tuple[str, int]]:
-    """Expert tensors that stay high precision: fqn → (reason, bytes)."""
-    out = {}
-    for st in record.states:
-        if isinstance(st, MoeState) and not st.quantized:
-            module = model.get_submodule(st.fqn)
-            for op, name in zip(st.seen_ops, st.spec.names):
-                w = module._parameters[name]
-                out[op.fqn] = (op.reason, w.numel() * w.element_size())
-    return out

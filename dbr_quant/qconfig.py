@@ -6,6 +6,7 @@ unset (None) fields fall back to the global config. No string-keyed dicts, no pr
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -99,6 +100,9 @@ class Override:
     """Per-module settings. ``pattern`` is a regex matched (re.search) against the op's fqn (for a
     module call, the module's name, e.g. ``encoder.layer.0.output.dense``; for a functional op,
     ``<parent fqn>.<op>_<k>``); ``module_type`` matches the op's module or any module enclosing it.
+    ``untie=True`` quantizes a linear whose weight is tied to another parameter (an ``lm_head`` tied to the token
+    embedding), which otherwise stays high precision so the tie holds: its FP8 copy then sits beside the
+    high-precision original, and convert warns with the bytes.
     """
 
     pattern: str | None = None
@@ -108,6 +112,7 @@ class Override:
     weight: TensorQConfig | None = None
     dynamic: bool | None = None
     weight_rounding: WeightRounding | None = None
+    untie: bool = False
 
     def __post_init__(self) -> None:
         if self.pattern is None and self.module_type is None:
@@ -124,6 +129,15 @@ class Override:
         if self.module_type is not None and not any(issubclass(t, self.module_type) for t in enclosing_types):
             return False
         return True
+
+    def __str__(self) -> str:
+        """The fields the user set, e.g. ``Override(pattern='^fc$', skip=True)`` (names it in reasons)."""
+        parts = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value != f.default:
+                parts.append(f"{f.name}={getattr(value, '__name__', None) or repr(value)}")
+        return f"Override({', '.join(parts)})"
 
 
 @dataclass(frozen=True)
@@ -180,11 +194,15 @@ class QConfig:
                    activation=TensorQConfig(format=fmt, granularity="group", group_size=block[1]), dynamic=True,
                    **kwargs)
 
+    def override_for(self, fqn: str, enclosing_types: tuple[type, ...]) -> Override | None:
+        """The first override that matches an op (the one whose settings it takes), or None."""
+        return next((ov for ov in self.overrides if ov.matches(fqn, enclosing_types)), None)
+
     def for_op(self, fqn: str, enclosing_types: tuple[type, ...]) -> OpQConfig:
         """Resolve the settings for one op: first matching override, unset fields from self."""
-        for ov in self.overrides:
-            if ov.matches(fqn, enclosing_types):
-                return self.for_op_override(ov)
+        ov = self.override_for(fqn, enclosing_types)
+        if ov is not None:
+            return self.for_op_override(ov)
         return OpQConfig(skip=False, activation=self.activation, weight=self.weight, dynamic=self.dynamic,
                          weight_rounding=self.weight_rounding)
 
@@ -192,7 +210,7 @@ class QConfig:
         """The settings of an op that ``ov`` matches: its fields, unset ones from self."""
         return OpQConfig(skip=ov.skip, activation=ov.activation or self.activation, weight=ov.weight or self.weight,
                          dynamic=self.dynamic if ov.dynamic is None else ov.dynamic,
-                         weight_rounding=ov.weight_rounding or self.weight_rounding)
+                         weight_rounding=ov.weight_rounding or self.weight_rounding, untie=ov.untie)
 
 
 def check_combination(activation: TensorQConfig, weight: TensorQConfig, dynamic: bool, where: str) -> None:
@@ -231,4 +249,5 @@ class OpQConfig:
     weight: TensorQConfig
     dynamic: bool
     weight_rounding: WeightRounding = "nearest"  # convert's rounding of this op's weight (not saved: load reads bytes)
+    untie: bool = False  # quantize a linear whose weight is tied to another parameter (Override.untie)
 

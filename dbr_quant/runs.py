@@ -56,6 +56,7 @@ class ModelRecord:
     calibration_lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
     observes_functions: bool = True  # whether calibration must see torch function calls (set by prepare)
     hessians: Any = None  # rounding.collect.HessianCollector when some op asks for GPTQ rounding (set by prepare)
+    param_uses: dict = field(default_factory=dict)  # parameter fqn → the trace's calls that read it (precision.py)
 
     def __getstate__(self) -> dict:  # deepcopy / pickle: a lock cannot be copied; the copy gets its own
         state = dict(self.__dict__)

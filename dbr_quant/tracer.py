@@ -40,6 +40,7 @@ from .mappings import (
 )
 from .offload import onloaded
 from .param_weights import ParamUses, param_ref, weight_operand
+from .precision import ParamReads, skip_reason, tie_reason, tied_names
 from .quantization_state import AutoQuantizationState, SeenOp, TensorInfo
 from .runs import ModelRecord, Run, Subgraph, observed_inputs, tensor_leaves
 
@@ -66,6 +67,8 @@ class TraceRun(Run):
         self.data_ints: set[int] = set()
         self.producers: dict[int, int] = {}  # tensor id → index of the event that wrote it (moe.py walks it)
         self.param_uses = ParamUses(root)  # parameters read by functional linears, and what else reads them
+        self.param_reads = ParamReads(root)  # which calls read each parameter: the report's reasons (precision.py)
+        self.tied = tied_names(root)
 
     # ------------------------------------------------------------------ ids
     def tid(self, t: torch.Tensor, new: bool = False, activation: bool = False, data_int: bool = False) -> int:
@@ -100,8 +103,8 @@ class TraceRun(Run):
     def _record(self, kind: str | None, func: Any, args: tuple, kwargs: dict, out: Any,
                 module: nn.Module | None = None) -> None:
         arg_ids = tuple(self.tid(a) if isinstance(a, torch.Tensor) else None for a in args)
-        nested = [t for a in args if not isinstance(a, torch.Tensor) for t in tensor_leaves(a)]
-        kwarg_ids = tuple(self.tid(t) for t in nested + tensor_leaves(kwargs))
+        nested = [t for a in args if not isinstance(a, torch.Tensor) for t in tensor_leaves(a)] + tensor_leaves(kwargs)
+        kwarg_ids = tuple(self.tid(t) for t in nested)
         inputs = [i for i in (*arg_ids, *kwarg_ids) if i is not None]
         outs = tensor_leaves(out)
         if not inputs and not outs:
@@ -123,6 +126,7 @@ class TraceRun(Run):
             ev.op = self._seen_op(kind, func, args, kwargs, out, module,
                                   constant_operand=any(self.tid(t) not in self.activations for t in operands))
         self.param_uses.record(func, inputs, list(zip(out_ids, outs)), ev.op)
+        self.param_reads.see(func, [a for a in args if isinstance(a, torch.Tensor)] + nested, inputs, out_ids, ev.op)
         self.events.append(ev)
 
     def _seen_op(self, kind, func, args, kwargs, out, module, constant_operand: bool) -> SeenOp:
@@ -138,6 +142,11 @@ class TraceRun(Run):
         qc = qconfig.for_op(next((n for n in names if any(ov.matches(n, types) for ov in qconfig.overrides)), fqn),
                             types)
         quantize, reason = _decide(kind, args, kwargs, qc, module, self.record.qconfig.quantize_attention)
+        tied = self.tied.get(f"{fqn}.weight") if module is not None else None
+        if qc.skip and kind != NORM:
+            reason = skip_reason(self.record.qconfig.override_for(fqn, types))
+        elif quantize and tied and not qc.untie:  # the weight is another module's too (lm_head ↔ embedding)
+            quantize, reason = False, tie_reason(tied)
         if kind == NORM:
             reason = "norm (a fusion partner, not quantized itself)"
         elif kind in (MATMUL, SDPA) and quantize and constant_operand:
@@ -252,6 +261,7 @@ class TraceRun(Run):
                         ev.op.fusion = fusion.name
         self.keep.clear()
         self.tids.clear()
+        self.record.param_uses = self.param_reads.by_param
 
 
 def _storage(t: torch.Tensor) -> int | None:

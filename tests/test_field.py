@@ -199,10 +199,10 @@ def test_report_and_warnings_name_every_linear_left_high_precision():
 
     m = WithBranch()
     x = torch.randn(2, 8)
-    with pytest.warns(UserWarning, match=r"prepare\(\): 1 linear module\(s\) stay high precision.*\bb: never called"):
+    with pytest.warns(UserWarning, match=r"prepare\(\): 1 weight\(s\) stay high precision.*\bb: never called"):
         p = dq.prepare(m, (x,))
     dq.calibrate(p, [x], progress=False)
-    with pytest.warns(UserWarning, match=r"convert\(\): 1 linear module\(s\) stay high precision \(0\.00 MiB"):
+    with pytest.warns(UserWarning, match=r"convert\(\): 1 weight\(s\) stay high precision \(0\.00 MiB"):
         c = dq.convert(p)
     rows = {r["fqn"]: r for r in dq.report(c)}
     assert set(rows) == {"a", "b", "head"}

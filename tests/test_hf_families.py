@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 import transformers as hf
-from test_hf_models import cosine, dbr_warnings, linear_fqns, out_in  # tests/ is on sys.path (conftest)
+from test_hf_models import cosine, dbr_warnings, linear_fqns, out_in, untied  # tests/ is on sys.path (conftest)
 from torch import nn
 from transformers import GenerationConfig
 from transformers.cache_utils import Cache, EncoderDecoderCache
@@ -214,7 +214,7 @@ def run_pipeline(name: str, dtype: torch.dtype = torch.float32) -> Pipeline:
     gen = torch.Generator().manual_seed(1)
     example = make_batch(name, gen, 2, 12, dtype)
     calibration = [make_batch(name, gen, CAL_BATCH, SEQ, dtype) for _ in range(CAL_BATCHES)]
-    prepared = dq.prepare(model, example_kwargs=example)
+    prepared = dq.prepare(model, example_kwargs=example, qconfig=untied(dq.QConfig()))
     dq.calibrate(prepared, calibration, progress=False)
     converted = dq.convert(prepared)
     return Pipeline(FAMILIES[name], model, converted, make_batch(name, gen, EVAL_BATCH, SEQ, dtype), dtype)

@@ -475,7 +475,7 @@ def test_module_list_experts_unreached_by_the_example_or_calibration_are_fp8(sty
     for name in expert_tensors(model):
         assert stored_fp8_weight(converted.get_submodule(name)) is not None, name
     rows = dq.report(converted)
-    assert not [r for r in rows if not r["fp8"]], dq.format_report(rows)
+    assert not [r for r in rows if not r["fp8"] and r["fqn"] != "emb"], dq.format_report(rows)  # emb: a lookup table
     fell_back = {r["fqn"].rsplit(".", 1)[0] for r in rows if "no calibration token reached this expert" in r["reason"]}
     expected = {n for n in _expert_names(model) if not any(_called(model, n, b) for b in batches(2, (1, 3), 2))}
     assert fell_back == expected and expected

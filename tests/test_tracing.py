@@ -155,7 +155,8 @@ def test_modules_created_in_forward_computed_weights_and_inplace_ops():
     x = torch.randn(3, 8)
     p, c = roundtrip(m, x)
     rows = dq.report(c)
-    assert [(r["fqn"], r["fp8"]) for r in rows] == [("linear", True), ("linear", True)]
+    assert [(r["fqn"], r["fp8"]) for r in rows] == [("linear", True), ("linear", True), ("base", False)]
+    assert rows[2]["reason"].startswith("read by linear, which runs in FP8 quantizing this weight on every call")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second call must match the trace: no unseen-op warning
         assert close(c(x), m(x))
@@ -355,7 +356,7 @@ def test_report_lists_high_precision_ops_with_reasons():
     qc = dq.QConfig(overrides=(dq.Override(pattern=r"^2$", skip=True),))
     p, c = roundtrip(m, torch.randn(2, 8), qconfig=qc)
     rows = {r["fqn"]: r for r in dq.report(c)}
-    assert rows["0"]["fp8"] and not rows["2"]["fp8"] and "override" in rows["2"]["reason"]
+    assert rows["0"]["fp8"] and not rows["2"]["fp8"] and "Override(pattern='^2$', skip=True)" in rows["2"]["reason"]
     assert fp8_weight_of(c[2]) is None and fp8_weight_of(c[0]) is not None
     table = dq.format_report(dq.report(c))
     assert table.splitlines()[1].startswith("2 ")  # high-precision rows first

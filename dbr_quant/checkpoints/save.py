@@ -60,7 +60,12 @@ def _hf_config(model: nn.Module, plan: Plan) -> dict[str, Any] | None:
     d = config.to_dict()
     d["architectures"] = d.get("architectures") or [type(model).__name__]
     d["dtype"] = str(_model_dtype(model)).removeprefix("torch.")
-    d["quantization_config"] = plan.quantization_config
+    if plan.quantization_config.get("config_groups"):
+        d["quantization_config"] = plan.quantization_config
+    else:  # an empty scheme list makes compressed-tensors' loader fail: the folder is a plain checkpoint
+        plan.notes.append("no layer has a compressed-tensors FP8 form (a tied lm_head, Conv1D layers and skipped "
+                          "linears stay high precision or are written dequantized): config.json has no "
+                          "quantization_config, so loaders read it as a high-precision model")
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if d.get("tie_word_embeddings") and out_emb is not None and fp8_weight_of(out_emb) is not None:
         # the FP8 output projection is no longer the input embedding: a loader that re-ties would overwrite it

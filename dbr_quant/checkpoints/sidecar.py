@@ -92,8 +92,11 @@ def _tensor_cfg_from(d: dict) -> TensorQConfig:
 
 
 def op_config(cfg: OpQConfig) -> dict[str, Any]:
-    return {"skip": cfg.skip, "dynamic": cfg.dynamic, "activation": _tensor_cfg(cfg.activation),
-            "weight": _tensor_cfg(cfg.weight)}
+    out = {"skip": cfg.skip, "dynamic": cfg.dynamic, "activation": _tensor_cfg(cfg.activation),
+           "weight": _tensor_cfg(cfg.weight)}
+    if cfg.untie:  # only where set: files without it read as before
+        out["untie"] = True
+    return out
 
 
 def global_config(q: QConfig) -> dict[str, Any]:
@@ -117,7 +120,8 @@ def rebuild_qconfig(saved: dict[str, Any], states: list[dict[str, Any]]) -> QCon
                 continue
             overrides[op["fqn"]] = Override(
                 pattern=f"^{re.escape(op['fqn'])}$", skip=cfg["skip"], dynamic=cfg["dynamic"],
-                activation=_tensor_cfg_from(cfg["activation"]), weight=_tensor_cfg_from(cfg["weight"]))
+                activation=_tensor_cfg_from(cfg["activation"]), weight=_tensor_cfg_from(cfg["weight"]),
+                untie=cfg.get("untie", False))
     return QConfig(activation=base.activation, weight=base.weight, dynamic=base.dynamic, strict=base.strict,
                    fuse=base.fuse, quantize_attention=base.quantize_attention, overrides=tuple(overrides.values()))
 
