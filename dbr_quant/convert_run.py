@@ -336,6 +336,8 @@ class ConvertRun(Run):
                                 args, kwargs)
 
     def _linear_call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if not args and len(kwargs) == 1:  # `linear(input=x)`: the FP8 path reads its one input positionally
+            args, kwargs = tuple(kwargs.values()), {}
         hit = None
         if self.placeholders or self.resolved:
             args, kwargs, hit = self._scan(args, kwargs)

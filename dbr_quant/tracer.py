@@ -7,13 +7,16 @@ tensors escape (returned, or seen by a module hook). Fusions are matched on that
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
+import types
 from collections import defaultdict
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from . import moe
 from .auto_trace import has_hooks, original_call, suspended
@@ -212,7 +215,7 @@ class TraceRun(Run):
             raise
 
     def _escape(self, obj: Any) -> None:
-        for t in tensor_leaves(obj):
+        for t in _reachable_tensors(obj):
             self.escaped.add(self.tid(t))
 
     def finish(self, out: Any) -> Any:
@@ -295,3 +298,23 @@ def _detail(kind: str | None, func: Any, args: tuple, kwargs: dict) -> dict:
         x = args[0]
         return {"softmax_last_dim": dim is not None and dim in (-1, x.dim() - 1)}
     return {}
+
+
+def _reachable_tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor the caller can reach in ``obj``: pytree leaves, and the fields of dataclasses and other
+    plain objects among them — pytree does not flatten an unregistered dataclass, and an intermediate
+    returned inside one must still count as escaping, or a fusion swallows it (the caller gets a placeholder)."""
+    found, seen, todo = [], set(), [obj]
+    while todo:
+        for leaf in tree_flatten(todo.pop())[0]:
+            if isinstance(leaf, torch.Tensor):
+                found.append(leaf)
+            elif id(leaf) in seen or isinstance(leaf, (nn.Module, type, types.ModuleType, types.FunctionType)):
+                continue
+            elif dataclasses.is_dataclass(leaf):
+                seen.add(id(leaf))
+                todo.append([getattr(leaf, f.name, None) for f in dataclasses.fields(leaf)])
+            elif isinstance(getattr(leaf, "__dict__", None), dict):
+                seen.add(id(leaf))
+                todo.append(dict(vars(leaf)))
+    return found

@@ -1,0 +1,56 @@
+"""Outside-style models through prepare → calibrate → convert (→ rewrite), each compared with fp32."""
+
+import pytest
+import torch
+from outside_models import CASES, Case
+from outside_pipeline import (
+    Snapshot,
+    assert_close_to_fp32,
+    assert_fp8_weights,
+    call,
+    converted_case,
+    eval_inputs,
+    fp8_gemm_launches,
+)
+
+from dbr_quant.fx_rewriter import rewrite
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("case", [c.param() for c in CASES])
+def test_converted_close_to_fp32(case: Case):
+    torch.manual_seed(0)
+    before = Snapshot.of(case.build().eval())  # seeded: the same weights converted_case builds
+    model, converted = converted_case(case)
+    before.assert_same(model)  # prepare and convert work on copies
+    assert_fp8_weights(converted, case.fp8)
+    inputs = eval_inputs(case)
+    with torch.no_grad():
+        want = call(model, inputs)
+    got = call(converted, inputs)  # grad mode on, as a user calls it
+    assert_close_to_fp32(got, want, f"{case.name} converted")
+    assert fp8_gemm_launches(converted, inputs) >= 1
+    before.assert_same(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c.param() for c in CASES])
+def test_rewritten_close_to_fp32(case: Case):
+    model, converted = converted_case(case)
+    gm = rewrite(converted)
+    fp8_nodes = [n for n in gm.graph.nodes if str(n.target).startswith("dbr_quant.fp8_")]
+    assert fp8_nodes, f"{case.name}: the rewritten graph has no FP8 GEMM node\n{gm.graph}"
+    inputs = eval_inputs(case)
+    with torch.no_grad():
+        want, got, eager = call(model, inputs), call(gm, inputs), call(converted, inputs)
+    assert_close_to_fp32(got, want, f"{case.name} rewritten")
+    for (path, g), (_, e) in zip(*(__import__("outside_pipeline").leaves(o) for o in (got, eager))):
+        if isinstance(e, torch.Tensor):
+            assert torch.equal(g, e), f"{case.name}: rewritten {path} differs from eager converted"
