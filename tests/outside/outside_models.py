@@ -24,11 +24,12 @@ class Case:
     build: Callable[[], nn.Module]
     inputs: Callable[[torch.Generator], tuple[tuple, dict]]  # (args, kwargs), a fresh batch per call
     fp8: tuple[str, ...]  # fqns of the modules whose weight convert must store in FP8
-    marks: tuple = ()
+    marks: tuple = ()  # on every test of the case
+    rewrite_marks: tuple = ()  # on the rewrite / compile tests only
     qconfig: Any = None
 
-    def param(self) -> Any:
-        return pytest.param(self, id=self.name, marks=self.marks)
+    def param(self, rewritten: bool = False) -> Any:
+        return pytest.param(self, id=self.name, marks=self.marks + (self.rewrite_marks if rewritten else ()))
 
 
 def known(point: int, what: str) -> Any:
@@ -572,7 +573,9 @@ CASES: list[Case] = [
     Case("shape_branch_loop", ShapeBranch, x2d(), ("small",)),
     Case("python_flag_kwargs", PythonFlagKwargs, _flag_inputs, ("a", "b")),
     Case("namedtuple_out", NamedTupleOut, x2d(), ("a", "b")),
-    Case("dataclass_out", DataclassOut, x2d(), ("a", "b")),
+    Case("dataclass_out", DataclassOut, x2d(), ("a", "b"), rewrite_marks=(pytest.mark.xfail(
+        strict=True, reason="torch.export cannot return an unregistered dataclass (torch.export.register_dataclass "
+        "is the user's workaround); rewrite() passes torch's RuntimeError through"),)),
     Case("dict_input", DictInput, _dict_inputs, ("a", "b")),
     Case("linear_kwarg_call", LinearKwargCall, x2d(), ("a",)),
     Case("forward_hooks", _with_hooks, x2d(), ("0", "2", "4")),

@@ -1,4 +1,4 @@
-"""Outside-style models through prepare → calibrate → convert (→ rewrite), each compared with fp32."""
+"""Outside-style models through prepare → calibrate → convert (→ rewrite → compile), each compared with fp32."""
 
 import pytest
 import torch
@@ -11,9 +11,15 @@ from outside_pipeline import (
     converted_case,
     eval_inputs,
     fp8_gemm_launches,
+    leaves,
+    rel_l2,
 )
 
 from dbr_quant.fx_rewriter import rewrite
+
+# compiled too: one of each family (reuse, in-place, functional/attention, containers + dict output, kwargs)
+COMPILED = ("consumed_twice", "inplace_relu", "where_maskfill_einsum", "nested_containers", "python_flag_kwargs",
+            "gated_mlp")
 
 
 @pytest.fixture(autouse=True)
@@ -22,6 +28,10 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def _fp8_nodes(gm: torch.fx.GraphModule) -> list:
+    return [n for n in gm.graph.nodes if str(n.target).startswith("dbr_quant.fp8_")]
 
 
 @pytest.mark.parametrize("case", [c.param() for c in CASES])
@@ -41,16 +51,35 @@ def test_converted_close_to_fp32(case: Case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [c.param() for c in CASES])
+@pytest.mark.parametrize("case", [c.param(rewritten=True) for c in CASES])
 def test_rewritten_close_to_fp32(case: Case):
     model, converted = converted_case(case)
     gm = rewrite(converted)
-    fp8_nodes = [n for n in gm.graph.nodes if str(n.target).startswith("dbr_quant.fp8_")]
-    assert fp8_nodes, f"{case.name}: the rewritten graph has no FP8 GEMM node\n{gm.graph}"
+    assert _fp8_nodes(gm), f"{case.name}: the rewritten graph has no FP8 GEMM node\n{gm.graph}"
     inputs = eval_inputs(case)
     with torch.no_grad():
         want, got, eager = call(model, inputs), call(gm, inputs), call(converted, inputs)
     assert_close_to_fp32(got, want, f"{case.name} rewritten")
-    for (path, g), (_, e) in zip(*(__import__("outside_pipeline").leaves(o) for o in (got, eager))):
+    for (path, g), (_, e) in zip(leaves(got), leaves(eager)):  # README: the graph computes what eager does
         if isinstance(e, torch.Tensor):
             assert torch.equal(g, e), f"{case.name}: rewritten {path} differs from eager converted"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c.param(rewritten=True) for c in CASES if c.name in COMPILED])
+def test_compiled_close_to_fp32(case: Case):
+    model, converted = converted_case(case)
+    gm = rewrite(converted)
+    torch._dynamo.reset()
+    try:
+        with torch._inductor.config.patch(force_disable_caches=True), torch.no_grad():
+            compiled = torch.compile(gm, fullgraph=True)
+            for seed in (2, 3):
+                inputs = eval_inputs(case, seed)
+                want, got, eager = call(model, inputs), call(compiled, inputs), call(converted, inputs)
+                assert_close_to_fp32(got, want, f"{case.name} compiled")
+                for (path, g), (_, e) in zip(leaves(got), leaves(eager)):  # FP8 flips only, not a wrong scale
+                    if isinstance(e, torch.Tensor) and e.is_floating_point():
+                        assert rel_l2(g, e) < 0.02, f"{case.name}: compiled {path} far from eager converted"
+    finally:
+        torch._dynamo.reset()
