@@ -368,7 +368,9 @@ def _unreached_rows(model: nn.Module, record: ModelRecord) -> list[dict[str, Any
         if fqn in owners:
             continue
         if not is_linear_module(mod):
-            reason = (f"{type(mod).__name__} overrides nn.Linear.forward: its torch ops run as written (an F.linear "
+            how = "overrides nn.Linear.forward" if "weight" in mod._parameters else \
+                "computes its weight per call (a parametrization)"
+            reason = (f"{type(mod).__name__} {how}: its torch ops run as written (an F.linear "
                       "inside is recorded as a functional linear with a weight quantized per call)")
         else:
             reason = ("never called during prepare()'s trace (a branch not taken, an expert not routed to, an "

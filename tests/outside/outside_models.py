@@ -596,3 +596,195 @@ CASES: list[Case] = [
     Case("transformer_encoder_layer", _encoder_layer, x3d(), ("linear1", "linear2", "self_attn.out_proj"),
          (known(2, "nn.TransformerEncoderLayer fast path under no_grad: UncalibratedError"),)),
 ]
+
+
+# ---------------------------------------------------------------------- second round: what new users write
+class WeightNormLinear(nn.Module):  # a parametrized weight: `weight` is a property computed per call
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.utils.parametrizations.weight_norm(lin())
+        self.b = lin()
+
+    def forward(self, x):
+        return self.b(F.relu(self.a(x)))
+
+
+class SharedWeightFunctional(nn.Module):  # another module's weight used through F.linear (a tied head)
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = lin(), lin()
+
+    def forward(self, x):
+        h = F.gelu(self.a(x))
+        return self.b(h) + F.linear(h, self.b.weight)
+
+
+class SumOfHeads(nn.Module):  # builtin sum over a generator: 0 + tensor first
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList([lin() for _ in range(3)])
+
+    def forward(self, x):
+        return sum(h(x) for h in self.heads) / len(self.heads)
+
+
+class VarArgs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = lin()
+
+    def forward(self, *xs):
+        return torch.stack([self.a(x) for x in xs]).mean(0)
+
+
+class Recursive(nn.Module):  # a module that calls itself with a python depth
+    def __init__(self, depth: int = 2) -> None:
+        super().__init__()
+        self.a = lin()
+        self.child = Recursive(depth - 1) if depth > 0 else None
+
+    def forward(self, x, depth: int | None = None):
+        h = torch.tanh(self.a(x))
+        return h if self.child is None else h + self.child(h)
+
+
+class AutocastInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = lin(), lin()
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.a(x)
+        return self.b(F.relu(h.float()))
+
+
+class Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(lin(), nn.GELU(), lin())
+        self.out = lin()
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+        return self.out(h)
+
+
+class OddShapes(nn.Module):  # widths that are no multiple of anything, a 4-D input, a 1-row batch
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(D, 17)
+        self.b = nn.Linear(17, 3)
+
+    def forward(self, x):
+        return self.b(F.silu(self.a(x)))
+
+
+class LinearSubclass(nn.Linear):  # a LoRA-style subclass with its own forward
+    def __init__(self) -> None:
+        super().__init__(D, D)
+        self.lora_a = nn.Linear(D, 4, bias=False)
+        self.lora_b = nn.Linear(4, D, bias=False)
+
+    def forward(self, x):
+        return super().forward(x) + self.lora_b(self.lora_a(x))
+
+
+class WithLinearSubclass(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = LinearSubclass()
+        self.out = lin()
+
+    def forward(self, x):
+        return self.out(F.relu(self.proj(x)))
+
+
+class TransposedParam(nn.Module):  # weight stored [in, out], used as x @ w + b
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D, D) / D**0.5)
+        self.b = nn.Parameter(torch.zeros(D))
+        self.out = lin()
+
+    def forward(self, x):
+        return self.out(torch.addmm(self.b, x, self.w))
+
+
+class FlattenUnflatten(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(1), nn.Linear(2 * D, 2 * D), nn.Unflatten(1, (2, D)), nn.Identity())
+        self.out = lin()
+
+    def forward(self, x):  # x: [B, 2, D]
+        return self.out(self.net(x))
+
+
+class DataDependentBranch(nn.Module):  # the branch depends on values; every batch here takes the same one
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = lin(), lin(), lin()
+
+    def forward(self, x):
+        h = self.a(x)
+        if bool(h.abs().mean() > -1):  # always true, but the tracer cannot know
+            return self.b(h)
+        return self.c(h)
+
+
+class InputReturnedToo(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = lin()
+
+    def forward(self, x):
+        return x, self.a(x), None
+
+
+class TupleArg(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = lin(), lin()
+
+    def forward(self, pair):
+        x, y = pair
+        return self.a(x) * self.b(y)
+
+
+def _pair(g: torch.Generator) -> tuple[tuple, dict]:
+    return ([torch.randn(4, D, generator=g), torch.randn(4, D, generator=g)],), {}
+
+
+def _bilinear_decoder() -> nn.Module:
+    return nn.TransformerDecoderLayer(D, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+
+
+class Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dec = _bilinear_decoder()
+
+    def forward(self, x):
+        return self.dec(x, x)
+
+
+CASES += [
+    Case("weight_norm_parametrized", WeightNormLinear, x2d(), ("b",)),
+    Case("shared_weight_functional", SharedWeightFunctional, x2d(), ("a",)),
+    Case("sum_of_heads_generator", SumOfHeads, x2d(), ("heads.0", "heads.1", "heads.2")),
+    Case("varargs", VarArgs, lambda g: ((torch.randn(4, D, generator=g), torch.randn(4, D, generator=g)), {}), ("a",)),
+    Case("recursive_module", Recursive, x2d(), ("a", "child.a", "child.child.a")),
+    Case("autocast_inside", AutocastInside, x2d(), ("a", "b")),
+    Case("checkpoint_inside", Checkpointed, x2d(), ("block.0", "block.2", "out")),
+    Case("odd_shapes_4d", OddShapes, lambda g: ((torch.randn(1, 3, 2, D, generator=g),), {}), ("a", "b")),
+    Case("linear_subclass_lora", WithLinearSubclass, x2d(), ("out", "proj.lora_a", "proj.lora_b")),
+    Case("transposed_param_addmm", TransposedParam, x2d(), ("out",)),
+    Case("flatten_unflatten", FlattenUnflatten, lambda g: ((torch.randn(4, 2, D, generator=g),), {}), ("net.1", "out")),
+    Case("data_dependent_branch", DataDependentBranch, x2d(), ("a", "b")),
+    Case("input_returned_too", InputReturnedToo, x2d(), ("a",)),
+    Case("tuple_arg", TupleArg, _pair, ("a", "b")),
+    Case("transformer_decoder_layer", Decoder, x3d(), ("dec.linear1", "dec.linear2", "dec.self_attn.out_proj",
+                                                       "dec.multihead_attn.out_proj"),
+         (known(2, "nn.TransformerDecoderLayer's attentions under no_grad: out_proj never traced"),)),
+]

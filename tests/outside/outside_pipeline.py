@@ -112,7 +112,7 @@ class Snapshot:
     state: dict[str, torch.Tensor]
     attrs: dict[str, tuple[str, ...]]
     hooks: dict[str, tuple[int, ...]]
-    classes: dict[str, type]
+    classes: dict[str, str]  # by name: parametrize creates a class per instance
 
     @classmethod
     def of(cls, model: nn.Module) -> Snapshot:
@@ -121,7 +121,7 @@ class Snapshot:
             attrs={n: tuple(sorted(m.__dict__)) for n, m in model.named_modules(remove_duplicate=False)},
             hooks={n: tuple(len(getattr(m, h)) for h in ("_forward_hooks", "_forward_pre_hooks"))
                    for n, m in model.named_modules(remove_duplicate=False)},
-            classes={n: type(m) for n, m in model.named_modules(remove_duplicate=False)},
+            classes={n: type(m).__qualname__ for n, m in model.named_modules(remove_duplicate=False)},
         )
 
     def assert_same(self, model: nn.Module) -> None:
