@@ -8,7 +8,9 @@ tensors escape (returned, or seen by a module hook). Fusions are matched on that
 from __future__ import annotations
 
 import dataclasses
+import gc
 import numbers
+import sys
 import types
 from collections import defaultdict
 from typing import Any
@@ -226,13 +228,13 @@ class TraceRun(Run):
     # ------------------------------------------------------------------ after the forward
     def build(self) -> None:
         """Attach states, match subgraphs and tag their ops (called once the forward returned)."""
-        consumers: dict[int, list[int]] = defaultdict(list)
-        for ev in self.events:
-            for i in {*ev.arg_ids, *ev.kwarg_ids} - {None}:
-                consumers[i].append(ev.index)
-        graph = TraceGraph(self.events, dict(consumers), self.escaped)
         if self.record.qconfig.fuse:
-            for gid, (fusion, events) in enumerate(find_subgraphs(graph)):
+            found = find_subgraphs(self._graph())
+            held = self._held_elsewhere([ev.output for _, events in found for ev in events[:-1]])
+            if held:  # an intermediate the model kept: it escapes, match again
+                self.escaped |= held
+                found = find_subgraphs(self._graph())
+            for gid, (fusion, events) in enumerate(found):
                 self.record.subgraphs[gid] = Subgraph(gid, fusion, tuple(ev.kind for ev in events))
                 for step, ev in enumerate(events):
                     if ev.op is not None:
@@ -240,6 +242,39 @@ class TraceRun(Run):
                         ev.op.fusion = fusion.name
         self.keep.clear()
         self.tids.clear()
+
+    def _graph(self) -> TraceGraph:
+        consumers: dict[int, list[int]] = defaultdict(list)
+        for ev in self.events:
+            for i in {*ev.arg_ids, *ev.kwarg_ids} - {None}:
+                consumers[i].append(ev.index)
+        return TraceGraph(self.events, dict(consumers), self.escaped)
+
+    def _held_elsewhere(self, tids: list[int | None]) -> set[int]:
+        """The fused intermediates among ``tids`` that something still holds after the forward returned — a
+        module attribute (``self.saved = h``), a list the caller passed in, a global: the caller reads them
+        like returned ones (fused, they would be empty placeholders). A reference count above what the trace
+        itself holds picks the suspects (a view holds its base too); one heap scan finds who holds them."""
+        cands = list({id(self.keep[i]): self.keep[i] for i in tids if i is not None}.values())
+        ours = defaultdict(int)  # references from self.keep (an in-place op's output is its input: several)
+        for t in self.keep:
+            ours[id(t)] += 1
+        alone = [torch.empty(0)]
+        base = sys.getrefcount(alone[0])  # a tensor held by one list, measured the same way as the candidates
+        suspects = [cands[j] for j in range(len(cands)) if sys.getrefcount(cands[j]) - base - ours[id(cands[j])] > 0]
+        if not suspects:
+            return set()
+        index: dict[int, list[int]] = {id(t): [] for t in suspects}
+        for i, t in enumerate(self.keep):
+            if id(t) in index:
+                index[id(t)].append(i)
+        held: set[int] = set()
+        for holder in gc.get_referrers(*suspects):
+            if holder is self.keep or holder is cands or holder is suspects or isinstance(holder, types.FrameType):
+                continue
+            for obj in gc.get_referents(holder):
+                held.update(index.get(id(obj), ()))
+        return held
 
 
 def _mutates(func: Any, kwargs: dict) -> bool:
