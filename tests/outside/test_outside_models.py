@@ -15,6 +15,7 @@ from outside_pipeline import (
     rel_l2,
 )
 
+import dbr_quant as dq
 from dbr_quant.fx_rewriter import rewrite
 
 # compiled too: one of each family (reuse, in-place, functional/attention, containers + dict output, kwargs)
@@ -47,6 +48,10 @@ def test_converted_close_to_fp32(case: Case):
     got = call(converted, inputs)  # grad mode on, as a user calls it
     assert_close_to_fp32(got, want, f"{case.name} converted")
     assert fp8_gemm_launches(converted, inputs) >= 1
+    with torch.inference_mode():
+        assert_close_to_fp32(call(converted, inputs), want, f"{case.name} converted, inference_mode")
+    with dq.disabled():  # the high-precision path: dequantized weights, every op as written
+        assert_close_to_fp32(call(converted, inputs), want, f"{case.name} converted, dq.disabled()")
     before.assert_same(model)
 
 
