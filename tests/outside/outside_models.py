@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dbr_quant.fx_rewriter import RewriteError
+
 D = 16  # feature width of every toy
 
 
@@ -781,7 +783,8 @@ CASES += [
     Case("linear_subclass_lora", WithLinearSubclass, x2d(), ("out", "proj.lora_a", "proj.lora_b")),
     Case("transposed_param_addmm", TransposedParam, x2d(), ("out",)),
     Case("flatten_unflatten", FlattenUnflatten, lambda g: ((torch.randn(4, 2, D, generator=g),), {}), ("net.1", "out")),
-    Case("data_dependent_branch", DataDependentBranch, x2d(), ("a", "b")),
+    Case("data_dependent_branch", DataDependentBranch, x2d(), ("a", "b"), rewrite_marks=(pytest.mark.xfail(
+        raises=RewriteError, strict=True, reason="a branch on a data value: no graph holds it, rewrite() says so"),)),
     Case("input_returned_too", InputReturnedToo, x2d(), ("a",)),
     Case("tuple_arg", TupleArg, _pair, ("a", "b")),
     Case("transformer_decoder_layer", Decoder, x3d(), ("dec.linear1", "dec.linear2", "dec.self_attn.out_proj",

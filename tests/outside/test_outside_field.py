@@ -125,3 +125,16 @@ def test_parametrized_linear_report_says_why():
     rows = {r["fqn"]: r for r in dq.report(converted)}
     assert "parametrization" in rows["a"]["reason"] and not rows["a"]["fp8"]
     assert rows["a.linear"]["fp8"]
+
+
+def test_fp8_weight_views_under_inference_mode():
+    """``converted.weight.detach()`` / ``.t()`` (what a tied head or ``F.linear(x, other.weight)`` does) under
+    ``torch.inference_mode()`` give what they give under ``no_grad``, the dequantized weight (it raised
+    'Cannot set version_counter for inference tensor')."""
+    converted = _convert(Residual(), torch.randn(4, D))
+    w = converted.a.weight
+    with torch.no_grad():
+        want = w.dequantize()
+    with torch.inference_mode():
+        detached, transposed = w.detach(), w.t()
+        assert torch.equal(detached.dequantize(), want) and torch.equal(transposed, want.t())
