@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dbr_quant import QConfig
 from dbr_quant.fx_rewriter import RewriteError
 
 D = 16  # feature width of every toy
@@ -790,4 +791,74 @@ CASES += [
     Case("transformer_decoder_layer", Decoder, x3d(), ("dec.linear1", "dec.linear2", "dec.self_attn.out_proj",
                                                        "dec.multihead_attn.out_proj"),
          (known(2, "nn.TransformerDecoderLayer's attentions under no_grad: out_proj never traced"),)),
+]
+
+
+# ---------------------------------------------------------------------- third round: more of torch's layers
+class LSTMCellLoop(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.LSTMCell(D, D)
+        self.out = lin()
+
+    def forward(self, x):  # x: [B, S, D]
+        h = c = x.new_zeros(x.shape[0], D)
+        for t in range(x.shape[1]):
+            h, c = self.cell(x[:, t], (h, c))
+        return self.out(h)
+
+
+class BagAndBilinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(50, D, mode="mean")
+        self.bilinear = nn.Bilinear(D, D, D)
+        self.bn = nn.BatchNorm1d(D)
+        self.act = nn.PReLU()
+        self.out = lin()
+
+    def forward(self, ids):
+        e = self.bag(ids)
+        return self.out(self.act(self.bn(self.bilinear(e, e))))
+
+
+def _bag_ids(g: torch.Generator) -> tuple[tuple, dict]:
+    return (torch.randint(0, 50, (4, 6), generator=g),), {}
+
+
+class MaskedSDPA(HandSDPA):
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, D // 2).permute(2, 0, 3, 1, 4).unbind(0)
+        mask = torch.ones(s, s, dtype=torch.bool).tril()
+        return self.o(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, D))
+
+
+class Baddbmm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = lin(), lin()
+
+    def forward(self, x):
+        bias = torch.zeros(x.shape[0], x.shape[1], x.shape[1])
+        return torch.baddbmm(bias, self.q(x), self.k(x).transpose(1, 2)).softmax(-1)
+
+
+class Transformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = nn.Transformer(D, 2, 1, 1, 32, dropout=0.0, batch_first=True)
+
+    def forward(self, x):
+        return self.t(x, x)
+
+
+CASES += [
+    Case("lstmcell_loop", LSTMCellLoop, x3d(), ("out",)),
+    Case("embeddingbag_bilinear_bn_prelu", BagAndBilinear, _bag_ids, ("out",)),
+    Case("sdpa_bool_mask", MaskedSDPA, x3d(), ("qkv", "o")),
+    Case("sdpa_quantized_attention", MaskedSDPA, x3d(), ("qkv", "o"), qconfig=QConfig(quantize_attention=True)),
+    Case("baddbmm_softmax", Baddbmm, x3d(), ("q", "k")),
+    Case("nn_transformer", Transformer, x3d(), ("t.encoder.layers.0.linear1", "t.decoder.layers.0.linear2"),
+         (known(2, "nn.Transformer under no_grad: encoder layers take the fast path, UncalibratedError"),)),
 ]
