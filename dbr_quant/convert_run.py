@@ -190,7 +190,7 @@ class ConvertRun(Run):
         if role is None:
             role = _role(type(module))
         if (role is _LINEAR or role is _ACT) and "_hf_hook" not in d and len(args) == 1 and not kwargs \
-                and not module._forward_hooks and not module._forward_pre_hooks:
+                and not module._forward_hooks and not module._forward_pre_hooks and not _global_hooks():
             # the precompiled plan's fast paths (plan.py): a plain nn.Linear or activation module whose step
             # is the expected one; NotImplemented when anything is unusual (then the general path below)
             out = self._linear_fast(module, d, args[0]) if role is _LINEAR else self._act_fast(module, args[0])
