@@ -190,9 +190,11 @@ def has_pre_hooks(module: nn.Module) -> bool:
 
 
 def has_hooks(module: nn.Module) -> bool:
-    """Module-level forward hooks (user code that could observe the module's inputs and outputs), or an
-    accelerate hook other than its device/offload hooks (those are transparent: see offload.py)."""
-    return bool(module._forward_hooks or module._forward_pre_hooks) or (
+    """Forward hooks (user code that could observe the module's inputs and outputs): the module's, global ones
+    (``register_module_forward_hook``: profilers, activation statistics), or an accelerate hook other than
+    its device/offload hooks (those are transparent: see offload.py)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or _module_globals._global_forward_hooks
+                or _module_globals._global_forward_pre_hooks) or (
         "_hf_hook" in module.__dict__ and has_opaque_hook(module))
 
 

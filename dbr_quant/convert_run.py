@@ -201,7 +201,7 @@ class ConvertRun(Run):
         if role is None:
             role = _role(type(module))
         if (role is _LINEAR or role is _ACT) and "_hf_hook" not in d and len(args) == 1 and not kwargs \
-                and not module._forward_hooks and not module._forward_pre_hooks:
+                and not module._forward_hooks and not module._forward_pre_hooks and not _global_hooks():
             # the precompiled plan's fast paths (plan.py): a plain nn.Linear or activation module whose step
             # is the expected one; NotImplemented when anything is unusual (then the general path below)
             out = self._linear_fast(module, d, args[0]) if role is _LINEAR else self._act_fast(module, args[0])
@@ -347,6 +347,8 @@ class ConvertRun(Run):
                                 args, kwargs)
 
     def _linear_call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if not args and len(kwargs) == 1:  # `linear(input=x)`: the FP8 path reads its one input positionally
+            args, kwargs = tuple(kwargs.values()), {}
         hit = None
         if self.placeholders or self.resolved:
             args, kwargs, hit = self._scan(args, kwargs)

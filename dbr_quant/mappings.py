@@ -122,9 +122,11 @@ def is_device_move(args: tuple, kwargs: dict) -> bool:
 
 def is_linear_module(module: nn.Module) -> bool:
     """A module that computes ``x·Wᵀ + b``: an nn.Linear with the stock forward (subclasses with their own
-    forward stay opaque), or Hugging Face's ``Conv1D`` (GPT-2), which stores W transposed."""
+    forward stay opaque), or Hugging Face's ``Conv1D`` (GPT-2), which stores W transposed. A weight that is no
+    parameter of its own (``nn.utils.parametrizations.weight_norm`` computes it per call) stays opaque too: its
+    forward's ``F.linear`` is recorded as a functional linear."""
     if isinstance(module, nn.Linear):
-        return type(module).forward is nn.Linear.forward
+        return type(module).forward is nn.Linear.forward and "weight" in module._parameters
     return _is_hf_conv1d(module)
 
 

@@ -57,7 +57,9 @@ def unreached_linear_reason(module: nn.Module, uses: list[Use], ops: dict[str, A
     if uses:  # e.g. nn.MultiheadAttention's fused path passes out_proj.weight to a function
         return f"not called as a module: its weight is {_uses_reason(uses, ops)}"
     if not is_linear_module(module):
-        return (f"{type(module).__name__} overrides nn.Linear.forward: its torch ops run as written (an F.linear "
+        how = "overrides nn.Linear.forward" if "weight" in module._parameters else \
+            "computes its weight per call (a parametrization)"
+        return (f"{type(module).__name__} {how}: its torch ops run as written (an F.linear "
                 "inside is recorded as a functional linear with a weight quantized per call)")
     return ("never called during prepare()'s trace (a branch not taken, an expert not routed to, an unused head); "
             "prepare with example inputs that reach it to quantize it")
@@ -97,11 +99,18 @@ def _uses_reason(uses: list[Use], ops: dict[str, Any]) -> str:
 
 # ----------------------------------------------------------------------------------------------- trace
 def tied_names(root: nn.Module) -> dict[str, list[str]]:
-    """Parameter fqn → the other fqns of the same Parameter object (only parameters registered twice or more)."""
+    """Parameter fqn → the other fqns of the same Parameter object, for parameters held by two or more module
+    objects (an embedding tied to ``lm_head``). One module reached under two names (a shared child, the same
+    block used twice) is no tie: its weight has one user, quantized once."""
     names: dict[int, list[str]] = {}
-    for fqn, p in root.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(fqn)
-    return {fqn: [o for o in group if o != fqn] for group in names.values() if len(group) > 1 for fqn in group}
+    holders: dict[int, set[int]] = {}
+    for mfqn, mod in root.named_modules(remove_duplicate=False):
+        for pname, p in mod._parameters.items():
+            if p is not None:
+                names.setdefault(id(p), []).append(f"{mfqn}.{pname}" if mfqn else pname)
+                holders.setdefault(id(p), set()).add(id(mod))
+    return {fqn: [o for o in group if o != fqn] for key, group in names.items() if len(holders[key]) > 1
+            for fqn in group}
 
 
 class ParamReads:

@@ -338,7 +338,7 @@ class HighPrecisionRun(Run):
             body = lambda x: torch.nn.functional.linear(x, *linear_hp_weight(module))  # noqa: E731
             if not has_hooks(module) and not offload.has_device_hook(module):  # accelerate loads weights in forward
                 with suspended(self):
-                    return body(*args, **kwargs)
+                    return body(*args, *kwargs.values())  # a linear's one input, given by name too (`input=x`)
             return self.call_hooked(module, body, args, kwargs)
         return self.call_module(module, args, kwargs)
 

@@ -7,13 +7,18 @@ tensors escape (returned, or seen by a module hook). Fusions are matched on that
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import numbers
+import sys
+import types
 from collections import defaultdict
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from . import moe
 from .auto_trace import has_hooks, original_call, suspended
@@ -235,7 +240,7 @@ class TraceRun(Run):
             raise
 
     def _escape(self, obj: Any) -> None:
-        for t in tensor_leaves(obj):
+        for t in _reachable_tensors(obj):
             self.escaped.add(self.tid(t))
 
     def finish(self, out: Any) -> Any:
@@ -246,14 +251,14 @@ class TraceRun(Run):
     # ------------------------------------------------------------------ after the forward
     def build(self) -> None:
         """Attach states, match subgraphs and tag their ops (called once the forward returned)."""
-        consumers: dict[int, list[int]] = defaultdict(list)
-        for ev in self.events:
-            for i in {*ev.arg_ids, *ev.kwarg_ids} - {None}:
-                consumers[i].append(ev.index)
-        graph = TraceGraph(self.events, dict(consumers), self.escaped, storage=[_storage(t) for t in self.keep])
         self.param_uses.finish([op for st in self.states.values() for op in st.seen_ops])
         if self.record.qconfig.fuse:
-            for gid, (fusion, events) in enumerate(find_subgraphs(graph)):
+            found = find_subgraphs(self._graph())
+            held = self._held_elsewhere([ev.output for _, events in found for ev in events[:-1]])
+            if held:  # an intermediate the model kept: it escapes, match again
+                self.escaped |= held
+                found = find_subgraphs(self._graph())
+            for gid, (fusion, events) in enumerate(found):
                 self.record.subgraphs[gid] = Subgraph(gid, fusion, tuple(ev.kind for ev in events))
                 for step, ev in enumerate(events):
                     if ev.op is not None:
@@ -262,6 +267,39 @@ class TraceRun(Run):
         self.keep.clear()
         self.tids.clear()
         self.record.param_uses = self.param_reads.by_param
+
+    def _graph(self) -> TraceGraph:
+        consumers: dict[int, list[int]] = defaultdict(list)
+        for ev in self.events:
+            for i in {*ev.arg_ids, *ev.kwarg_ids} - {None}:
+                consumers[i].append(ev.index)
+        return TraceGraph(self.events, dict(consumers), self.escaped, storage=[_storage(t) for t in self.keep])
+
+    def _held_elsewhere(self, tids: list[int | None]) -> set[int]:
+        """The fused intermediates among ``tids`` that something still holds after the forward returned — a
+        module attribute (``self.saved = h``), a list the caller passed in, a global: the caller reads them
+        like returned ones (fused, they would be empty placeholders). A reference count above what the trace
+        itself holds picks the suspects (a view holds its base too); one heap scan finds who holds them."""
+        cands = list({id(self.keep[i]): self.keep[i] for i in tids if i is not None}.values())
+        ours = defaultdict(int)  # references from self.keep (an in-place op's output is its input: several)
+        for t in self.keep:
+            ours[id(t)] += 1
+        alone = [torch.empty(0)]
+        base = sys.getrefcount(alone[0])  # a tensor held by one list, measured the same way as the candidates
+        suspects = [cands[j] for j in range(len(cands)) if sys.getrefcount(cands[j]) - base - ours[id(cands[j])] > 0]
+        if not suspects:
+            return set()
+        index: dict[int, list[int]] = {id(t): [] for t in suspects}
+        for i, t in enumerate(self.keep):
+            if id(t) in index:
+                index[id(t)].append(i)
+        held: set[int] = set()
+        for holder in gc.get_referrers(*suspects):
+            if holder is self.keep or holder is cands or holder is suspects or isinstance(holder, types.FrameType):
+                continue
+            for obj in gc.get_referents(holder):
+                held.update(index.get(id(obj), ()))
+        return held
 
 
 def _storage(t: torch.Tensor) -> int | None:
@@ -329,3 +367,23 @@ def _detail(kind: str | None, func: Any, args: tuple, kwargs: dict) -> dict:
         x = args[0]
         return {"softmax_last_dim": dim is not None and dim in (-1, x.dim() - 1)}
     return {}
+
+
+def _reachable_tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor the caller can reach in ``obj``: pytree leaves, and the fields of dataclasses and other
+    plain objects among them — pytree does not flatten an unregistered dataclass, and an intermediate
+    returned inside one must still count as escaping, or a fusion swallows it (the caller gets a placeholder)."""
+    found, seen, todo = [], set(), [obj]
+    while todo:
+        for leaf in tree_flatten(todo.pop())[0]:
+            if isinstance(leaf, torch.Tensor):
+                found.append(leaf)
+            elif id(leaf) in seen or isinstance(leaf, (nn.Module, type, types.ModuleType, types.FunctionType)):
+                continue
+            elif dataclasses.is_dataclass(leaf):
+                seen.add(id(leaf))
+                todo.append([getattr(leaf, f.name, None) for f in dataclasses.fields(leaf)])
+            elif isinstance(getattr(leaf, "__dict__", None), dict):
+                seen.add(id(leaf))
+                todo.append(dict(vars(leaf)))
+    return found

@@ -179,6 +179,11 @@ class FP8Weight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if torch.is_inference_mode_enabled():
+            # what a view op (detach, t) returns gets the FP8Weight's version counter after this returns: an
+            # output made here inside inference_mode would be an inference tensor, which has none (RuntimeError)
+            with torch.inference_mode(False):
+                return cls.__torch_dispatch__(func, types, args, kwargs)
         kwargs = kwargs or {}
         handler = _HANDLERS.get(func)
         if handler is not None:

@@ -160,8 +160,15 @@ def _named(model: nn.Module, dyn_args: tuple) -> dict[str, Any]:
     """export wants dynamic shapes keyed by the forward's parameter names."""
     import inspect
 
-    names = list(inspect.signature(type(model).forward).parameters)[1:]
-    return dict(zip(names, dyn_args))
+    named: dict[str, Any] = {}
+    for i, p in enumerate(list(inspect.signature(type(model).forward).parameters.values())[1:]):
+        if p.kind is p.VAR_POSITIONAL:  # forward(self, *xs): export sees one input `xs`, a tuple
+            named[p.name] = tuple(dyn_args[i:])
+            break
+        if i >= len(dyn_args) or p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            break
+        named[p.name] = dyn_args[i]
+    return named
 
 
 class FrozenCompiled(nn.Module):
