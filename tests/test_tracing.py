@@ -333,18 +333,24 @@ def test_other_threads_are_not_intercepted_while_a_prepared_model_runs():
     results = {}
 
     def other():
-        assert inside.wait(10)
-        assert is_patched()  # the prepared model is mid-forward in the main thread
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            results["out"] = plain(x)
-        results["warnings"] = w
-        release.set()
+        try:
+            assert inside.wait(10)
+            assert is_patched()  # the prepared model is mid-forward in the main thread
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                results["out"] = plain(x)
+            results["warnings"] = w
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread below
+            results["error"] = e
+        finally:
+            release.set()  # never leave the main thread's forward waiting
 
     t = threading.Thread(target=other)
     t.start()
     prepared(x)
     t.join()
+    if "error" in results:
+        raise results["error"]
     assert torch.equal(results["out"], want) and not results["warnings"]
     assert len(dq.quant_state(prepared).seen_ops) == 1
     assert not is_patched()
