@@ -4,7 +4,6 @@ import io
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import dbr_quant as dq
@@ -41,12 +40,12 @@ def test_convert_before_calibration_lists_every_uncalibrated_tensor():
     assert dq.convert(p) is not p
 
 
-def test_dynamic_mode_needs_no_calibration():
+def test_dynamic_mode_needs_no_calibration(close_to_reference):
     for granularity in ("tensor", "token"):
         qc = dq.QConfig(dynamic=True, activation=dq.TensorQConfig(granularity=granularity))
         m, p, x = make(qc, batches=False)
         c = dq.convert(p)
-        assert F.cosine_similarity(c(x).flatten(), m(x).flatten(), dim=0) > 0.998
+        close_to_reference(c(x), m(x), min_cos=0.998, max_rel=0.07)
         assert len(dq.quant_state(c).observers) == 0
 
 
@@ -77,7 +76,7 @@ def test_activation_scales_come_from_the_observers():
     assert st.observers["0_input"].amax.item() == pytest.approx(4.48)
 
 
-def test_overrides_by_regex_and_type_and_e5m2():
+def test_overrides_by_regex_and_type_and_e5m2(close_to_reference):
     qc = dq.QConfig(overrides=(
         dq.Override(pattern=r"^head$", skip=True),
         dq.Override(module_type=nn.Sequential, activation=dq.TensorQConfig(format="e5m2",
@@ -91,7 +90,7 @@ def test_overrides_by_regex_and_type_and_e5m2():
     rows = {r["fqn"]: r for r in dq.report(c)}
     assert not rows["head"]["fp8"] and rows["block.0"]["fp8"]
     assert "weight" in c.head._parameters
-    assert F.cosine_similarity(c(x).flatten(), m(x).flatten(), dim=0) > 0.99
+    close_to_reference(c(x), m(x), min_cos=0.99, max_rel=0.04)
 
 
 def test_qconfig_validation_messages():
@@ -185,7 +184,7 @@ def test_sequential_root_saves_and_loads_its_hidden_state():
         c2.load_state_dict({**c.state_dict(), "_auto_quant_state.bogus": torch.zeros(1)})
 
 
-def test_converted_outputs_are_close_to_fp32_on_a_deeper_model():
+def test_converted_outputs_are_close_to_fp32_on_a_deeper_model(close_to_reference):
     layers = []
     for _ in range(4):
         layers += [nn.LayerNorm(64), nn.Linear(64, 256), nn.SiLU(), nn.Linear(256, 64)]
@@ -196,7 +195,7 @@ def test_converted_outputs_are_close_to_fp32_on_a_deeper_model():
     c = dq.convert(p)
     out, ref = c(x), m(x)
     # 8 FP8 linears in a row without residuals: measured 0.9947; E4M3 rounds each by up to 2**-4
-    assert F.cosine_similarity(out.flatten(), ref.flatten(), dim=0) > 0.99
+    close_to_reference(out, ref, min_cos=0.99, max_rel=0.15)
     assert out.dtype == torch.float32
 
 
