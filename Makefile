@@ -6,7 +6,7 @@ VENV_STAMP := .venv/.installed
 NEXT_PY := .venv-triton-next/bin/python
 NEXT_STAMP := .venv-triton-next/.installed
 
-.PHONY: demo test lint bench venv venv-triton-next clean
+.PHONY: demo test lint bench venv venv-triton-next wheel-check clean
 
 $(VENV_STAMP): requirements-dev.txt setup.cfg
 	test -x $(PY) || python3 -m venv .venv
@@ -27,8 +27,14 @@ venv-triton-next: $(NEXT_STAMP)
 demo: $(VENV_STAMP)
 	$(PY) -m dbr_quant demo
 
+# The built wheel in a fresh venv with only torch + its declared dependencies: imports, runs the quickstart
+# (with and without triton). About a minute; catches a dependency missing from setup.cfg.
+wheel-check: $(VENV_STAMP)
+	.ci/wheel_check.sh $(PY)
+
 test: $(VENV_STAMP) $(NEXT_STAMP)
 	$(PY) -m ruff check .
+	$(MAKE) wheel-check
 	DBR_TRITON_NEXT_PYTHON=$(CURDIR)/$(NEXT_PY) $(PY) -m pytest -q -ra
 
 bench: $(VENV_STAMP)

@@ -4,12 +4,10 @@ import io
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import dbr_quant as dq
-from dbr_quant.formats import FP8Format, safe_scale
-from dbr_quant.kernels import reference as R
+from dbr_quant.formats import FP8Format
 from dbr_quant.weights import fp8_weight_bytes
 
 
@@ -42,12 +40,12 @@ def test_convert_before_calibration_lists_every_uncalibrated_tensor():
     assert dq.convert(p) is not p
 
 
-def test_dynamic_mode_needs_no_calibration():
+def test_dynamic_mode_needs_no_calibration(close_to_reference):
     for granularity in ("tensor", "token"):
         qc = dq.QConfig(dynamic=True, activation=dq.TensorQConfig(granularity=granularity))
         m, p, x = make(qc, batches=False)
         c = dq.convert(p)
-        assert F.cosine_similarity(c(x).flatten(), m(x).flatten(), dim=0) > 0.998
+        close_to_reference(c(x), m(x), min_cos=0.998, max_rel=0.07)
         assert len(dq.quant_state(c).observers) == 0
 
 
@@ -58,10 +56,11 @@ def test_weights_become_fp8_and_the_fp32_weights_are_dropped():
     assert fc.weight.qdata.dtype == torch.float8_e4m3fn and fc.weight.dtype == torch.float32
     assert fc.weight.scale.shape == (32,) and fc.weight.scale.dtype == torch.float32
     w = m.block[0].weight.detach()
-    scale = safe_scale(w.abs().amax(1), FP8Format.E4M3)
-    assert torch.equal(fc.weight.qdata.view(torch.uint8), (w / scale[:, None]).clamp(-448, 448)
-                       .to(torch.float8_e4m3fn).view(torch.uint8)) or torch.equal(
-        fc.weight.qdata.view(torch.uint8), R.quantize(w, scale[:, None], FP8Format.E4M3).view(torch.uint8))
+    scale = w.abs().amax(1) / 448.0  # per output channel: the largest |w| of each row lands on E4M3's max
+    assert torch.equal(fc.weight.scale, scale)
+    # torch's own cast of the fp32 w / scale, not the library's quantize: the bytes must be exactly these
+    want = (w / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(fc.weight.qdata.view(torch.uint8), want.view(torch.uint8))
     fp32_bytes = sum(mod.weight.numel() * 4 for mod in m.modules() if isinstance(mod, nn.Linear))
     fp8_bytes = fp8_weight_bytes(c)
     assert fp8_bytes / fp32_bytes < 0.3
@@ -77,7 +76,7 @@ def test_activation_scales_come_from_the_observers():
     assert st.observers["0_input"].amax.item() == pytest.approx(4.48)
 
 
-def test_overrides_by_regex_and_type_and_e5m2():
+def test_overrides_by_regex_and_type_and_e5m2(close_to_reference):
     qc = dq.QConfig(overrides=(
         dq.Override(pattern=r"^head$", skip=True),
         dq.Override(module_type=nn.Sequential, activation=dq.TensorQConfig(format="e5m2",
@@ -91,7 +90,7 @@ def test_overrides_by_regex_and_type_and_e5m2():
     rows = {r["fqn"]: r for r in dq.report(c)}
     assert not rows["head"]["fp8"] and rows["block.0"]["fp8"]
     assert "weight" in c.head._parameters
-    assert F.cosine_similarity(c(x).flatten(), m(x).flatten(), dim=0) > 0.99
+    close_to_reference(c(x), m(x), min_cos=0.99, max_rel=0.04)
 
 
 def test_qconfig_validation_messages():
@@ -185,7 +184,7 @@ def test_sequential_root_saves_and_loads_its_hidden_state():
         c2.load_state_dict({**c.state_dict(), "_auto_quant_state.bogus": torch.zeros(1)})
 
 
-def test_converted_outputs_are_close_to_fp32_on_a_deeper_model():
+def test_converted_outputs_are_close_to_fp32_on_a_deeper_model(close_to_reference):
     layers = []
     for _ in range(4):
         layers += [nn.LayerNorm(64), nn.Linear(64, 256), nn.SiLU(), nn.Linear(256, 64)]
@@ -196,7 +195,7 @@ def test_converted_outputs_are_close_to_fp32_on_a_deeper_model():
     c = dq.convert(p)
     out, ref = c(x), m(x)
     # 8 FP8 linears in a row without residuals: measured 0.9947; E4M3 rounds each by up to 2**-4
-    assert F.cosine_similarity(out.flatten(), ref.flatten(), dim=0) > 0.99
+    close_to_reference(out, ref, min_cos=0.99, max_rel=0.15)
     assert out.dtype == torch.float32
 
 

@@ -131,7 +131,7 @@ def convert_with(model, args, calib, fuse):
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(name=st.sampled_from(sorted(CASES)), d=st.sampled_from([4, 8, 12]), b=st.integers(1, 3),
        t=st.integers(1, 5), act=st.sampled_from(sorted(ACTS)), bias=st.booleans())
-def test_fused_subgraph_equals_its_ops_one_by_one(name, d, b, t, act, bias):
+def test_fused_subgraph_equals_its_ops_one_by_one(name, d, b, t, act, bias, close_to_reference):
     model = build(name, d, act, bias)
     args = inputs(name, b, t, d)
     calib = [inputs(name, 4, 6, d) for _ in range(3)] + [args]  # enough data that new inputs rarely clip
@@ -144,7 +144,7 @@ def test_fused_subgraph_equals_its_ops_one_by_one(name, d, b, t, act, bias):
         a, c = fused(*new), single(*new)
         ref = model(*new)
     assert torch.equal(a, c)
-    assert F.cosine_similarity(a.flatten(), ref.flatten(), dim=0) > 0.95
+    close_to_reference(a, ref, min_cos=0.95, max_rel=0.15)
 
 
 def test_fusion_does_not_fire_when_the_intermediate_has_another_consumer():
@@ -262,7 +262,7 @@ def test_mlp_hands_fp8_from_fc1_to_fc2():
 
 @pytest.mark.parametrize("act", ["silu", "gelu"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_norm_gated_mlp_runs_in_three_launches_and_equals_one_by_one(act, bias):
+def test_norm_gated_mlp_runs_in_three_launches_and_equals_one_by_one(act, bias, close_to_reference):
     m = NormGated(8, act, bias).eval()
     x = torch.randn(2, 3, 8)
     calib = [(torch.randn(2, 3, 8),) for _ in range(2)]
@@ -276,7 +276,7 @@ def test_norm_gated_mlp_runs_in_three_launches_and_equals_one_by_one(act, bias):
         assert torch.equal(out, single(x))
         with dq.disabled():  # the stacked weights still serve each projection on its own
             hp = c(x)
-    assert F.cosine_similarity(hp.flatten(), m(x).flatten(), dim=0) > 0.999
+    close_to_reference(hp, m(x), min_cos=0.999, max_rel=0.01)
     state = c.state_dict()
     c2 = convert_with(m, (x,), calib, True)
     c2.load_state_dict(state)
@@ -304,7 +304,7 @@ class HFGatedBlock(NormGated):
 
 
 @pytest.mark.parametrize("one_plus", [False, True])
-def test_hf_style_rms_norm_modules_head_the_mlp_fusion_only_when_they_compute_rms_norm(one_plus):
+def test_hf_style_rms_norm_modules_head_the_mlp_fusion_only_when_they_compute_rms_norm(one_plus, close_to_reference):
     m = HFGatedBlock(8, one_plus).eval()
     x = torch.randn(2, 3, 8)
     c = convert_with(m, (x,), [(x,)], True)
@@ -315,7 +315,7 @@ def test_hf_style_rms_norm_modules_head_the_mlp_fusion_only_when_they_compute_rm
         assert fusions == {"gated_mlp"} and counts["norm_quantize"] == 0
     else:
         assert fusions == {"norm_gated_mlp"} and dict(counts) == {"norm_quantize": 1, "fp8_linear": 2}
-    assert F.cosine_similarity(out.flatten(), m(x).flatten(), dim=0) > 0.999
+    close_to_reference(out, m(x), min_cos=0.999, max_rel=0.03)
 
 
 class ParallelResidual(nn.Module):

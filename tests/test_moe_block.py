@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from test_moe import EXPERTS_N, TOP_K, VOCAB, batches, cosine, logits, no_warnings  # tests/ is on sys.path
+from test_moe import EXPERTS_N, TOP_K, VOCAB, batches, logits, no_warnings  # tests/ is on sys.path
 from transformers import MixtralConfig, MixtralForCausalLM
 
 import dbr_quant as dq
@@ -121,7 +121,8 @@ def _emulate(x, ids, weights, w13, w2, bn, bk):
     return out
 
 
-def test_the_experts_call_computes_what_a_plain_torch_emulation_of_the_block_layout_gives(block_mixtral):
+def test_the_experts_call_computes_what_a_plain_torch_emulation_of_the_block_layout_gives(block_mixtral,
+                                                                                          close_to_reference):
     model, converted = block_mixtral
     mod = _experts(converted)[0]
     seen = {}
@@ -137,7 +138,7 @@ def test_the_experts_call_computes_what_a_plain_torch_emulation_of_the_block_lay
     hp = model.model.layers[0].mlp.experts(x, ids, w)  # for scale: FP8 vs the fp32 experts is percent-level
     assert ((hp.double() - ref).norm() / ref.norm()).item() > 0.02  # measured 0.059
     with torch.no_grad():
-        assert cosine(out, logits(model(**batches(1, (3, 9), 7)[0]))) > 0.99
+        close_to_reference(out, logits(model(**batches(1, (3, 9), 7)[0])), min_cos=0.99, max_rel=0.12)
 
 
 @pytest.mark.parametrize("impl", ["batched_mm", "grouped_mm"])
@@ -151,7 +152,7 @@ def test_the_other_experts_implementations_take_the_same_block_path(block_mixtra
         assert torch.equal(logits(other(**b)), logits(converted(**b)))
 
 
-def test_block_experts_with_static_per_tensor_activations_repeat_the_scale_per_group():
+def test_block_experts_with_static_per_tensor_activations_repeat_the_scale_per_group(close_to_reference):
     """FineGrainedFP8's static scheme on experts: calibrated per-tensor input scales with block weights."""
     model = _mixtral()
     qc = dq.QConfig(weight=dq.TensorQConfig(granularity="block", block=BLOCK))
@@ -164,7 +165,7 @@ def test_block_experts_with_static_per_tensor_activations_repeat_the_scale_per_g
         out = logits(converted(**b))
         ref = logits(model(**b))
     assert counts["fp8_grouped_block_linear"] == 4
-    assert cosine(out, ref) > 0.99
+    close_to_reference(out, ref, min_cos=0.99, max_rel=0.12)  # measured 0.079
 
 
 def test_state_dict_round_trips_into_a_fresh_converted_skeleton(block_mixtral):

@@ -216,19 +216,27 @@ def test_many_threads_on_the_fast_path_get_the_single_threaded_outputs():
     with torch.no_grad():
         expected = [c(x) for x in xs]
     failures: list[str] = []
+    errors: list[BaseException] = []
+    compared = [0] * 6
     start = threading.Barrier(6)
 
     def work(t: int) -> None:
-        start.wait()
-        with torch.no_grad():
-            for k in range(3):
-                for i in (range(len(xs)) if (t + k) % 2 else reversed(range(len(xs)))):
-                    if not torch.equal(c(xs[i]), expected[i]):
-                        failures.append(f"thread {t} input {i}")
+        try:
+            start.wait()
+            with torch.no_grad():
+                for k in range(3):
+                    for i in (range(len(xs)) if (t + k) % 2 else reversed(range(len(xs)))):
+                        if not torch.equal(c(xs[i]), expected[i]):
+                            failures.append(f"thread {t} input {i}")
+                        compared[t] += 1
+        except BaseException as e:  # noqa: BLE001 - a crashed worker fails the test below, not silently
+            errors.append(e)
 
     threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert failures == []
+    if errors:
+        raise errors[0]
+    assert failures == [] and compared == [3 * len(xs)] * 6

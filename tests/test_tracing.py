@@ -254,7 +254,16 @@ def test_control_flow_unseen_ops_warn_once_and_run_high_precision():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         c(x, use_b=True)  # warned once already
-    assert torch.equal(c(x), c(x))  # the traced path still runs in FP8
+    # the traced path still runs in FP8: c.a's weight is float8 and the output is an FP8 emulation built from
+    # torch casts (scales from the calibration batch, x itself), not the fp32 linear
+    assert c.a.weight.qdata.dtype == torch.float8_e4m3fn
+    w, sw, sx = m.a.weight.detach(), m.a.weight.detach().abs().amax(1) / 448, x.abs().amax() / 448
+    x_q, w_q = (x / sx).to(torch.float8_e4m3fn), (w / sw[:, None]).to(torch.float8_e4m3fn)
+    emulated = F.linear(x_q.double() * sx.double(), w_q.double() * sw.double()[:, None], m.a.bias.double())
+    with torch.no_grad():
+        out, fp32 = c(x), m.a(x)
+    assert torch.allclose(out.double(), emulated, rtol=1e-6, atol=1e-6)
+    assert (out - fp32).abs().max() > 1e-3  # FP8 rounding is visible: this is not the fp32 linear
 
 
 def test_strict_mode_raises_a_named_error():
@@ -334,18 +343,24 @@ def test_other_threads_are_not_intercepted_while_a_prepared_model_runs():
     results = {}
 
     def other():
-        assert inside.wait(10)
-        assert is_patched()  # the prepared model is mid-forward in the main thread
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            results["out"] = plain(x)
-        results["warnings"] = w
-        release.set()
+        try:
+            assert inside.wait(10)
+            assert is_patched()  # the prepared model is mid-forward in the main thread
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                results["out"] = plain(x)
+            results["warnings"] = w
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread below
+            results["error"] = e
+        finally:
+            release.set()  # never leave the main thread's forward waiting
 
     t = threading.Thread(target=other)
     t.start()
     prepared(x)
     t.join()
+    if "error" in results:
+        raise results["error"]
     assert torch.equal(results["out"], want) and not results["warnings"]
     assert len(dq.quant_state(prepared).seen_ops) == 1
     assert not is_patched()

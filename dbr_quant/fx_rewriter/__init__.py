@@ -66,6 +66,20 @@ def _dynamic_shapes(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return tree_map(auto, args), {k: tree_map(auto, v) for k, v in kwargs.items()}
 
 
+def _no_size_one_specialization(args: tuple, kwargs: dict) -> contextlib.AbstractContextManager:
+    """torch.export specializes a ``Dim.AUTO`` dimension whose example size is 0 or 1 to that size, and says so
+    (``0/1 specialized; Dim.AUTO was specified …``, one log line per dimension): a batch-1 example would give a
+    graph that takes batch 1 only. Size-oblivious reasoning (an export option) keeps such dimensions symbolic;
+    a model that branches on the size still gets a guard. Only used when an example has such a size, so other
+    captures are unchanged."""
+    leaves, _ = tree_flatten((args, kwargs))
+    if not any(isinstance(t, torch.Tensor) and any(n <= 1 for n in t.shape[:2]) for t in leaves):
+        return contextlib.nullcontext()
+    from torch.fx.experimental import _config as symbolic_shapes_config
+
+    return symbolic_shapes_config.patch(backed_size_oblivious=True)
+
+
 def rewrite(converted: nn.Module, example_inputs: Any = None, *,
             example_kwargs: dict[str, Any] | None = None) -> torch.fx.GraphModule:
     """Capture a converted model as a GraphModule of aten ops and ``dbr_quant`` custom ops.
@@ -89,7 +103,7 @@ def rewrite(converted: nn.Module, example_inputs: Any = None, *,
     given = set(kwargs)
     kwargs = _without_kv_cache(converted, kwargs)
     dyn_args, dyn_kwargs = _dynamic_shapes(args, kwargs)
-    with torch.no_grad(), capture_with(GraphOps):
+    with torch.no_grad(), capture_with(GraphOps), _no_size_one_specialization(args, kwargs):
         try:
             exported = torch.export.export(converted, args, kwargs, strict=False,
                                            dynamic_shapes={**_named(converted, dyn_args), **dyn_kwargs})

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
+import importlib.util
 import os
 import threading
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -64,13 +67,36 @@ def fp8_tensor_cores(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+@functools.cache
+def triton_installed() -> bool:
+    """Whether the triton package can be imported (found without importing it: that costs seconds). It is an
+    optional dependency: only the Triton backends need it, and it has no macOS/Windows wheels."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # an import hook refuses it, or sys.modules["triton"] is None
+        return False
+
+
 def resolve_backend(device: torch.device) -> str:
     """The backend that runs for tensors on ``device``: an explicit choice, else ``triton`` on CUDA with
-    FP8 tensor cores, else ``reference`` (CPU, and CUDA below 8.9: FP8 storage, bf16 compute)."""
+    FP8 tensor cores (when triton is installed), else ``reference`` (CPU, and CUDA below 8.9: FP8 storage,
+    bf16 compute)."""
     backend = current_backend()
     if backend != "auto":
         return backend
-    return "triton" if fp8_tensor_cores(device) else "reference"
+    if not fp8_tensor_cores(device):
+        return "reference"
+    if triton_installed():
+        return "triton"
+    _warn_no_triton(device)
+    return "reference"
+
+
+@functools.cache
+def _warn_no_triton(device: torch.device) -> None:
+    warnings.warn(f"dbr_quant.kernels: {device} has FP8 tensor cores but the triton package is not installed, so "
+                  "the reference backend (FP8 storage, bf16 compute) runs there; pip install triton for the FP8 "
+                  "kernels", stacklevel=3)
 
 
 @contextlib.contextmanager

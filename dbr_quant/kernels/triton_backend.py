@@ -16,7 +16,14 @@ from . import reference
 
 
 def _mod(name: str):
-    return importlib.import_module(f"dbr_quant.kernels.{name}")
+    try:
+        return importlib.import_module(f"dbr_quant.kernels.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != "triton" and not (e.name or "").startswith("triton."):
+            raise
+        raise ImportError(f"dbr_quant.kernels.{name}: the triton backend needs the triton package, which is not "
+                          "installed (pip install triton; Linux only), or run the reference backend "
+                          "(kernels.use_backend('reference') / DBR_QUANT_BACKEND=reference)") from e
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:

@@ -28,7 +28,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from test_moe import EXPERTS_N, LAYERS, batches, build, logits, pipeline  # tests/ is on sys.path (conftest)
 
@@ -145,7 +144,7 @@ def test_experts_are_written_as_vllm_reads_them_and_round_trip_bit_for_bit(tmp_p
 
 
 @pytest.mark.parametrize("name,impl", [("mixtral", "grouped_mm"), ("qwen2_moe", "eager")])
-def test_transformers_with_compressed_tensors_loads_the_folder(tmp_path, name, impl):
+def test_transformers_with_compressed_tensors_loads_the_folder(tmp_path, name, impl, close_to_reference):
     """transformers merges the per-expert tensors into its 3-D parameters, dequantizing the FP8 experts to
     bf16 (DecompressExperts: ``(q·s).to(bfloat16)``): each expert value must be ours, rounded to bf16."""
     pytest.importorskip("compressed_tensors")
@@ -166,4 +165,4 @@ def test_transformers_with_compressed_tensors_loads_the_folder(tmp_path, name, i
     with torch.no_grad():
         a, b = logits(loaded(**ev)), logits(converted(**ev))
     # measured 0.9994 / 0.9992: bf16 expert weights and compressed-tensors' own fake-quantized linears
-    assert F.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.998
+    close_to_reference(a, b, min_cos=0.998, max_rel=0.05)  # measured 0.031 / 0.025

@@ -102,7 +102,7 @@ def test_export_of_the_rewritten_graph_saves_loads_and_keeps_dynamic_dims(tmp_pa
 
 
 @pytest.mark.slow
-def test_compile_fullgraph_has_no_graph_breaks():
+def test_compile_fullgraph_has_no_graph_breaks(close_to_reference):
     _, c, x = converted_block()
     gm = rewrite(c)
     torch._dynamo.reset()
@@ -112,7 +112,7 @@ def test_compile_fullgraph_has_no_graph_breaks():
     with torch.no_grad():
         out, want = compiled(x)["out"], c(x)["out"]
     # inductor fuses the surrounding fp32 ops differently, so FP8 roundings may flip: close, not equal
-    assert F.cosine_similarity(out.flatten(), want.flatten(), dim=0) > 0.999
+    close_to_reference(out, want, min_cos=0.999, max_rel=0.03)
 
 
 def test_saved_program_loads_in_a_fresh_process_with_only_import_dbr_quant(tmp_path):
@@ -132,7 +132,7 @@ def test_saved_program_loads_in_a_fresh_process_with_only_import_dbr_quant(tmp_p
     subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
 
 
-def test_compile_with_grad_mode_on_runs_as_inference_and_backward_is_a_clear_error():
+def test_compile_with_grad_mode_on_runs_as_inference_and_backward_is_a_clear_error(close_to_reference):
     m, c, x = converted_block()
     gm = rewrite(c)
     assert not any(p.requires_grad for p in gm.parameters())
@@ -142,7 +142,7 @@ def test_compile_with_grad_mode_on_runs_as_inference_and_backward_is_a_clear_err
     got = compiled(x)["out"]  # grad mode on, as in a plain script
     with torch.no_grad():
         want = c(x)["out"]
-    assert F.cosine_similarity(got.flatten(), want.flatten(), 0) > 0.999
+    close_to_reference(got, want, min_cos=0.999, max_rel=0.03)
     x_grad = x.clone().requires_grad_()
     with pytest.raises(RuntimeError, match="has no gradient: FP8 models from dbr_quant.convert are for inference"):
         gm(x_grad)["out"].sum().backward()

@@ -33,7 +33,7 @@ def test_hf_models_rewrite_bit_for_bit(name, attention):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,attention", [("llama", True), ("gpt2", False)])
-def test_hf_models_compiled_close_to_eager(name, attention):
+def test_hf_models_compiled_close_to_eager(name, attention, close_to_reference):
     """Compiled through the inductor lowering — Llama: RMSNorm + SwiGLU + FP8 attention (causal, GQA,
     left padding); GPT-2: Conv1D + GELU-tanh — the outputs match eager up to FP8 rounding flips."""
     p = run_pipeline(name, qconfig=dq.QConfig(quantize_attention=attention))
@@ -46,7 +46,7 @@ def test_hf_models_compiled_close_to_eager(name, attention):
             want = _leaves(p.converted(**batch, use_cache=False), p.spec.outputs)[0]
             got = _leaves(compiled(**batch, use_cache=False), p.spec.outputs)[0]
             assert torch.isfinite(got).all()
-            assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999
+            close_to_reference(got, want, min_cos=0.999, max_rel=0.03)  # measured 0 (equal)
     torch._dynamo.reset()
 
 

@@ -85,7 +85,7 @@ def test_dynamo_captures_the_graph_whole(mixtral_graph):
 
 
 @pytest.mark.slow
-def test_compiled_fullgraph_matches_eager(mixtral_graph):
+def test_compiled_fullgraph_matches_eager(mixtral_graph, close_to_reference):
     """Inductor keeps fp8_moe_experts opaque (the eager kernels inside); the rest is compiled. Measured here:
     logits bit-equal to eager (the CPU GEMM path is the same); the test allows FP8 rounding flips (cos > 0.999)."""
     converted, gm = mixtral_graph
@@ -96,7 +96,7 @@ def test_compiled_fullgraph_matches_eager(mixtral_graph):
         want, got = logits(converted(**b)), logits(compiled(**b))
     torch._dynamo.reset()
     assert torch.isfinite(got).all()
-    assert F.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999
+    close_to_reference(got, want, min_cos=0.999, max_rel=0.03)
 
 
 def test_fp8_moe_experts_op_equals_the_eager_compute_and_has_no_gradient():

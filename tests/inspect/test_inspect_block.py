@@ -118,7 +118,7 @@ def test_fake_quant_and_disable_on_block_layers(block_mlp):
     assert torch.allclose(hp, want, rtol=1e-5, atol=1e-6)
 
 
-def test_scaling_on_block_layers(block_mlp):
+def test_scaling_on_block_layers(block_mlp, close_to_reference):
     _, _, converted, x = block_mlp
     token = "t:\n  layers: {name_regex: '^fc1$'}\n  features:\n    Scaling: {input_granularity: token}\n"
     with dqi.session(converted, token), torch.no_grad():
@@ -126,6 +126,7 @@ def test_scaling_on_block_layers(block_mlp):
     with torch.no_grad():
         assert not torch.equal(per_token, converted(x))
         assert torch.nn.functional.cosine_similarity(per_token, converted(x), dim=-1).min() > 0.99
+        close_to_reference(per_token, converted(x), max_rel=0.07)  # measured 0.040
     channel = "c:\n  layers: {name_regex: '^fc1$'}\n  features:\n    Scaling: {weight_granularity: channel}\n"
     with pytest.raises(ValueError, match="group-scaled activations but per-channel / per-tensor weights"):
         with dqi.session(converted, channel), torch.no_grad():

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from test_moe import EXAMPLE, EXPERTS_N, HIDDEN, LAYERS, TOP_K, batches, build, logits  # tests/ on sys.path
 
 import dbr_quant as dq
@@ -102,7 +101,7 @@ experts:
             assert 15 < rec[(f"{fqn}.{p}", "input", "sqnr_db")] < 60
 
 
-def test_expert_tensors_in_high_precision_equal_disabled(mixtral):
+def test_expert_tensors_in_high_precision_equal_disabled(mixtral, close_to_reference):
     prepared, ev = mixtral
     cfg = "all:\n  layers: {name_regex: '.'}\n  features:\n    DisableFP8: {}\n"
     with torch.no_grad():
@@ -114,7 +113,7 @@ def test_expert_tensors_in_high_precision_equal_disabled(mixtral):
             fake = _fn(prepared, ev[1])
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)  # expert by expert vs the model's grouped_mm
     assert not torch.allclose(fake, want, rtol=1e-5, atol=1e-6)  # fake-quantized experts do change it
-    assert F.cosine_similarity(fake.flatten(), want.flatten(), dim=0) > 0.99
+    close_to_reference(fake, want, min_cos=0.99, max_rel=0.09)  # measured 0.056
 
 
 def test_scaling_an_expert_tensor_is_a_clear_error(mixtral):

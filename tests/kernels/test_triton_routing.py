@@ -54,7 +54,7 @@ class EveryKind(nn.Module):
 
 
 @pytest.mark.slow
-def test_every_subgraph_kind_routes_to_its_triton_kernel_and_matches_reference(monkeypatch):
+def test_every_subgraph_kind_routes_to_its_triton_kernel_and_matches_reference(monkeypatch, close_to_reference):
     torch.manual_seed(0)
     m = EveryKind().eval()
     x = torch.randn(2, 5, 32)
@@ -77,9 +77,12 @@ def test_every_subgraph_kind_routes_to_its_triton_kernel_and_matches_reference(m
     assert set(launched) == set().union(*ROUTES.values())
     # same FP8 semantics; accumulation order and flash attention's P rounding differ, and a rounding
     # flipped early propagates: the backends agree to FP8 noise and are equally close to fp32
-    cos = lambda a, b: F.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()  # noqa: E731
     fp32 = m(x)
-    assert cos(got, want) > 0.999 and cos(got, fp32) > cos(want, fp32) - 0.001
+    # (measured relative errors: triton vs reference 0.035; vs fp32 0.057 triton, 0.049 reference)
+    close_to_reference(got, want, min_cos=0.999, max_rel=0.06)
+    reference_error = close_to_reference(want, fp32, max_rel=0.08)
+    close_to_reference(got, fp32, min_cos=F.cosine_similarity(want.flatten(), fp32.flatten(), dim=0).item() - 0.001,
+                       max_rel=1.3 * reference_error)
 
 
 def test_backend_resolution():
@@ -95,7 +98,7 @@ def test_backend_resolution():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "bert"])
-def test_hf_model_end_to_end_on_the_triton_interpreter(name):
+def test_hf_model_end_to_end_on_the_triton_interpreter(name, close_to_reference):
     from test_hf_models import run_pipeline  # tests/ is on sys.path (conftest)
 
     p = run_pipeline(name, qconfig=dq.QConfig(quantize_attention=True))
@@ -107,9 +110,11 @@ def test_hf_model_end_to_end_on_the_triton_interpreter(name):
         with dq.kernels.count_launches() as counts, dq.kernels.use_backend("triton-interpret"):
             got = getattr(p.converted(**batch), field)
     assert counts["fp8_linear"] > 0 and counts["fp8_attention"] > 0
-    cos = lambda a, b: F.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()  # noqa: E731
     # Both backends round to FP8 independently (flash attention quantizes the unnormalised P), so they
-    # agree to FP8 noise, and the Triton path is as close to fp32 as the reference (measured: llama
+    # agree to FP8 noise, and the Triton path is as close to fp32 as the reference (measured cosines: llama
     # 0.9961 vs 0.9963, bert 0.99907 vs 0.99906; triton vs reference 0.9967 / 0.9993).
-    assert cos(got, want) > 0.995
-    assert cos(got, fp32) > cos(want, fp32) - 0.001
+    # Relative errors: triton vs reference 0.069 / 0.038, reference vs fp32 0.087 / 0.046.
+    close_to_reference(got, want, min_cos=0.995, max_rel=0.11)
+    reference_error = close_to_reference(want, fp32, max_rel=0.13)
+    close_to_reference(got, fp32, min_cos=F.cosine_similarity(want.flatten(), fp32.flatten(), dim=0).item() - 0.001,
+                       max_rel=1.3 * reference_error)
