@@ -58,8 +58,8 @@ def test_weights_become_fp8_and_the_fp32_weights_are_dropped():
     w = m.block[0].weight.detach()
     scale = w.abs().amax(1) / 448.0  # per output channel: the largest |w| of each row lands on E4M3's max
     assert torch.equal(fc.weight.scale, scale)
-    # torch's own cast of the fp32 w / scale, not the library's quantize: the bytes must be exactly these
-    want = (w / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    # torch's own cast of the fp32 w·(1/scale) (the README's stated arithmetic), not the library's quantize
+    want = (w * torch.reciprocal(scale[:, None])).clamp(-448, 448).to(torch.float8_e4m3fn)
     assert torch.equal(fc.weight.qdata.view(torch.uint8), want.view(torch.uint8))
     fp32_bytes = sum(mod.weight.numel() * 4 for mod in m.modules() if isinstance(mod, nn.Linear))
     fp8_bytes = fp8_weight_bytes(c)
