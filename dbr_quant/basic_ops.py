@@ -16,6 +16,7 @@ from torch import nn
 from . import kernels
 from .mappings import LINEAR, MATMUL, SDPA, linear_weight
 from .quantization_state import AutoQuantizationState, SeenOp
+from .straight_through import run_straight_through, wants_gradient
 from .weights import FP8Weight, adjacent_rows, fp8_weight_of
 
 
@@ -265,4 +266,7 @@ def run_basic(call: Call, env: Env) -> torch.Tensor:
     """Run one recorded op: in FP8 when it is quantized, else as written."""
     if call.op is None or not call.op.quantize:
         return call.run_original()
+    if wants_gradient((call,)):  # FP8 value, the high-precision op's gradient (straight_through.py)
+        return run_straight_through(lambda: EXECUTORS[call.kind](call, env), call.run_original,
+                                    lambda: f"{call.kind} {call.op.fqn}")
     return EXECUTORS[call.kind](call, env)
