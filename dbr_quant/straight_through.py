@@ -1,16 +1,19 @@
 """Straight-through gradients for a converted model's FP8 ops (one mechanism for every kind of op).
 
 The forward value is the FP8 one, computed without autograd. When the caller wants gradients (grad mode
-on and some input or parameter of the op requires grad), the op's high-precision reference also runs —
-the ops as the user wrote them, FP8 weights dequantized — and ``dbr_quant::straight_through`` returns the
-FP8 value with the reference's gradient. So activation quantization is straight-through (identity), the
-gradient flows through the dequantized weights (``grad_x = grad_y · W_dq``), and every tensor the ops read
-that requires grad gets its gradient: inputs, residuals, biases, norm weights, high-precision weights of
-functional linears. FP8 weights themselves are frozen (they never require grad).
+on and some input or parameter of the op requires grad), the op's gradient is that of its high-precision
+reference — the ops as the user wrote them, FP8 weights dequantized. So activation quantization is
+straight-through (identity), the gradient flows through the dequantized weights (``grad_x = grad_y · W_dq``),
+and every tensor the ops read that requires grad gets its gradient: inputs, residuals, biases, norm weights,
+high-precision weights of functional linears, MoE routing weights. FP8 weights are frozen (never require grad).
 
-Cost, only on that path: the reference's forward beside the FP8 one, and what autograd keeps for backward
-(as when training the high-precision model). Inference (``no_grad`` / ``inference_mode``, or nothing that
-requires grad) pays one grad-mode check per op.
+Eagerly the reference runs in backward only (:class:`_Deferred`, recomputed as activation checkpointing
+does): a grad-mode forward costs the FP8 one plus one autograd node per op. While ``fx_rewriter`` captures a
+graph (with example inputs that require grad) the reference is captured beside the FP8 ops and joined by
+``dbr_quant::straight_through`` (FP8 value, gradient to the reference): the same gradients. Inference
+(``no_grad`` / ``inference_mode``) pays one grad-mode check per op. Not covered: double backward
+(``create_graph``: torch's once-differentiable error), ``dbr_quant.inspect`` sessions (their layers run
+as the inspector decides).
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ class _Deferred(torch.autograd.Function):
         return fp8()
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # a double backward is torch's clear error, not a wrong value
     def backward(ctx: Any, grad: Tensor) -> tuple:
         saved = ctx.saved_tensors
         with torch.enable_grad():

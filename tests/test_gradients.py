@@ -107,14 +107,15 @@ def cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
 
 
-# (model, fp32 relative error bound, straight-through reference relative error bound); measured errors:
-# stack 0.047 / 0.0017, stack+residual 0.013 / 0.0005, gated 0.028 / 0.004, norm_linear 0.026 / 0.0,
-# bert 0.038 / 0.004 — bounds leave ≥ 2× margin
+# (model, bound on the relative error vs fp32, bound vs the straight-through reference). Measured: vs fp32
+# stack 0.042, stack_residual 0.014, gated_mlp 0.0062, norm_linear 0.025 (cosines ≥ 0.9991); vs the
+# reference < 1e-5 for all four (each FP8 subgraph here sees its exact input or is linear, so the
+# straight-through gradient is the reference's up to float rounding). Bounds ≥ 2× the measured errors.
 CASES = {
-    "stack": (lambda: LinearStack(residual=False), 0.12, 0.01),
-    "stack_residual": (lambda: LinearStack(residual=True), 0.05, 0.005),
-    "gated_mlp": (GatedMLP, 0.08, 0.01),
-    "norm_linear": (NormLinear, 0.08, 1e-5),
+    "stack": (lambda: LinearStack(residual=False), 0.1, 1e-4),
+    "stack_residual": (lambda: LinearStack(residual=True), 0.03, 1e-4),
+    "gated_mlp": (GatedMLP, 0.02, 1e-4),
+    "norm_linear": (NormLinear, 0.05, 1e-4),
 }
 
 
@@ -155,8 +156,8 @@ def test_bert_input_gradient(attn, quantize_attention):
     _, grad = gradients(converted, x, attention_mask=mask)
     _, want_fp32 = gradients(model, x, attention_mask=mask)
     _, want_ste = gradients(dequantized_weights(model, converted), x, attention_mask=mask)
-    assert cos(grad, want_fp32) > 0.999 and rel(grad, want_fp32) < 0.05
-    assert rel(grad, want_ste) < 0.02
+    assert cos(grad, want_fp32) > 0.999 and rel(grad, want_fp32) < 0.05  # measured 0.018
+    assert rel(grad, want_ste) < 0.02  # measured 0.006–0.007: FP8 activations move the softmax / GELU points
 
 
 def test_moe_experts_gradient():
@@ -178,8 +179,8 @@ def test_moe_experts_gradient():
     _, grad = gradients(converted, x, attention_mask=mask)
     _, want_fp32 = gradients(model, x, attention_mask=mask)
     _, want_ste = gradients(ref, x, attention_mask=mask)
-    assert cos(grad, want_fp32) > 0.999 and rel(grad, want_fp32) < 0.02
-    assert rel(grad, want_ste) < 0.005
+    assert cos(grad, want_fp32) > 0.999 and rel(grad, want_fp32) < 0.02  # measured 0.0024
+    assert rel(grad, want_ste) < 0.005  # measured 0.0008
     router, want_router = converted.layers[0].mlp.gate.weight.grad, ref.layers[0].mlp.gate.weight.grad
     assert router is not None and rel(router, want_router) < 0.05
 
