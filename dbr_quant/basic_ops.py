@@ -16,7 +16,10 @@ from torch import nn
 from . import kernels
 from .mappings import LINEAR, MATMUL, MATMUL_AS_LINEAR, SDPA, linear_weight
 from .quantization_state import AutoQuantizationState, SeenOp
+from .straight_through import run_straight_through, substitute, wants_gradient
 from .weights import FP8Weight, adjacent_rows, fp8_weight_of
+
+_is_grad_enabled = torch._C.is_grad_enabled  # read once per quantized op
 
 
 @dataclass(slots=True, init=False)  # created per intercepted op: slots and a hand-written __init__ (no
@@ -43,15 +46,16 @@ class Call:                          # __post_init__ frame) make it cheaper to b
         self.placeholder = placeholder
         self.module = func if isinstance(func, nn.Module) else None
 
-    def run_original(self, args: tuple | None = None) -> Any:
-        """The high-precision op as the user wrote it."""
+    def run_original(self, args: tuple | None = None, kwargs: dict | None = None) -> Any:
+        """The high-precision op as the user wrote it (FP8 weights dequantized)."""
         args = self.args if args is None else args
+        kwargs = self.kwargs if kwargs is None else kwargs
         m = self.module
         if m is None:
-            return self.func(*args, **self.kwargs)
+            return self.func(*args, **kwargs)
         if self.kind == LINEAR:
             return torch.nn.functional.linear(args[0], *linear_hp_weight(m))
-        return type(m).forward(m, *args, **self.kwargs)  # a recognised norm module's own body
+        return type(m).forward(m, *args, **kwargs)  # a recognised norm module's own body
 
 
 class Env(Protocol):
@@ -281,4 +285,9 @@ def run_basic(call: Call, env: Env) -> torch.Tensor:
     """Run one recorded op: in FP8 when it is quantized, else as written."""
     if call.op is None or not call.op.quantize:
         return call.run_original()
+    if _is_grad_enabled() and (tensors := wants_gradient((call,))) is not None:
+        # the FP8 value, the high-precision op's gradient (straight_through.py)
+        return run_straight_through(lambda: EXECUTORS[call.kind](call, env), lambda sub: call.run_original(
+            tuple(substitute(a, sub) for a in call.args), {k: substitute(v, sub) for k, v in call.kwargs.items()}),
+            tensors, lambda: f"{call.kind} {call.op.fqn}")
     return EXECUTORS[call.kind](call, env)

@@ -129,12 +129,11 @@ class ConvertRun(Run):
             for c in p.calls[:-1]:
                 self.placeholders.pop(id(c.placeholder), None)
             self.done.append(p)
+            fusion = p.subgraph.fusion
             try:
-                return p.subgraph.fusion.run(p.calls, self)
+                return fusion.run_with_gradient(p.calls, self) if _is_grad_enabled() else fusion.run(p.calls, self)
             except TypeError as e:  # inside `a + b` Python would turn a TypeError into a bare NotImplemented
-                ops = ", ".join(c.op.fqn for c in p.calls if c.op is not None)
-                raise RuntimeError(f"dbr_quant: the fused {p.subgraph.fusion.name} subgraph ({ops}) failed: "
-                                   f"{type(e).__name__}: {e}") from e
+                raise RuntimeError(f"dbr_quant: {fusion.describe(p.calls)} failed: {type(e).__name__}: {e}") from e
         return self._placeholder(p, call)
 
     # ------------------------------------------------------------------ interception
@@ -403,6 +402,7 @@ def _plain_container(cls: type) -> bool:
 
 _pool = threading.local()
 _DisableTorchFunction = torch._C.DisableTorchFunction
+_is_grad_enabled = torch._C.is_grad_enabled
 
 
 def _placeholder_tensor(i: int) -> torch.Tensor:

@@ -46,6 +46,7 @@ from .mappings import (
     rms_norm_module_eps,
 )
 from .quantization_state import SeenOp
+from .straight_through import run_straight_through, substitute, wants_gradient
 from .weights import FP8Weight
 
 
@@ -138,6 +139,32 @@ class Fusion:
             out = run_basic(Call(call.kind, call.func, args, kwargs, call.op, call.state), env)
             values[id(call.placeholder)] = out
         return out
+
+
+    def high_precision(self, calls: Sequence[Call], sub: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The ops as the user wrote them, FP8 weights dequantized, with the tensors ``sub`` maps (by id)
+        replaced: the reference whose gradient the FP8 subgraph carries when one is wanted (straight_through.py)."""
+        values: dict[int, torch.Tensor] = dict(sub)
+        out = None
+        for call in calls:
+            args = tuple(substitute(a, values) for a in call.args)
+            kwargs = {k: substitute(v, values) for k, v in call.kwargs.items()}
+            out = Call(call.kind, call.func, args, kwargs).run_original()
+            values[id(call.placeholder)] = out
+        return out
+
+    def run_with_gradient(self, calls: Sequence[Call], env: Env) -> torch.Tensor:
+        """:meth:`run`, with straight-through gradients when the caller wants them (grad mode on and some
+        tensor the subgraph reads requires grad)."""
+        tensors = wants_gradient(calls)
+        if tensors is None:
+            return self.run(calls, env)
+        return run_straight_through(lambda: self.run(calls, env), lambda sub: self.high_precision(calls, sub),
+                                    tensors, lambda: self.describe(calls))
+
+    def describe(self, calls: Sequence[Call]) -> str:
+        """The subgraph for messages: the fusion's name and its ops' module paths."""
+        return f"the fused {self.name} subgraph (" + ", ".join(c.op.fqn for c in calls if c.op is not None) + ")"
 
 
 def _accepts(step: Step, ev: Event, prev: Event | None) -> bool:

@@ -39,6 +39,7 @@ from torch import nn
 from . import kernels
 from .auto_trace import has_hooks, original_call, suspended
 from .quantization_state import AutoQuantizationState, SeenOp, TensorInfo, observer_key
+from .straight_through import run_straight_through, substitute, wants_gradient
 from .weights import FP8Weight
 
 EXPERTS = "experts"  # the op kind of one 3-D expert tensor (a report row; not matched by the runtime)
@@ -230,10 +231,25 @@ def experts_call(run: Any, module: nn.Module, args: tuple, kwargs: dict, phase: 
         elif phase == "calibrate" and st.static:
             body = lambda a, k: _hp_experts(module, st, *_bind(a, k), observe=True)  # noqa: E731
         elif phase == "convert" and st.converted:
-            body = lambda a, k: _fp8_experts(module, st, *_bind(a, k))  # noqa: E731
+            body = lambda a, k: _converted_experts(module, st, a, k)  # noqa: E731
         else:
             return original_call(module, *args, **kwargs)
         return _with_hooks(module, body, args, kwargs) if has_hooks(module) else body(args, kwargs)
+
+
+def _converted_experts(module: nn.Module, st: MoeState, args: tuple, kwargs: dict) -> Any:
+    """The FP8 experts; with straight-through gradients (straight_through.py: the module as written, its FP8
+    weights dequantized, is the reference) when grad mode is on and an input or bias requires grad."""
+    fp8 = lambda: _fp8_experts(module, st, *_bind(args, kwargs))  # noqa: E731
+    tensors = wants_gradient((), (*args, *kwargs.values(), *(p for p in module._parameters.values()
+                                                              if p is not None and p.requires_grad)))
+    if tensors is None:
+        return fp8()
+    # the class's forward, not the module call: in backward no run is active, and calling the module would
+    # enter the converted model again (its FP8 path)
+    reference = lambda sub: type(module).forward(module, *(substitute(a, sub) for a in args),  # noqa: E731
+                                                 **{k: substitute(v, sub) for k, v in kwargs.items()})
+    return run_straight_through(fp8, reference, tensors, lambda: f"experts {st.fqn}")
 
 
 def _bind(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -87,6 +87,10 @@ def rewrite(converted: nn.Module, example_inputs: Any = None, *,
     The result runs without dbr_quant's interception, takes the same inputs (any batch and sequence
     size) and returns the same output structure; ``torch.compile(gm, fullgraph=True)`` and
     ``torch.export.export(gm, args)`` take it as it is.
+
+    The graph is for inference (its parameters do not require grad; a backward through an FP8 op raises)
+    unless an example input requires grad: then it carries the eager model's straight-through gradients
+    (each FP8 op's high-precision reference is captured too, so such a graph computes both).
     """
     record = converted.__dict__.get("_dbr_record") if isinstance(converted, nn.Module) else None
     if record is None or record.phase != "converted":
@@ -103,7 +107,11 @@ def rewrite(converted: nn.Module, example_inputs: Any = None, *,
     given = set(kwargs)
     kwargs = _without_kv_cache(converted, kwargs)
     dyn_args, dyn_kwargs = _dynamic_shapes(args, kwargs)
-    with torch.no_grad(), capture_with(GraphOps), _no_size_one_specialization(args, kwargs):
+    # example inputs that require grad ask for a graph with the eager model's straight-through gradients
+    # (straight_through.py: each FP8 op's high-precision reference is captured beside it); else inference
+    trainable = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten((args, kwargs))[0])
+    with torch.set_grad_enabled(trainable), capture_with(GraphOps), \
+            _no_size_one_specialization(args, kwargs):
         try:
             exported = torch.export.export(converted, args, kwargs, strict=False,
                                            dynamic_shapes={**_named(converted, dyn_args), **dyn_kwargs})
@@ -112,7 +120,8 @@ def rewrite(converted: nn.Module, example_inputs: Any = None, *,
     gm = exported.module()
     gm.graph.eliminate_dead_code()  # the runtime's placeholders and unused observer buffers
     gm.recompile()
-    _inference_parameters(gm)
+    if not trainable:
+        _inference_parameters(gm)
     implied = {k: v for k, v in kwargs.items() if k not in given}
     if implied:
         _drop_constant_inputs(gm, implied, args, {k: v for k, v in kwargs.items() if k in given})

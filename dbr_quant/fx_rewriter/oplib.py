@@ -12,7 +12,8 @@ GraphModule calls one op per quantized kernel, so that overhead made rewritten e
 * a fake implementation (``torch.library.register_fake``) for ``torch.compile`` / ``torch.export``;
 * an ``Autograd`` kernel. With plain CPU/CUDA tensors and no input needing a gradient (the inference case,
   no_grad or not) it calls the body directly — no re-dispatch. When an input needs a gradient the op runs
-  below autograd inside an ``autograd.Function`` whose backward raises the "inference only" error. Any
+  below autograd inside an ``autograd.Function`` whose backward raises the "captured for inference" error
+  (straight-through gradients are built around these ops, from the high-precision reference: straight_through.py). Any
   other dispatch key below autograd (fake / functional tensors, Python modes, subclasses, conjugate views)
   takes the ordinary re-dispatch, so tracing sees the op as one node.
 
@@ -47,23 +48,29 @@ def _is_plain(keyset: _C.DispatchKeySet) -> bool:
 
 def no_gradient_error(name: str) -> RuntimeError:
     return RuntimeError(
-        f"dbr_quant::{name} has no gradient: FP8 models from dbr_quant.convert are for inference. Run them "
-        "under torch.no_grad() / torch.inference_mode() and do not call backward through them (inputs and "
-        "parameters that require grad do); fine-tune the high-precision model, then prepare/convert again.")
+        f"dbr_quant::{name} has no gradient: this graph was captured for inference (fx_rewriter.rewrite with "
+        "example inputs that do not require grad). For straight-through gradients (FP8 forward, backward "
+        "through the dequantized weights) rewrite with example inputs that require grad, or run the converted "
+        "model eagerly; for inference run it under torch.no_grad() / torch.inference_mode().")
 
 
 class _InferenceOnly(torch.autograd.Function):
-    """Runs an op below autograd; its outputs carry a grad_fn whose backward is the inference-only error."""
+    """Runs an op below autograd; its outputs carry a grad_fn whose backward is the inference-only error
+    when a gradient reaches it. None reaching it is no error: in a graph captured with straight-through
+    gradients the FP8 ops run in grad mode, and ``dbr_quant::straight_through`` sends their outputs None."""
 
     @staticmethod
     def forward(ctx, op, keyset, *args):
         ctx.op_name = op._opname
+        ctx.set_materialize_grads(False)
         with _C._AutoDispatchBelowAutograd():
             return op.redispatch(keyset & _BELOW_AUTOGRAD, *args)
 
     @staticmethod
     def backward(ctx, *grads):
-        raise no_gradient_error(ctx.op_name)
+        if any(g is not None for g in grads):
+            raise no_gradient_error(ctx.op_name)
+        return (None,) * len(ctx.needs_input_grad)
 
 
 class Op:

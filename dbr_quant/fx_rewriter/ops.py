@@ -4,8 +4,8 @@ graph leaves.
 Each op runs the same kernel dispatch as eager (``dbr_quant.kernels``) and has a fake implementation
 that only computes the output's shape and dtype, so ``torch.export`` and ``torch.compile`` trace them
 as single nodes. :class:`GraphOps` is the table that kernel entry points call while a graph is
-captured (see ``kernels.dispatch.capture_with``). A backward through any op is a clear error (``oplib``):
-these ops are for inference.
+captured (see ``kernels.dispatch.capture_with``). A gradient reaching any op is a clear error (``oplib``):
+straight-through gradients go around them, through ``dbr_quant::straight_through`` (straight_through.py).
 """
 
 from __future__ import annotations

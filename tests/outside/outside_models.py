@@ -35,11 +35,6 @@ class Case:
         return pytest.param(self, id=self.name, marks=self.marks + (self.rewrite_marks if rewritten else ()))
 
 
-def known(point: int, what: str) -> Any:
-    """A failure another helper of issue #20 is fixing: strict, so the case flips to XPASS once it merges."""
-    return pytest.mark.xfail(strict=True, reason=f"issue #20 point {point}: {what}")
-
-
 def x2d(batch: int = 4) -> Callable[[torch.Generator], tuple[tuple, dict]]:
     return lambda g: ((torch.randn(batch, D, generator=g),), {})
 

@@ -1,6 +1,5 @@
 """What outside users do with a converted model next: edit weights, take gradients, read the report, pickle it,
-tie weights. Cases another issue-#20 helper is fixing are strict xfails (they flip to XPASS on merge); each
-accepts either of the choices the issue leaves open."""
+tie weights (issue #20 points 3-7); each case accepts either of the choices the issue leaves open."""
 
 import pickle
 import warnings
@@ -8,7 +7,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from outside_models import CASES, D, ParamMatmul, known, lin
+from outside_models import CASES, D, ParamMatmul, lin
 from outside_pipeline import converted_case, rel_l2
 from torch import nn
 
@@ -56,7 +55,6 @@ def test_inplace_weight_edit_takes_effect_or_raises(edit):
         f"{edit}: the converted model ignores the edit"
 
 
-@known(4, "a residual carries the only gradient: backward through FP8 ops is silently partial")
 def test_input_gradient_is_right_or_backward_raises():
     model, x = Residual(), torch.randn(4, D)
     converted = _convert(model, x)
