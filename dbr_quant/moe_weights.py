@@ -21,7 +21,7 @@ from torch import nn
 from . import kernels
 from .moe import MoeState, experts_spec
 from .qconfig import TensorQConfig
-from .weights import FP8Weight
+from .weights import FP8Weight, attach_fp8_weight
 
 
 def quantize_expert_weights(model: nn.Module, record: Any) -> None:
@@ -71,42 +71,9 @@ def block_quantize_experts(w3: torch.Tensor, block: tuple[int, int], fmt) -> tup
 def attach_fp8_param(module: nn.Module, name: str, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                      transposed: bool, block: tuple[int, int] | None = None, *,
                      qconfig: TensorQConfig | None = None) -> None:
-    """``module.<name>`` becomes an FP8Weight parameter; its state_dict entries ``<name>`` (FP8) and
-    ``<name>_scale`` (fp32). ``qconfig``: the weight config it was quantized with (an in-place edit re-quantizes
-    with it)."""
-    module._parameters[name] = nn.Parameter(FP8Weight(qdata, scale, dtype, transposed, block, qconfig=qconfig),
-                                            requires_grad=False)
-    if not module.__dict__.get("_dbr_fp8_param_hooks"):
-        module._register_state_dict_hook(_state_dict_hook)
-        module._register_load_state_dict_pre_hook(_load_hook, with_module=True)
-        module.__dict__["_dbr_fp8_param_hooks"] = True
-
-
-def _fp8_params(module: nn.Module) -> list[tuple[str, FP8Weight]]:
-    return [(n, p) for n, p in module._parameters.items() if type(p) is FP8Weight]
-
-
-def _state_dict_hook(module, state_dict, prefix, local_metadata):
-    for name, w in _fp8_params(module):
-        state_dict[prefix + name] = w.qdata
-        state_dict[prefix + name + "_scale"] = w.scale
-
-
-def _load_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-    for name, w in _fp8_params(module):
-        key = prefix + name
-        if key not in state_dict or isinstance(state_dict[key], FP8Weight):
-            continue
-        q, s = state_dict[key], state_dict.pop(key + "_scale", None)
-        if s is None:
-            missing.append(key + "_scale")
-            del state_dict[key]
-        elif q.dtype != w.qdata.dtype or q.shape != w.qdata.shape or s.shape != w.scale.shape:
-            errors.append(f"{key}: the checkpoint holds {q.dtype} {list(q.shape)} with scale {list(s.shape)}, the "
-                          f"converted model {w.qdata.dtype} {list(w.qdata.shape)} with scale {list(w.scale.shape)}")
-            del state_dict[key]
-        else:
-            state_dict[key] = FP8Weight(q, s, w.dtype, w.transposed, w.block)
+    """``module.<name>`` becomes an FP8Weight parameter: :func:`weights.attach_fp8_weight` (state_dict entries
+    ``<name>`` (FP8) and ``<name>_scale`` (fp32), loaded back by its hooks)."""
+    attach_fp8_weight(module, qdata, scale, dtype, transposed, block, name=name, qconfig=qconfig)
 
 
 def expert_weight_bytes(model: nn.Module) -> tuple[int, int]:
