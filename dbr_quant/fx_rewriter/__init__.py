@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 from typing import Any
 
 import torch
@@ -117,6 +118,15 @@ def rewrite(converted: nn.Module, example_inputs: Any = None, *,
                                            dynamic_shapes={**_named(converted, dyn_args), **dyn_kwargs})
         except GuardOnDataDependentSymNode as e:
             raise RewriteError(_data_dependent_message(e)) from e
+        except RuntimeError as e:
+            unknown = re.search(r"Found <class '([\w.]+)'> in output, which is not a known type", str(e))
+            if unknown is None:
+                raise
+            name = unknown.group(1)
+            raise RewriteError(f"{type(converted).__name__}.forward returns a {name} object, which torch.export cannot "
+                               f"return: register it first, torch.export.register_dataclass({name.rpartition('.')[2]}) "
+                               "for a dataclass (or torch.utils._pytree.register_pytree_node), then rewrite "
+                               "again") from e
     gm = exported.module()
     gm.graph.eliminate_dead_code()  # the runtime's placeholders and unused observer buffers
     gm.recompile()

@@ -572,8 +572,8 @@ CASES: list[Case] = [
     Case("python_flag_kwargs", PythonFlagKwargs, _flag_inputs, ("a", "b")),
     Case("namedtuple_out", NamedTupleOut, x2d(), ("a", "b")),
     Case("dataclass_out", DataclassOut, x2d(), ("a", "b"), rewrite_marks=(pytest.mark.xfail(
-        strict=True, reason="torch.export cannot return an unregistered dataclass (torch.export.register_dataclass "
-        "is the user's workaround); rewrite() passes torch's RuntimeError through"),)),
+        raises=RewriteError, strict=True, reason="torch.export cannot return an unregistered dataclass: rewrite() "
+        "says to call torch.export.register_dataclass (the user's workaround)"),)),
     Case("dict_input", DictInput, _dict_inputs, ("a", "b")),
     Case("linear_kwarg_call", LinearKwargCall, x2d(), ("a",)),
     Case("forward_hooks", _with_hooks, x2d(), ("0", "2", "4")),
