@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import kernels
 from .moe import MoeState, experts_spec
 from .qconfig import TensorQConfig
+from .weight_quantization import quantize_experts
 from .weights import FP8Weight, attach_fp8_weight
 
 
@@ -43,29 +43,6 @@ def quantize_expert_weights(model: nn.Module, record: Any) -> None:
             q, scale = quantize_experts(w3, cfg)
             attach_fp8_param(module, name, q, scale, w.dtype, st.spec.transposed,
                              cfg.block if cfg.granularity == "block" else None, qconfig=cfg)
-
-
-def quantize_experts(w3: torch.Tensor, cfg: TensorQConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(FP8 data [E, N, K], scale) of stacked expert weights with the weight observer of ``cfg``: scale [E, N] per
-    channel, [E, 1] per tensor (one per expert), [E, ⌈N/bn⌉, ⌈K/bk⌉] per block."""
-    num_e, n, k = w3.shape
-    if cfg.granularity == "block":
-        return block_quantize_experts(w3, cfg.block, cfg.format)
-    observer = cfg.observer.create(cfg.format, 0)
-    if cfg.granularity == "channel":
-        observer(w3.reshape(num_e * n, k))
-        scale = observer.scale().reshape(num_e, n)
-    else:
-        observer(w3.reshape(num_e, n * k))
-        scale = observer.scale().reshape(num_e, 1)
-    return kernels.quantize(w3, scale.unsqueeze(-1), cfg.format).contiguous(), scale
-
-
-def block_quantize_experts(w3: torch.Tensor, block: tuple[int, int], fmt) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-scaled FP8 of stacked expert weights [E, N, K]: (qdata [E, N, K], scale [E, ⌈N/bn⌉, ⌈K/bk⌉]), each
-    expert blocked on its own (blocks never straddle two experts)."""
-    pairs = [kernels.block_quantize_weight(w3[e], block, fmt) for e in range(w3.shape[0])]
-    return torch.stack([q for q, _ in pairs]).contiguous(), torch.stack([s for _, s in pairs])
 
 
 def attach_fp8_param(module: nn.Module, name: str, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_map
 from . import kernels
 from .formats import FP8Format
 from .qconfig import TensorQConfig
-from .weight_quantization import all_finite, quantize_weight
+from .weight_quantization import all_finite, quantize_experts, quantize_weight
 from .weights import FP8Weight
 
 __all__ = ["weight_config", "edit", "edit_in_place", "set_data"]
@@ -50,8 +50,6 @@ def _quantize_like(w: FP8Weight, values: torch.Tensor) -> tuple[torch.Tensor, to
     """(FP8 data, scale) of ``values`` (in ``qdata``'s layout) with ``w``'s rule: the quantizers convert uses."""
     cfg = weight_config(w)
     if values.dim() == 3:
-        from .moe_weights import quantize_experts
-
         return quantize_experts(values, cfg)
     if cfg.granularity == "block":
         return kernels.block_quantize_weight(values, cfg.block, cfg.format)

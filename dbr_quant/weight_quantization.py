@@ -18,7 +18,7 @@ from . import kernels
 from .observers import AmaxHistoryObserver, MovingAverageObserver, MSEObserver, RunningMaxObserver
 from .qconfig import TensorQConfig
 
-__all__ = ["quantize_weight", "quantize_fp8_weight", "all_finite"]
+__all__ = ["quantize_weight", "quantize_fp8_weight", "quantize_experts", "block_quantize_experts", "all_finite"]
 
 BLOCK_ELEMENTS = 2**18  # 1 MiB of fp32 per block
 _MAX_BASED = (RunningMaxObserver, MovingAverageObserver, AmaxHistoryObserver)  # one batch: amax = max |w|
@@ -70,3 +70,26 @@ def quantize_fp8_weight(w: torch.Tensor, cfg: TensorQConfig
         return q.contiguous(), scale, cfg.block
     q, scale = quantize_weight(w, cfg)
     return q, scale, None
+
+
+def quantize_experts(w3: torch.Tensor, cfg: TensorQConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 data [E, N, K], scale) of stacked expert weights with the weight observer of ``cfg``: scale [E, N] per
+    channel, [E, 1] per tensor (one per expert), [E, ⌈N/bn⌉, ⌈K/bk⌉] per block."""
+    num_e, n, k = w3.shape
+    if cfg.granularity == "block":
+        return block_quantize_experts(w3, cfg.block, cfg.format)
+    observer = cfg.observer.create(cfg.format, 0)
+    if cfg.granularity == "channel":
+        observer(w3.reshape(num_e * n, k))
+        scale = observer.scale().reshape(num_e, n)
+    else:
+        observer(w3.reshape(num_e, n * k))
+        scale = observer.scale().reshape(num_e, 1)
+    return kernels.quantize(w3, scale.unsqueeze(-1), cfg.format).contiguous(), scale
+
+
+def block_quantize_experts(w3: torch.Tensor, block: tuple[int, int], fmt) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled FP8 of stacked expert weights [E, N, K]: (qdata [E, N, K], scale [E, ⌈N/bn⌉, ⌈K/bk⌉]), each
+    expert blocked on its own (blocks never straddle two experts)."""
+    pairs = [kernels.block_quantize_weight(w3[e], block, fmt) for e in range(w3.shape[0])]
+    return torch.stack([q for q, _ in pairs]).contiguous(), torch.stack([s for _, s in pairs])

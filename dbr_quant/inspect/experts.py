@@ -23,6 +23,7 @@ from torch import nn
 from .. import kernels
 from ..moe import MoeState, _expert_key, _flat, expert_scales
 from ..quantization_state import observer_key
+from ..weight_quantization import quantize_experts
 from ..weights import FP8Weight
 from .features import Feature, Quantized, TensorContext
 from .inspector import feature_pass
@@ -166,20 +167,10 @@ def _quantize_weight(st: MoeState, op: Any, param: torch.Tensor, w: torch.Tensor
         return Quantized(param.qdata, param.scale.unsqueeze(-1), cfg.format)
     if w is None:
         w = _hp_weight(param, st.spec.transposed)
-    if cfg.granularity == "block":  # as convert stores it (moe_weights.block_quantize_experts)
-        from ..moe_weights import block_quantize_experts
-
-        q, scale = block_quantize_experts(w, cfg.block, cfg.format)
+    q, scale = quantize_experts(w, cfg)  # as convert stores it
+    if cfg.granularity == "block":
         return Quantized(q, scale, cfg.format, block=cfg.block)
-    num_e, n, k = w.shape
-    observer = cfg.observer.create(cfg.format, 0)
-    if cfg.granularity == "channel":
-        observer(w.reshape(num_e * n, k))
-        scale = observer.scale().reshape(num_e, n, 1)
-    else:
-        observer(w.reshape(num_e, n * k))
-        scale = observer.scale().reshape(num_e, 1, 1)
-    return Quantized(kernels.quantize(w, scale.to(w.device), cfg.format), scale.to(w.device), cfg.format)
+    return Quantized(q, scale.unsqueeze(-1).to(w.device), cfg.format)
 
 
 def _gemm(x: dict[str, torch.Tensor], q: dict[str, Quantized] | None, offsets: list[int],
