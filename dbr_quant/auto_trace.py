@@ -189,12 +189,17 @@ def has_pre_hooks(module: nn.Module) -> bool:
         "_hf_hook" in module.__dict__ and has_opaque_hook(module))
 
 
+def has_global_hooks() -> bool:
+    """Forward hooks registered for every module (``register_module_forward_hook``: profilers, activation
+    statistics): they see every linear call, so no fast path may skip one."""
+    return bool(_module_globals._global_forward_hooks or _module_globals._global_forward_pre_hooks)
+
+
 def has_hooks(module: nn.Module) -> bool:
     """Forward hooks (user code that could observe the module's inputs and outputs): the module's, global ones
     (``register_module_forward_hook``: profilers, activation statistics), or an accelerate hook other than
     its device/offload hooks (those are transparent: see offload.py)."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or _module_globals._global_forward_hooks
-                or _module_globals._global_forward_pre_hooks) or (
+    return bool(module._forward_hooks or module._forward_pre_hooks) or has_global_hooks() or (
         "_hf_hook" in module.__dict__ and has_opaque_hook(module))
 
 

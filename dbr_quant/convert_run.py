@@ -15,7 +15,7 @@ from torch.nn.modules import module as _module_globals
 from torch.utils._pytree import tree_map
 
 from . import moe, offload
-from .auto_trace import current_run, has_hooks, suspended
+from .auto_trace import current_run, has_global_hooks, has_hooks, suspended
 from .basic_ops import Call, run_basic
 from .mappings import (
     ACT,
@@ -200,7 +200,7 @@ class ConvertRun(Run):
         if role is None:
             role = _role(type(module))
         if (role is _LINEAR or role is _ACT) and "_hf_hook" not in d and len(args) == 1 and not kwargs \
-                and not module._forward_hooks and not module._forward_pre_hooks and not _global_hooks():
+                and not module._forward_hooks and not module._forward_pre_hooks and not has_global_hooks():
             # the precompiled plan's fast paths (plan.py): a plain nn.Linear or activation module whose step
             # is the expected one; NotImplemented when anything is unusual (then the general path below)
             out = self._linear_fast(module, d, args[0]) if role is _LINEAR else self._act_fast(module, args[0])
@@ -282,7 +282,7 @@ class ConvertRun(Run):
                 return _ACTIVATION_BODIES[type(module)](module, x)
         kinds = p.subgraph.kinds
         n = len(p.calls)
-        if n >= len(kinds) or kinds[n] != ACT or _global_hooks():
+        if n >= len(kinds) or kinds[n] != ACT or has_global_hooks():
             return NotImplemented
         func, kw = ACTIVATION_MODULES[type(module)](module)
         call = Call(ACT, func, (x,), kw)
@@ -304,7 +304,7 @@ class ConvertRun(Run):
         if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe.py
             return moe.experts_call(self, module, args, kwargs, "convert")
         act = ACTIVATION_MODULES.get(type(module))
-        if act is not None and len(args) == 1 and not kwargs and not has_hooks(module) and not _global_hooks():
+        if act is not None and len(args) == 1 and not kwargs and not has_hooks(module):
             # an activation module's forward is one F.relu / F.gelu / F.silu: take the step it would take
             # (join a pending subgraph, or just compute) without the module call and the torch-function trip
             func, kw = act(module)
@@ -430,11 +430,6 @@ def placeholder_base(outermost: bool) -> int:
     """Where a new run's placeholders start in this thread's pool: 0 for an outermost run, else above
     everything handed out so far."""
     return 0 if outermost else len(getattr(_pool, "tensors", ()))
-
-
-def _global_hooks() -> bool:
-    """Hooks registered for every module (``nn.modules.module.register_module_forward_hook``)."""
-    return bool(_module_globals._global_forward_hooks or _module_globals._global_forward_pre_hooks)
 
 
 # activation modules whose forward is one functional call: (module) → (function, kwargs)

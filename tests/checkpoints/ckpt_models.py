@@ -5,7 +5,6 @@ converted."""
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from dataclasses import dataclass
 
@@ -18,18 +17,6 @@ import dbr_quant as dq
 
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
-
-@contextlib.contextmanager
-def one_thread():
-    """One intra-op thread: the CI machine has 2 cores shared with other jobs, where OpenMP threads competing
-    for them make these small models 5-8x slower than a single thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
 
 VOCAB = 256
 # initializer_range 0.01: FP8 noise then moves the logits by ~2 % (the layers still change them by ~35 %);

@@ -5,7 +5,8 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from ckpt_models import LM_HEAD_HP, Converted, convert_hf, llama, one_thread
+from ckpt_models import LM_HEAD_HP, Converted, convert_hf, llama
+from threads import one_thread
 
 import dbr_quant as dq
 

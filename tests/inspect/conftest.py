@@ -1,6 +1,7 @@
 import pytest
 import torch
 from inspect_toys import MLP, Attn, batches
+from threads import one_thread
 
 import dbr_quant as dq
 
@@ -8,10 +9,8 @@ import dbr_quant as dq
 @pytest.fixture(autouse=True)
 def _one_thread():
     """The CI box has 2 shared cores: one intra-op thread avoids OpenMP contention (10× on MiniLM)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with one_thread():
+        yield
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from outside_pipeline import (
     leaves,
     rel_l2,
 )
+from threads import one_thread
 
 import dbr_quant as dq
 from dbr_quant.fx_rewriter import rewrite
@@ -25,10 +26,9 @@ COMPILED = ("consumed_twice", "inplace_relu", "where_maskfill_einsum", "nested_c
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    """Small models on 2 shared cores: one intra-op thread avoids OpenMP contention."""
+    with one_thread():
+        yield
 
 
 def _fp8_nodes(gm: torch.fx.GraphModule) -> list:
