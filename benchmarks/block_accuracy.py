@@ -21,7 +21,7 @@ import torch
 
 import dbr_quant as dq
 from dbr_quant.examples.minilm import CALIBRATION_SENTENCES, EVAL_SENTENCES, encode, load_minilm, sentence_embeddings
-from dbr_quant.moe_weights import expert_weight_bytes
+from dbr_quant.moe.weights import expert_weight_bytes
 
 SCHEMES: dict[str, dq.QConfig] = {
     "tensor (static) / channel": dq.QConfig(),  # the default: calibrated per-tensor inputs, per-channel weights

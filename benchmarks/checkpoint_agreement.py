@@ -26,8 +26,8 @@ import torch
 
 import dbr_quant as dq
 from dbr_quant.examples import minilm
-from dbr_quant.kernels import reference as ref
 from dbr_quant.kernels import use_cpu_gemm
+from dbr_quant.kernels.reference import dense as ref
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> str:

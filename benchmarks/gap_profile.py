@@ -31,7 +31,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from harness import median, minilm, time_interleaved  # noqa: E402
 
 from dbr_quant.examples.minilm import EVAL_SENTENCES, encode  # noqa: E402
-from dbr_quant.kernels import cpu, cpu_e4m3, use_cpu_gemm  # noqa: E402
+from dbr_quant.kernels import use_cpu_gemm
+from dbr_quant.kernels.cpu import e4m3 as cpu_e4m3  # noqa: E402
+from dbr_quant.kernels.cpu import features as cpu
 
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm"}
 C_CALLS = ("quantize_e4m3", "decode_e4m3", "decode_e4m3_scaled", "small_linear")

@@ -25,9 +25,9 @@ from torch import nn
 
 from dbr_quant.examples.minilm import CALIBRATION_SENTENCES, EVAL_SENTENCES, encode, load_minilm, sentence_embeddings
 from dbr_quant.formats import FP8Format
-from dbr_quant.kernels import reference
+from dbr_quant.kernels.reference import dense as reference
 from dbr_quant.observers import MSE, RunningMax
-from dbr_quant.rounding import HessianAccumulator, gptq_quantize, gptq_round, round_to_nearest, weight_scale
+from dbr_quant.quantize.rounding import HessianAccumulator, gptq_quantize, gptq_round, round_to_nearest, weight_scale
 
 FMT = FP8Format.E4M3
 VARIANTS = {

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dbr_quant.weights import fp8_weight_bytes, fp8_weight_of
+from dbr_quant.quantize.weights import fp8_weight_bytes, fp8_weight_of
 
 
 @dataclass

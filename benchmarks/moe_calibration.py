@@ -31,7 +31,7 @@ from transformers import MixtralConfig, MixtralForCausalLM
 from transformers.utils import logging as hf_logging
 
 import dbr_quant as dq
-from dbr_quant.moe import MoeState, has_data
+from dbr_quant.moe.experts import MoeState, has_data
 from dbr_quant.qconfig import Override, QConfig, TensorQConfig
 
 hf_logging.set_verbosity_error()

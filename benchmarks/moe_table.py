@@ -21,8 +21,8 @@ from transformers.utils import logging as hf_logging
 
 import dbr_quant as dq
 from dbr_quant import kernels
-from dbr_quant.moe import EXPERTS
-from dbr_quant.moe_weights import expert_weight_bytes
+from dbr_quant.moe.experts import EXPERTS
+from dbr_quant.moe.weights import expert_weight_bytes
 
 hf_logging.set_verbosity_error()
 

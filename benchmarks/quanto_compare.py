@@ -35,7 +35,8 @@ from dbr_quant.examples.minilm import (  # noqa: E402
     sentence_embeddings,
 )
 from dbr_quant.fx_rewriter import compile_frozen, rewrite  # noqa: E402
-from dbr_quant.kernels import cpu, use_cpu_gemm  # noqa: E402
+from dbr_quant.kernels import use_cpu_gemm
+from dbr_quant.kernels.cpu import features as cpu  # noqa: E402
 
 QUANTO_VERSION = "0.2.7"
 LABELS = {"fp32": "fp32 eager", "quanto": "quanto W8A8 FP8 (frozen)", "conv": "dbr_quant converted eager",

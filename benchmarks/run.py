@@ -34,7 +34,8 @@ from dbr_quant.examples.minilm import (  # noqa: E402
     sentence_embeddings,
 )
 from dbr_quant.fx_rewriter import FrozenCompiled, compile_frozen, gemm_path_cache_key, rewrite  # noqa: E402
-from dbr_quant.kernels import cpu, use_cpu_gemm  # noqa: E402
+from dbr_quant.kernels import use_cpu_gemm
+from dbr_quant.kernels.cpu import features as cpu  # noqa: E402
 
 LABELS = {"fp32": "fp32 eager", "bf16": "bf16 eager", "bf16+frozen": "bf16 + compile, frozen",
           "fp32+frozen": "fp32 + compile, frozen",

@@ -6,7 +6,7 @@ and whatever dbr_quant's define-by-run runtime does per op is most of the time (
 Three variants, interleaved round by round, each timed with ``time.thread_time`` (CPU time of this thread,
 so other processes on a shared machine do not count) with one intra-op thread (all of the work runs on this
 thread): fp32 eager; the converted FP8 model (runtime + kernel); the same converted model with the reference
-kernel entry points the runtime calls (``dbr_quant.kernels.reference.<op>``, reached through the dispatch in
+kernel entry points the runtime calls (``dbr_quant.kernels.reference.dense.<op>``, reached through the dispatch in
 ``dbr_quant.kernels``) replaced by no-ops that return a tensor of the right shape and dtype (runtime only).
 Per op = per forward / number of quantized linears (one fused ``Linear + ReLU`` each); the kernel launches
 per forward are printed too.
@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from harness import paired_ratio  # noqa: E402
 
 import dbr_quant as dq  # noqa: E402
-from dbr_quant.kernels import count_launches, reference, use_cpu_gemm  # noqa: E402
+from dbr_quant.kernels import count_launches, use_cpu_gemm
+from dbr_quant.kernels.reference import dense as reference  # noqa: E402
 
 LAYERS, WIDTH = 48, 16
 
@@ -150,8 +151,9 @@ def measure(path: str, rounds: int = 15, inner: int = 20) -> dict[str, float]:
         # else "runtime only" would time kernels that the patch did not reach
         if sum(no_op_calls.values()) != sum(launches.values()):
             raise RuntimeError(f"tiny stack: the no-op kernels saw {dict(no_op_calls)} but the forward launched "
-                               f"{dict(launches)}; the runtime no longer reaches dbr_quant.kernels.reference.<op> at "
-                               "call time: update kernels_replaced_by_no_ops to patch what it calls")
+                               f"{dict(launches)}; the runtime no longer reaches "
+                               "dbr_quant.kernels.reference.dense.<op> at call time: "
+                               "update kernels_replaced_by_no_ops to patch what it calls")
 
         def runtime_only() -> None:
             with kernels_replaced_by_no_ops():

@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import median, time_interleaved  # noqa: E402
 
-from dbr_quant.kernels import reference as R  # noqa: E402
+from dbr_quant.kernels.reference import dense as R  # noqa: E402
 
 
 def main() -> None:

@@ -6,16 +6,16 @@
     dbr_quant.save_pretrained(converted, "out/")      # FP8 checkpoint that transformers and vLLM load
 """
 
-from . import kernels
-from .api import PrepareError, calibrate, convert, disabled, format_report, prepare, quant_state, report
-from .checkpoints import CheckpointError, load_pretrained, save_pretrained
-from .distributed import SyncError, sync_observers
-from .formats import FP8Format
-from .fusions import Fusion, register_fusion
-from .fx_rewriter import ops as _ops  # noqa: F401  (defines the dbr_quant:: ops, so saved ExportedPrograms load)
-from .observers import MSE, AmaxHistory, MovingAverage, Percentile, RunningMax
-from .qconfig import GPTQOptions, Override, QConfig, TensorQConfig
-from .quantization_state import AutoQuantizationState, UncalibratedError, UnseenOpError
+from dbr_quant import kernels
+from dbr_quant.api import PrepareError, calibrate, convert, disabled, format_report, prepare, quant_state, report
+from dbr_quant.checkpoints import CheckpointError, load_pretrained, save_pretrained
+from dbr_quant.formats import FP8Format
+from dbr_quant.fx_rewriter import ops as _ops  # noqa: F401  (defines the dbr_quant:: ops, so saved ExportedPrograms load)
+from dbr_quant.integrations.distributed import SyncError, sync_observers
+from dbr_quant.observers import MSE, AmaxHistory, MovingAverage, Percentile, RunningMax
+from dbr_quant.ops.fusions import Fusion, register_fusion
+from dbr_quant.qconfig import GPTQOptions, Override, QConfig, TensorQConfig
+from dbr_quant.runtime.state import AutoQuantizationState, UncalibratedError, UnseenOpError
 
 __all__ = [
     "prepare", "calibrate", "convert", "sync_observers", "disabled", "report", "format_report", "quant_state",

@@ -27,8 +27,8 @@ def _demo(rounds: int) -> None:
         load_minilm,
         sentence_embeddings,
     )
-    from dbr_quant.kernels import cpu
-    from dbr_quant.weights import fp8_weight_bytes
+    from dbr_quant.kernels.cpu import features as cpu
+    from dbr_quant.quantize.weights import fp8_weight_bytes
 
     torch.manual_seed(0)
     print("dbr_quant demo: all-MiniLM-L6-v2 (real pretrained weights) → FP8 (E4M3), CPU reference backend")

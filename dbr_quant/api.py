@@ -13,19 +13,23 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import moe, moe_siblings, moe_weights, offload, precision
-from .auto_trace import FAST_PATH_MODULES, current_run, disabled, intercepting, is_disabled
-from .convert_run import ConvertRun
-from .distributed import sync_observers
-from .mappings import LINEAR, QUANTIZEABLE, is_container, is_transposed_linear, linear_weight
-from .param_weights import quantize_param_weights
-from .qconfig import QConfig
-from .quantization_state import AutoQuantizationState, UncalibratedError
-from .rounding import collect
-from .runs import CalibrateRun, HighPrecisionRun, InspectRun, ModelRecord, state_of
-from .tracer import TraceRun
-from .weight_quantization import all_finite, quantize_fp8_weight
-from .weights import attach_fp8_weight, fp8_weight_of
+from dbr_quant.integrations import accelerate as offload
+from dbr_quant.integrations.distributed import sync_observers
+from dbr_quant.moe import experts as moe
+from dbr_quant.moe import siblings as moe_siblings
+from dbr_quant.moe import weights as moe_weights
+from dbr_quant.ops.mappings import LINEAR, QUANTIZEABLE, is_container, is_transposed_linear, linear_weight
+from dbr_quant.qconfig import QConfig
+from dbr_quant.quantize.rounding import collect
+from dbr_quant.quantize.weight_quantization import all_finite, quantize_fp8_weight
+from dbr_quant.quantize.weights import attach_fp8_weight, fp8_weight_of
+from dbr_quant.runtime import precision
+from dbr_quant.runtime.convert_run import ConvertRun
+from dbr_quant.runtime.interception import FAST_PATH_MODULES, current_run, disabled, intercepting, is_disabled
+from dbr_quant.runtime.param_weights import quantize_param_weights
+from dbr_quant.runtime.runs import CalibrateRun, HighPrecisionRun, InspectRun, ModelRecord, state_of
+from dbr_quant.runtime.state import AutoQuantizationState, UncalibratedError
+from dbr_quant.runtime.tracer import TraceRun
 
 __all__ = ["prepare", "calibrate", "convert", "disabled", "report", "PrepareError"]
 
@@ -358,7 +362,7 @@ def _loaded_weight(module: nn.Module, home: offload.WeightHome) -> torch.Tensor:
 def report(model: nn.Module) -> list[dict[str, Any]]:
     """One row per recorded quantizeable op, plus one per weight (parameter of 2+ dims) that stays high
     precision without one (a linear module no recorded op ran, a convolution, an embedding, a bare parameter):
-    where it is, whether it runs in FP8, and why not (``dbr_quant.precision``). ``weight`` names the parameter
+    where it is, whether it runs in FP8, and why not (``dbr_quant.runtime.precision``). ``weight`` names the parameter
     a row stands for (None for an op between activations)."""
     record = model.__dict__.get("_dbr_record")
     if record is None:

@@ -13,10 +13,10 @@ from typing import Literal
 
 from torch import nn
 
-from .formats import FP8Format
-from .kernels.reference_block import check_block, check_group
-from .observers import ObserverConfig, RunningMax
-from .rounding.damping import DEFAULT_DAMPINGS
+from dbr_quant.formats import FP8Format
+from dbr_quant.kernels.reference.block import check_block, check_group
+from dbr_quant.observers import ObserverConfig, RunningMax
+from dbr_quant.quantize.rounding.damping import DEFAULT_DAMPINGS
 
 Granularity = Literal["tensor", "channel", "token", "block", "group"]
 GRANULARITIES = ("tensor", "channel", "token", "block", "group")
@@ -60,7 +60,7 @@ class TensorQConfig:
 
 @dataclass(frozen=True)
 class GPTQOptions:
-    """Settings of ``weight_rounding="gptq"`` (see ``dbr_quant.rounding``).
+    """Settings of ``weight_rounding="gptq"`` (see ``dbr_quant.quantize.rounding``).
 
     act_order: round input channels in order of decreasing Hessian diagonal (largest inputs first).
     block_size: columns rounded between two lazy updates of the remaining weight (speed only).
@@ -153,7 +153,7 @@ class QConfig:
     amplifies the rounding of q·kᵀ (all-MiniLM-L6-v2: embedding cosine 0.9975 → 0.9970 with it on).
     weight_rounding: "nearest" rounds each linear weight to the nearest FP8 value; "gptq" rounds with GPTQ
     error feedback from the Hessian of the linear's calibration inputs, with the damping chosen by
-    cross-validation over calibration batches (``gptq`` holds its options; ``dbr_quant.rounding.collect``
+    cross-validation over calibration batches (``gptq`` holds its options; ``dbr_quant.quantize.rounding.collect``
     says what calibration keeps). Same scales and FP8 layout as nearest: only which grid point each weight
     takes changes. Needs calibration batches also with ``dynamic=True``.
     """

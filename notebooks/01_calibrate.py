@@ -24,7 +24,7 @@ import torch
 
 import dbr_quant as dq
 from dbr_quant.examples import minilm
-from dbr_quant.weights import fp8_weight_bytes
+from dbr_quant.quantize.weights import fp8_weight_bytes
 
 # One intra-op thread: this machine has 2 cores shared with other jobs, and OpenMP threads that
 # compete for them are ~10x slower than a single thread on a model this small.
@@ -115,7 +115,7 @@ plt.show()
 # inputs, with the amax chosen by the max and the 99.99th-percentile observers.
 
 # %%
-from dbr_quant.quantization_state import observer_key  # noqa: E402
+from dbr_quant.runtime.state import observer_key  # noqa: E402
 
 amax = {}
 for st in prepared._dbr_record.states:
@@ -155,7 +155,7 @@ plt.show()
 # ## 5. The converted model vs fp32
 #
 # `convert` froze the scales and stored every linear's weight as `float8_e4m3fn` (per output channel):
-# `module.weight` is now an `FP8Weight` that still reports float32 (`dbr_quant.weights`).
+# `module.weight` is now an `FP8Weight` that still reports float32 (`dbr_quant.quantize.weights`).
 # The converted model is a drop-in replacement: same call, same output type.
 
 # %%

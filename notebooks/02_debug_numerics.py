@@ -186,7 +186,7 @@ print(dq.format_report([r for r in dq.report(c2) if r["kind"] == "linear" and no
 # (each layer's input) per tensor, per token and per token per group of 128 or 32 channels.
 
 # %%
-from dbr_quant.kernels import reference_block  # noqa: E402
+from dbr_quant.kernels.reference import block as reference_block  # noqa: E402
 
 
 def sqnr_db(ref, approx):
@@ -269,7 +269,7 @@ print(f"KEY block_cosine={scheme_cos['group 128 / block 128x128']:.5f} "
 # %%
 import math  # noqa: E402
 
-from dbr_quant.rounding.collect import gptq_report  # noqa: E402
+from dbr_quant.quantize.rounding.collect import gptq_report  # noqa: E402
 
 calib_batches = [minilm.encode(tokenizer, minilm.CALIBRATION_SENTENCES[i:i + 4]) for i in range(0, 16, 4)]
 choose_on = [calib_batches[0]]

@@ -34,7 +34,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 import dbr_quant as dq  # noqa: E402
 from dbr_quant.examples import minilm  # noqa: E402
-from dbr_quant.weights import fp8_weight_of  # noqa: E402
+from dbr_quant.quantize.weights import fp8_weight_of  # noqa: E402
 
 torch.set_num_threads(1)  # 2 cores shared with other jobs: one thread avoids OpenMP contention
 torch.set_grad_enabled(False)

@@ -10,7 +10,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 @pytest.fixture(autouse=True)
 def _seed_and_check_global_state():
     """Every test starts seeded and must leave Module.__call__ and the torch-function mode stack clean."""
-    from dbr_quant.auto_trace import is_patched
+    from dbr_quant.runtime.interception import is_patched
 
     torch.manual_seed(0)
     yield

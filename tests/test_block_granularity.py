@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import dbr_quant as dq
-from dbr_quant.kernels import reference_block as RB
-from dbr_quant.weights import FP8Weight, adjacent_rows, fp8_weight_bytes, fp8_weight_of
+from dbr_quant.kernels.reference import block as RB
+from dbr_quant.quantize.weights import FP8Weight, adjacent_rows, fp8_weight_bytes, fp8_weight_of
 
 D, HIDDEN, GATED = 200, 300, 136  # none a multiple of 128 (nor of 32 / 48): every edge block is ragged
 BLOCKS = [(128, 128), (48, 32)]

@@ -8,7 +8,7 @@ from torch import nn
 
 import dbr_quant as dq
 from dbr_quant.formats import FP8Format
-from dbr_quant.weights import fp8_weight_bytes
+from dbr_quant.quantize.weights import fp8_weight_bytes
 
 
 class Net(nn.Module):

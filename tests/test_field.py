@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import dbr_quant as dq
-from dbr_quant.kernels import reference as R
-from dbr_quant.weights import FP8Weight, fp8_weight_bytes, fp8_weight_of
+from dbr_quant.kernels.reference import dense as R
+from dbr_quant.quantize.weights import FP8Weight, fp8_weight_bytes, fp8_weight_of
 
 
 class Block(nn.Module):

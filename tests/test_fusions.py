@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import dbr_quant as dq
-from dbr_quant.fusions import FUSIONS
-from dbr_quant.weights import adjacent_rows
+from dbr_quant.ops.fusions import FUSIONS
+from dbr_quant.quantize.weights import adjacent_rows
 
 ACTS = {
     "relu": F.relu,

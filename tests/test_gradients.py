@@ -19,7 +19,7 @@ from torch import nn
 
 import dbr_quant as dq
 from dbr_quant.fx_rewriter import rewrite
-from dbr_quant.weights import FP8Weight
+from dbr_quant.quantize.weights import FP8Weight
 
 
 # ----------------------------------------------------------------------------------------- models

@@ -37,7 +37,7 @@ from transformers.utils import ModelOutput
 from transformers.utils import logging as hf_logging
 
 import dbr_quant as dq
-from dbr_quant.basic_ops import stored_fp8_weight
+from dbr_quant.ops.basic import stored_fp8_weight
 
 hf_logging.set_verbosity_error()
 

@@ -2,9 +2,9 @@
 
 * ``MixtralForCausalLM`` (8 experts, top-2) and ``Qwen2MoeForCausalLM`` (8 experts, top-2, a shared expert
   with its sigmoid gate) with 3-D expert weights, under every ``config._experts_implementation`` (eager,
-  batched_mm, grouped_mm): one experts module call = one FP8 MoE block (dbr_quant/moe.py).
+  batched_mm, grouped_mm): one experts module call = one FP8 MoE block (dbr_quant/moe/experts.py).
 * Toys whose experts are a ``ModuleList`` / ``ModuleDict`` of MLPs called only when routed to (Mixtral-v1 /
-  Switch style, dbr_quant/moe_siblings.py), prepared on a 2-token example that reaches a few experts.
+  Switch style, dbr_quant/moe/siblings.py), prepared on a 2-token example that reaches a few experts.
 
 Tolerances come from measurements on these models (in ``MIN_COS``), with ≥ 2× margin on 1 − cos.
 """
@@ -24,11 +24,11 @@ from transformers.utils import logging as hf_logging
 
 import dbr_quant as dq
 from dbr_quant import kernels
-from dbr_quant.basic_ops import stored_fp8_weight
 from dbr_quant.formats import FP8Format
-from dbr_quant.kernels import reference
-from dbr_quant.moe import EXPERTS, MoeState
-from dbr_quant.weights import FP8Weight
+from dbr_quant.kernels.reference import dense as reference
+from dbr_quant.moe.experts import EXPERTS, MoeState
+from dbr_quant.ops.basic import stored_fp8_weight
+from dbr_quant.quantize.weights import FP8Weight
 
 hf_logging.set_verbosity_error()
 

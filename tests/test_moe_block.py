@@ -20,9 +20,9 @@ from transformers import MixtralConfig, MixtralForCausalLM
 
 import dbr_quant as dq
 from dbr_quant import kernels
-from dbr_quant.kernels import reference
-from dbr_quant.moe import EXPERTS
-from dbr_quant.weights import FP8Weight
+from dbr_quant.kernels.reference import dense as reference
+from dbr_quant.moe.experts import EXPERTS
+from dbr_quant.quantize.weights import FP8Weight
 
 HIDDEN, INTER, BLOCK = 40, 64, (16, 24)
 FP8_MAX = 448.0

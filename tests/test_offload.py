@@ -19,9 +19,9 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 import dbr_quant as dq  # noqa: E402
-from dbr_quant.auto_trace import has_hooks  # noqa: E402
-from dbr_quant.offload import FP8WeightsMap  # noqa: E402
-from dbr_quant.weights import FP8Weight  # noqa: E402
+from dbr_quant.integrations.accelerate import FP8WeightsMap  # noqa: E402
+from dbr_quant.quantize.weights import FP8Weight  # noqa: E402
+from dbr_quant.runtime.interception import has_hooks  # noqa: E402
 
 hf_logging.set_verbosity_error()
 

@@ -102,8 +102,8 @@ def test_demo_extra_and_triton_marker():
 def no_triton(monkeypatch):
     """As if triton were not installed (macOS, Windows, a CPU-only install): importing it fails."""
     monkeypatch.setitem(sys.modules, "triton", None)
-    for name in [n for n in sys.modules if n.startswith("dbr_quant.kernels.triton_")]:
-        if name != "dbr_quant.kernels.triton_backend":  # the kernel modules import triton; the backend does not
+    for name in [n for n in sys.modules if n.startswith("dbr_quant.kernels.triton.")]:
+        if name != "dbr_quant.kernels.triton.backend":  # the kernel modules import triton; the backend does not
             monkeypatch.delitem(sys.modules, name)
     dispatch.triton_installed.cache_clear()
     yield
@@ -121,7 +121,7 @@ def test_fp8_gpu_without_triton_runs_reference(no_triton, monkeypatch):
 
 
 def test_triton_backend_without_triton_says_what_to_do(no_triton):
-    from dbr_quant.kernels import triton_backend
+    from dbr_quant.kernels.triton import backend as triton_backend
 
-    with pytest.raises(ImportError, match=r"triton_quantize: the triton backend needs the triton package"):
+    with pytest.raises(ImportError, match=r"triton.quantize: the triton backend needs the triton package"):
         triton_backend.quantize(torch.ones(2), torch.ones(()), FP8Format.E4M3)

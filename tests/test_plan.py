@@ -1,6 +1,7 @@
-"""The converted runtime's precompiled plan (dbr_quant/plan.py) and the fast paths that use it (convert_run.ConvertRun
-``_linear_fast`` / ``_act_fast``, fusions ``_static_mlp``): they must fire on plain models, compute exactly what
-the general path computes, read weights and scales per call, and hand anything unusual to the general path."""
+"""The converted runtime's precompiled plan (dbr_quant/runtime/plan.py) and the fast paths that use it
+(convert_run.ConvertRun ``_linear_fast`` / ``_act_fast``, fusions ``_static_mlp``): they must fire on plain
+models, compute exactly what the general path computes, read weights and scales per call, and hand anything
+unusual to the general path."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import dbr_quant as dq
-from dbr_quant import convert_run, fusions
 from dbr_quant.kernels import count_launches
-from dbr_quant.quantization_state import UnseenOpError
+from dbr_quant.ops import fusions
+from dbr_quant.runtime import convert_run
+from dbr_quant.runtime.state import UnseenOpError
 
 ACTS = {"relu": nn.ReLU, "gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh"), "silu": nn.SiLU}
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dbr_quant as dq
-from dbr_quant.weights import FP8Weight
+from dbr_quant.quantize.weights import FP8Weight
 
 D, HEADS, FF = 32, 4, 64
 

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import dbr_quant as dq
-from dbr_quant.auto_trace import is_patched
-from dbr_quant.weights import fp8_weight_of
+from dbr_quant.quantize.weights import fp8_weight_of
+from dbr_quant.runtime.interception import is_patched
 
 
 def roundtrip(model, *args, qconfig=None, calib=None, **kwargs):

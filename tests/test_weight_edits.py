@@ -15,8 +15,8 @@ from test_field import Block
 from torch import nn
 
 import dbr_quant as dq
-from dbr_quant.basic_ops import stacked_gate_up
-from dbr_quant.weights import FP8Weight
+from dbr_quant.ops.basic import stacked_gate_up
+from dbr_quant.quantize.weights import FP8Weight
 
 E4M3_MAX = 448.0
 GRANULARITIES = {

@@ -14,7 +14,7 @@ from torch import nn
 
 import dbr_quant as dq
 from dbr_quant import fx_rewriter
-from dbr_quant.weights import FP8Weight, fp8_weight_of
+from dbr_quant.quantize.weights import FP8Weight, fp8_weight_of
 
 
 def _pickled(obj):

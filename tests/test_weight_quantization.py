@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import dbr_quant as dq
 from dbr_quant import kernels
 from dbr_quant.formats import FP8Format
-from dbr_quant.weight_quantization import quantize_weight
+from dbr_quant.quantize.weight_quantization import quantize_weight
 
 OBSERVERS = [dq.RunningMax(), dq.MovingAverage(0.1), dq.AmaxHistory(4, margin=1), dq.Percentile(99.0),
              dq.MSE(num_candidates=6)]

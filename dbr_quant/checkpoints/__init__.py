@@ -8,8 +8,8 @@ transformers, vLLM and SGLang load), and back into a converted dbr_quant model.
 reads the files one tensor at a time; ``sidecar`` is ``dbr_quant.json``; ``save`` / ``load`` put them together.
 """
 
-from .errors import CheckpointError
-from .load import load_pretrained
-from .save import save_pretrained
+from dbr_quant.checkpoints.errors import CheckpointError
+from dbr_quant.checkpoints.load import load_pretrained
+from dbr_quant.checkpoints.save import save_pretrained
 
 __all__ = ["save_pretrained", "load_pretrained", "CheckpointError"]

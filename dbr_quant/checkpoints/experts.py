@@ -29,11 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..moe import MoeState
-from ..moe_weights import attach_fp8_param
-from ..weights import FP8Weight
-from .errors import CheckpointError
-from .safetensors_io import Entry
+from dbr_quant.checkpoints.errors import CheckpointError
+from dbr_quant.checkpoints.safetensors_io import Entry
+from dbr_quant.moe.experts import MoeState
+from dbr_quant.moe.weights import attach_fp8_param
+from dbr_quant.quantize.weights import FP8Weight
 
 MIXTRAL_TYPES = ("mixtral", "minimax")  # transformers' conversion_mapping: "minimax" → the "mixtral" rules
 
@@ -72,7 +72,7 @@ def converted_experts(record: Any) -> dict[str, MoeState]:
 
 
 def _scale_dtype(scale: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
-    from .layout import scale_dtype
+    from dbr_quant.checkpoints.layout import scale_dtype
 
     return scale_dtype(scale, dtype)
 
@@ -81,7 +81,7 @@ def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, tuple]
                  ) -> tuple[list[Entry], dict[str, Any]]:
     """The per-expert entries of one experts module (model names; renamed with the rest of the plan) and
     its ``dbr_quant.json`` record; adds each projection's compressed-tensors scheme to ``schemes``."""
-    from .layout import _scheme
+    from dbr_quant.checkpoints.layout import _scheme
 
     module = model.get_submodule(st.fqn)
     spec = st.spec

@@ -33,13 +33,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import kernels
-from ..api import _stack_gate_up_weights, convert, prepare
-from ..mappings import LINEAR
-from ..qconfig import Override, QConfig, TensorQConfig
-from ..weights import attach_fp8_weight, fp8_weight_of
-from .errors import CheckpointError
-from .layout import model_modules, own_tensors
+from dbr_quant import kernels
+from dbr_quant.api import _stack_gate_up_weights, convert, prepare
+from dbr_quant.checkpoints.errors import CheckpointError
+from dbr_quant.checkpoints.layout import model_modules, own_tensors
+from dbr_quant.ops.mappings import LINEAR
+from dbr_quant.qconfig import Override, QConfig, TensorQConfig
+from dbr_quant.quantize.weights import attach_fp8_weight, fp8_weight_of
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -161,8 +161,8 @@ def check_folder(model: nn.Module, layout: ForeignLayout, stored: dict[str, Any]
                                                                                            list[str]]:
     """Every tensor read and checked against ``model``: (name → value, FP8 linear names). Raises naming the
     tensor; reads nothing into the model."""
-    from .load import _check_scale
-    from .safetensors_io import read_tensor
+    from dbr_quant.checkpoints.load import _check_scale
+    from dbr_quant.checkpoints.safetensors_io import read_tensor
 
     tensors, tied = _model_tensors(model)
     modules = dict(model_modules(model))
@@ -226,7 +226,7 @@ def _default_example(model: nn.Module) -> tuple[tuple, dict]:
 
 def load_foreign(folder: Path, model: nn.Module, qc: dict[str, Any], stored: dict[str, Any],
                  example_inputs: Any, example_kwargs: dict[str, Any] | None) -> nn.Module:
-    from .load import _QUIET, _example
+    from dbr_quant.checkpoints.load import _QUIET, _example
 
     layout = parse_layout(qc, f"{folder / 'config.json'}: quantization_config")
     values, fp8 = check_folder(model, layout, stored)

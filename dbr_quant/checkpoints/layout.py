@@ -42,15 +42,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import kernels
-from ..formats import FP8Format
-from ..mappings import LINEAR, MATMUL, SDPA
-from ..quantization_state import AutoQuantizationState, SeenOp
-from ..runs import ModelRecord
-from ..weights import FP8Weight, fp8_weight_of
-from . import experts
-from .errors import CheckpointError
-from .safetensors_io import Entry
+from dbr_quant import kernels
+from dbr_quant.checkpoints import experts
+from dbr_quant.checkpoints.errors import CheckpointError
+from dbr_quant.checkpoints.safetensors_io import Entry
+from dbr_quant.formats import FP8Format
+from dbr_quant.ops.mappings import LINEAR, MATMUL, SDPA
+from dbr_quant.quantize.weights import FP8Weight, fp8_weight_of
+from dbr_quant.runtime.runs import ModelRecord
+from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
 
 CT_VERSION = "0.20.0"  # the compressed-tensors release whose layout this writes (checked by the tests)
 # compressed-tensors' is_cached_attention_module (0.20): these names mark a KV-cached attention module

@@ -23,16 +23,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import kernels
-from ..api import _stack_gate_up_weights, convert, prepare
-from ..formats import FP8Format
-from ..mappings import SDPA
-from ..weights import attach_fp8_weight, fp8_weight_of
-from . import experts, sidecar
-from .errors import CheckpointError
-from .layout import model_modules, own_tensors
-from .safetensors_io import StoredTensor, read_header, read_tensor
-from .save import INDEX
+from dbr_quant import kernels
+from dbr_quant.api import _stack_gate_up_weights, convert, prepare
+from dbr_quant.checkpoints import experts, sidecar
+from dbr_quant.checkpoints.errors import CheckpointError
+from dbr_quant.checkpoints.layout import model_modules, own_tensors
+from dbr_quant.checkpoints.safetensors_io import StoredTensor, read_header, read_tensor
+from dbr_quant.checkpoints.save import INDEX
+from dbr_quant.formats import FP8Format
+from dbr_quant.ops.mappings import SDPA
+from dbr_quant.quantize.weights import attach_fp8_weight, fp8_weight_of
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _QUIET = r"dbr_quant\.(prepare|convert)\(\): "  # the reload repeats warnings the user saw at convert time
@@ -343,7 +343,7 @@ def load_pretrained(save_directory: str | Path, model: nn.Module, *, example_inp
                         "by dbr_quant.prepare()/convert()")
     folder = Path(save_directory)
     if not (folder / sidecar.FILENAME).is_file():
-        from . import foreign
+        from dbr_quant.checkpoints import foreign
 
         qc = foreign.quantization_config_of(folder)
         if qc is not None and foreign.is_block_config(qc):  # another tool's (compressed-tensors, FineGrainedFP8)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import CheckpointError
+from dbr_quant.checkpoints.errors import CheckpointError
 
 DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

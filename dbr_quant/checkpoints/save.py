@@ -22,10 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..weights import fp8_weight_of
-from . import sidecar
-from .layout import Plan, build_plan, record_of
-from .safetensors_io import Entry, order_for_alignment, parse_size, write_file
+from dbr_quant.checkpoints import sidecar
+from dbr_quant.checkpoints.layout import Plan, build_plan, record_of
+from dbr_quant.checkpoints.safetensors_io import Entry, order_for_alignment, parse_size, write_file
+from dbr_quant.quantize.weights import fp8_weight_of
 
 INDEX = "model.safetensors.index.json"
 _OURS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")

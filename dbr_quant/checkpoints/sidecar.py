@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from ..formats import FP8Format
-from ..qconfig import OpQConfig, Override, QConfig, TensorQConfig
-from ..quantization_state import AutoQuantizationState, SeenOp
-from .errors import CheckpointError
+from dbr_quant.checkpoints.errors import CheckpointError
+from dbr_quant.formats import FP8Format
+from dbr_quant.qconfig import OpQConfig, Override, QConfig, TensorQConfig
+from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
 
 FORMAT = "dbr_quant.checkpoint"
 VERSION = 1

@@ -21,9 +21,9 @@ from torch.export import Dim
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import tree_flatten, tree_map, tree_structure
 
-from ..kernels.cpu import current_gemm_path, use_cpu_gemm
-from ..kernels.dispatch import capture_with
-from .ops import GraphOps
+from dbr_quant.fx_rewriter.ops import GraphOps
+from dbr_quant.kernels.cpu.features import current_gemm_path, use_cpu_gemm
+from dbr_quant.kernels.dispatch import capture_with
 
 __all__ = ["rewrite", "RewriteError", "compile_frozen", "gemm_path_cache_key"]
 

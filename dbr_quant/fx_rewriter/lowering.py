@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..formats import FP8Format
-from ..kernels import reference
-from ..kernels.dispatch import resolve_backend
+from dbr_quant.formats import FP8Format
+from dbr_quant.kernels.dispatch import resolve_backend
+from dbr_quant.kernels.reference import dense as reference
 
 
 def round_to_grid(y: Tensor, fmt: FP8Format) -> Tensor:

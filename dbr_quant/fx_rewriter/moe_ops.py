@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .oplib import define
+from dbr_quant.fx_rewriter.oplib import define
 
 
 @define("fp8_moe_experts")
@@ -28,8 +28,8 @@ def fp8_moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13_q: Te
     """x [T, H], topk_ids / topk_weights [T, k], w13_q [E, N1, H], w2_q [E, H_out, I] → [T, H_out].
     Static activation scales when ``x_scale`` and ``h_scale`` are given, else dynamic (``per_token``, or per
     token-group with ``group``). ``block``: block-scaled weights (scales [E, ⌈N/bn⌉, ⌈K/bk⌉])."""
-    from ..formats import FP8Format
-    from ..moe import fp8_experts_compute
+    from dbr_quant.formats import FP8Format
+    from dbr_quant.moe.experts import fp8_experts_compute
 
     return fp8_experts_compute(x, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale, x_scale, h_scale,
                                bias13, bias2, activation=activation, fmt=FP8Format.parse(fmt),
@@ -40,7 +40,7 @@ def fp8_moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13_q: Te
 @fp8_moe_experts.register_fake
 def _(x, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale, x_scale, h_scale, bias13, bias2, activation,
       fmt, per_token, out_dtype, block=None, group=False):
-    from .ops import _ensure_lowerings
+    from dbr_quant.fx_rewriter.ops import _ensure_lowerings
 
     _ensure_lowerings()
     torch._check(topk_ids.shape[0] == x.shape[0], lambda: "fp8_moe_experts: topk_ids must have one row per token")

@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import kernels
-from ..formats import FP8Format
-from ..kernels.reference import GATED
-from .moe_ops import graph_fp8_moe_experts
-from .oplib import define
+from dbr_quant import kernels
+from dbr_quant.formats import FP8Format
+from dbr_quant.fx_rewriter.moe_ops import graph_fp8_moe_experts
+from dbr_quant.fx_rewriter.oplib import define
+from dbr_quant.kernels.reference.dense import GATED
 
 _FORMATS = {f.value: f for f in FP8Format}
 
@@ -54,7 +54,7 @@ def _(q, scale, dtype):
 def fp8_to_bf16(q: Tensor) -> Tensor:
     """Exact FP8 → bf16 upcast (the reference backend's bit moves). Not emitted by rewrite(): the inductor
     lowering of fp8_linear calls it for weights, whose upcast inductor's own code does 10× slower."""
-    from ..kernels import reference
+    from dbr_quant.kernels.reference import dense as reference
 
     return reference.fp8_to_bf16(q)
 
@@ -68,7 +68,7 @@ def _(q):
 @define("fp8_to_fp32")
 def fp8_to_fp32(q: Tensor) -> Tensor:
     """Exact FP8 → fp32 upcast (bit moves), for the fp32 CPU GEMM path; used like ``fp8_to_bf16``."""
-    from ..kernels import reference
+    from dbr_quant.kernels.reference import dense as reference
 
     return reference.fp8_to_fp32(q)
 
@@ -313,6 +313,6 @@ def _ensure_lowerings() -> None:
     global _lowerings_registered
     if not _lowerings_registered:
         _lowerings_registered = True
-        from .lowering import register_inductor_lowerings
+        from dbr_quant.fx_rewriter.lowering import register_inductor_lowerings
 
         register_inductor_lowerings()

@@ -12,9 +12,9 @@ Built on the ``InspectRun`` hook: ``model._dbr_record.inspector`` receives every
 Features are frozen dataclasses registered with ``@register_feature`` (see features.py).
 """
 
-from .config import InspectConfig, InspectConfigError, Section, Selector, load_config, parse_config
-from .fallback import CurvePoint, FallbackResult, auto_fallback, fallback_applied, plot_tradeoff
-from .features import (
+from dbr_quant.inspect.config import InspectConfig, InspectConfigError, Section, Selector, load_config, parse_config
+from dbr_quant.inspect.fallback import CurvePoint, FallbackResult, auto_fallback, fallback_applied, plot_tradeoff
+from dbr_quant.inspect.features import (
     FEATURES,
     DisableFP8,
     FakeQuant,
@@ -29,8 +29,8 @@ from .features import (
     register_feature,
     unregister_feature,
 )
-from .inspector import Inspector, RecordedLayer, named_ops, recorded_layers
-from .sensitivity import (
+from dbr_quant.inspect.inspector import Inspector, RecordedLayer, named_ops, recorded_layers
+from dbr_quant.inspect.sensitivity import (
     LayerSensitivity,
     Metrics,
     compare,
@@ -42,8 +42,8 @@ from .sensitivity import (
     rank_layers,
     sensitivity,
 )
-from .session import Session, format_records, session
-from .stats import fp8_stats, sqnr_db, tensor_stats
+from dbr_quant.inspect.session import Session, format_records, session
+from dbr_quant.inspect.stats import fp8_stats, sqnr_db, tensor_stats
 
 __all__ = [
     "session", "Session", "format_records",

@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from .features import FEATURES, Feature, LayerInfo
+from dbr_quant.inspect.features import FEATURES, Feature, LayerInfo
 
 
 class InspectConfigError(ValueError):

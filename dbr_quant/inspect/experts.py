@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import kernels
-from ..moe import MoeState, _expert_key, _flat, expert_scales
-from ..quantization_state import observer_key
-from ..weight_quantization import quantize_experts
-from ..weights import FP8Weight
-from .features import Feature, Quantized, TensorContext
-from .inspector import feature_pass
+from dbr_quant import kernels
+from dbr_quant.inspect.features import Feature, Quantized, TensorContext
+from dbr_quant.inspect.inspector import feature_pass
+from dbr_quant.moe.experts import MoeState, _expert_key, _flat, expert_scales
+from dbr_quant.quantize.weight_quantization import quantize_experts
+from dbr_quant.quantize.weights import FP8Weight
+from dbr_quant.runtime.state import observer_key
 
 
 def experts_flops(op: Any) -> int:
@@ -46,8 +46,8 @@ def sibling_expert_flops(model: nn.Module, flops: dict[str, int]) -> dict[str, i
     expert's record is a copy of a reached one's, shapes included. Each layer of a sibling group gets the
     group's traced FLOPs (over the reached experts: the rows really routed, top_k per token) divided by the
     number of experts — its share under uniform routing; the group's total stays what the trace computed."""
-    from ..moe_siblings import ExpertState
-    from .inspector import model_record, named_ops
+    from dbr_quant.inspect.inspector import model_record, named_ops
+    from dbr_quant.moe.siblings import ExpertState
 
     names = {id(op): n for n, op in named_ops(model)}
     groups: dict[tuple, list[tuple[str, bool]]] = {}

@@ -31,11 +31,9 @@ from typing import Any
 
 from torch import nn
 
-from ..mappings import LINEAR
-from ..qconfig import Override, QConfig
-from .features import DisableFP8, Feature
-from .inspector import Inspector, attached, model_record, recorded_layers
-from .sensitivity import (
+from dbr_quant.inspect.features import DisableFP8, Feature
+from dbr_quant.inspect.inspector import Inspector, attached, model_record, recorded_layers
+from dbr_quant.inspect.sensitivity import (
     LayerSensitivity,
     Metrics,
     OutputFn,
@@ -46,6 +44,8 @@ from .sensitivity import (
     linear_flops,
     rank_layers,
 )
+from dbr_quant.ops.mappings import LINEAR
+from dbr_quant.qconfig import Override, QConfig
 
 
 @dataclass(frozen=True)

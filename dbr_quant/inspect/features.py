@@ -24,9 +24,9 @@ from typing import ClassVar, TypeVar
 
 import torch
 
-from ..formats import FP8Format
-from ..qconfig import OpQConfig, TensorQConfig
-from .stats import FP8_STATS, TENSOR_STATS, fp8_stats, tensor_stats
+from dbr_quant.formats import FP8Format
+from dbr_quant.inspect.stats import FP8_STATS, TENSOR_STATS, fp8_stats, tensor_stats
+from dbr_quant.qconfig import OpQConfig, TensorQConfig
 
 ACTIVATION_TENSORS = ("input", "a", "b", "q", "k", "v")
 TENSOR_NAMES = ACTIVATION_TENSORS + ("weight", "output")
@@ -56,7 +56,7 @@ class Quantized:
     group: int | None = None
 
     def elementwise_scale(self) -> torch.Tensor:
-        from ..kernels import reference_block
+        from dbr_quant.kernels.reference import block as reference_block
 
         if self.block is not None and self.data.dim() == 3:  # MoE experts [E, N, K]: a block grid per expert
             return torch.stack([reference_block.expand_block_scale(s, tuple(self.data.shape[1:]), self.block)

@@ -18,16 +18,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import kernels
-from ..basic_ops import Call, linear_hp_weight, linear_operands, run_basic, sdpa_arguments, stored_fp8_weight
-from ..formats import safe_scale
-from ..mappings import LINEAR, MATMUL, QUANTIZEABLE
-from ..moe import EXPERTS
-from ..qconfig import TensorQConfig
-from ..quantization_state import SeenOp
-from ..runs import ModelRecord, observed_inputs
-from ..weights import fp8_weight_of
-from .features import Feature, LayerInfo, Quantized, TensorContext
+from dbr_quant import kernels
+from dbr_quant.formats import safe_scale
+from dbr_quant.inspect.features import Feature, LayerInfo, Quantized, TensorContext
+from dbr_quant.moe.experts import EXPERTS
+from dbr_quant.ops.basic import Call, linear_hp_weight, linear_operands, run_basic, sdpa_arguments, stored_fp8_weight
+from dbr_quant.ops.mappings import LINEAR, MATMUL, QUANTIZEABLE
+from dbr_quant.qconfig import TensorQConfig
+from dbr_quant.quantize.weights import fp8_weight_of
+from dbr_quant.runtime.runs import ModelRecord, observed_inputs
+from dbr_quant.runtime.state import SeenOp
 
 LogSink = Callable[[int, str, str, str, float], None]  # step, layer, tensor, stat, value
 
@@ -141,7 +141,7 @@ class Inspector:
     def experts(self, module: nn.Module, st: Any, x: torch.Tensor, ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
         """An MoE experts module's call (from ``moe.experts_call``): each expert tensor is a layer."""
-        from .experts import run_experts
+        from dbr_quant.inspect.experts import run_experts
 
         return run_experts(self, module, st, x, ids, weights)
 

@@ -22,14 +22,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..auto_trace import disabled
-from ..mappings import LINEAR, MATMUL, SDPA
-from ..moe import EXPERTS
-from ..quantization_state import SeenOp
-from .experts import experts_flops, sibling_expert_flops
-from .features import DisableFP8, Feature
-from .inspector import Inspector, attached, named_ops, recorded_layers
-from .stats import sqnr_db
+from dbr_quant.inspect.experts import experts_flops, sibling_expert_flops
+from dbr_quant.inspect.features import DisableFP8, Feature
+from dbr_quant.inspect.inspector import Inspector, attached, named_ops, recorded_layers
+from dbr_quant.inspect.stats import sqnr_db
+from dbr_quant.moe.experts import EXPERTS
+from dbr_quant.ops.mappings import LINEAR, MATMUL, SDPA
+from dbr_quant.runtime.interception import disabled
+from dbr_quant.runtime.state import SeenOp
 
 OutputFn = Callable[[nn.Module, Any], torch.Tensor]
 METRICS = ("cosine", "sqnr_db")
@@ -196,8 +196,8 @@ class _Evaluator:
 
 def _original_weights(model: nn.Module, reference: nn.Module) -> dict[int, torch.Tensor]:
     """id(linear module with an FP8 weight) → the weight of the same-named module of ``reference``, [N, K]."""
-    from ..mappings import is_transposed_linear
-    from ..weights import FP8Weight, fp8_weight_of
+    from dbr_quant.ops.mappings import is_transposed_linear
+    from dbr_quant.quantize.weights import FP8Weight, fp8_weight_of
 
     ref = dict(reference.named_modules())
     out = {}

@@ -18,9 +18,9 @@ from typing import Any
 
 from torch import nn
 
-from .config import InspectConfig, load_config
-from .features import Feature
-from .inspector import Inspector, attached, recorded_layers
+from dbr_quant.inspect.config import InspectConfig, load_config
+from dbr_quant.inspect.features import Feature
+from dbr_quant.inspect.inspector import Inspector, attached, recorded_layers
 
 RECORD_KEYS = ("step", "layer", "tensor", "stat", "value")
 

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ..formats import FP8Format
+from dbr_quant.formats import FP8Format
 
 TENSOR_STATS = ("amax", "min", "max", "mean", "std")
 FP8_STATS = ("underflow_pct", "saturated_pct", "mse", "sqnr_db", "scale")

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import FP8Format
-from . import reference, reference_block, reference_grouped
-from .cpu import current_gemm_path, use_cpu_gemm
-from .dispatch import (
+from dbr_quant.formats import FP8Format
+from dbr_quant.kernels.cpu.features import current_gemm_path, use_cpu_gemm
+from dbr_quant.kernels.dispatch import (
     BACKENDS,
     _env_backend,
     _env_cache,
@@ -31,8 +30,13 @@ from .dispatch import (
     resolve_backend,
     use_backend,
 )
-from .dispatch import _tls as _settings  # this thread's backend / graph ops / launch counters (read per launch)
-from .moe_routing import MoeRouting, moe_route
+from dbr_quant.kernels.dispatch import (
+    _tls as _settings,  # this thread's backend / graph ops / launch counters (read per launch)
+)
+from dbr_quant.kernels.reference import block as reference_block
+from dbr_quant.kernels.reference import dense as reference
+from dbr_quant.kernels.reference import grouped as reference_grouped
+from dbr_quant.kernels.routing import MoeRouting, moe_route
 
 __all__ = [
     "BACKENDS", "graph_ops", "count_launches", "current_backend", "resolve_backend", "use_backend", "current_gemm_path",
@@ -51,7 +55,7 @@ def _impl(t: torch.Tensor, ref=reference):
         backend = (_env_cache[0] if _env_cache else _env_backend()) or "auto"
     if backend == "reference" or (backend == "auto" and not t.is_cuda) or resolve_backend(t.device) == "reference":
         return ref
-    from . import triton_backend
+    from dbr_quant.kernels.triton import backend as triton_backend
 
     return triton_backend
 

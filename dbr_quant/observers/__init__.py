@@ -1,14 +1,14 @@
 """Amax observers (buffer-backed ``nn.Module``s) and the frozen configs that create them."""
 
-from .amax import (
+from dbr_quant.observers.amax import (
     AmaxHistoryObserver,
     MovingAverageObserver,
     MSEObserver,
     PercentileObserver,
     RunningMaxObserver,
 )
-from .base import AmaxObserver
-from .config import MSE, AmaxHistory, MovingAverage, ObserverConfig, Percentile, RunningMax
+from dbr_quant.observers.base import AmaxObserver
+from dbr_quant.observers.config import MSE, AmaxHistory, MovingAverage, ObserverConfig, Percentile, RunningMax
 
 __all__ = [
     "MSE",

@@ -33,8 +33,7 @@ import torch
 from torch import Tensor
 
 from dbr_quant.formats import FP8Format
-
-from .base import AmaxObserver, _abs_reduce_max
+from dbr_quant.observers.base import AmaxObserver, _abs_reduce_max
 
 HISTORY_ALGOS = ("max", "most_recent")
 # torch.quantile refuses to reduce over more than 2**24 elements per row;

@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dbr_quant.formats import FP8Format
-
-from .amax import (
+from dbr_quant.observers.amax import (
     AmaxHistoryObserver,
     MovingAverageObserver,
     MSEObserver,
@@ -22,7 +21,7 @@ from .amax import (
     check_mse,
     check_percentile,
 )
-from .base import AmaxObserver
+from dbr_quant.observers.base import AmaxObserver
 
 
 @dataclass(frozen=True)

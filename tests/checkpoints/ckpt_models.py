@@ -85,7 +85,7 @@ def twice(qconfig: dq.QConfig | None = None) -> Converted:
 
 
 def fp8_linears(model: nn.Module) -> dict[str, nn.Module]:
-    from dbr_quant.weights import fp8_weight_of
+    from dbr_quant.quantize.weights import fp8_weight_of
 
     return {n: m for n, m in model.named_modules() if fp8_weight_of(m) is not None}
 

@@ -42,8 +42,8 @@ from ckpt_models import convert_hf, fp8_linears, gpt2, ids, llama
 from safetensors.torch import load_file, save_file
 
 import dbr_quant as dq
-from dbr_quant.kernels import reference_block
-from dbr_quant.weights import fp8_weight_of
+from dbr_quant.kernels.reference import block as reference_block
+from dbr_quant.quantize.weights import fp8_weight_of
 
 pytest.importorskip("compressed_tensors")
 

@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 import dbr_quant as dq
 from dbr_quant.checkpoints.layout import scale_dtype
-from dbr_quant.weights import fp8_weight_of
+from dbr_quant.quantize.weights import fp8_weight_of
 
 
 @settings(max_examples=200, deadline=None)

@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import dbr_quant as dq
 from dbr_quant.checkpoints import CheckpointError
-from dbr_quant.weights import fp8_weight_of
+from dbr_quant.quantize.weights import fp8_weight_of
 
 
 def _outputs(model, inputs):

@@ -32,8 +32,8 @@ from safetensors import safe_open
 from test_moe import EXPERTS_N, LAYERS, batches, build, logits, pipeline  # tests/ is on sys.path (conftest)
 
 import dbr_quant as dq
-from dbr_quant.moe import MoeState
-from dbr_quant.weights import FP8Weight
+from dbr_quant.moe.experts import MoeState
+from dbr_quant.quantize.weights import FP8Weight
 
 CKPT_NAMES = {"mixtral": ("w1", "w2", "w3", "block_sparse_moe"), "qwen2_moe": ("gate_proj", "down_proj", "up_proj",
                                                                                "mlp")}

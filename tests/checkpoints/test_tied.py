@@ -13,7 +13,7 @@ from ckpt_models import gpt2, ids, llama
 from transformers import AutoModelForCausalLM
 
 import dbr_quant as dq
-from dbr_quant.weights import FP8Weight, fp8_weight_of
+from dbr_quant.quantize.weights import FP8Weight, fp8_weight_of
 
 
 def _run(model, qconfig=None):

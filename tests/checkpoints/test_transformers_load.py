@@ -46,7 +46,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 import dbr_quant as dq
 from dbr_quant.examples import minilm
-from dbr_quant.weights import fp8_weight_of
+from dbr_quant.quantize.weights import fp8_weight_of
 
 pytest.importorskip("compressed_tensors")
 

@@ -15,8 +15,9 @@ from torch._inductor.utils import run_and_get_code
 import dbr_quant.fx_rewriter.ops  # noqa: F401  (defines the ops and registers their lowerings)
 from dbr_quant.formats import FP8Format
 from dbr_quant.fx_rewriter import lowering
-from dbr_quant.kernels import reference, use_backend, use_cpu_gemm
-from dbr_quant.kernels.cpu import GEMM_PATHS
+from dbr_quant.kernels import use_backend, use_cpu_gemm
+from dbr_quant.kernels.cpu.features import GEMM_PATHS
+from dbr_quant.kernels.reference import dense as reference
 
 FORMATS = list(FP8Format)
 

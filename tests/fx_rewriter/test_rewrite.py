@@ -57,7 +57,7 @@ def test_rewrite_equals_eager_bit_for_bit_on_new_shapes(attention):
 
 
 def test_rewritten_graph_has_no_interception_left():
-    from dbr_quant.auto_trace import is_patched
+    from dbr_quant.runtime.interception import is_patched
 
     _, c, x = converted_block()
     gm = rewrite(c)
@@ -71,7 +71,7 @@ def test_rewritten_graph_has_no_interception_left():
 
     with Spy(), torch.no_grad():
         gm(x)
-    assert seen and not any("dbr_quant.runs" in getattr(f, "__module__", "") for f in seen)
+    assert seen and not any("dbr_quant.runtime.runs" in getattr(f, "__module__", "") for f in seen)
 
 
 def test_rewrite_errors_name_the_problem():

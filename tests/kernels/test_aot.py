@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from dbr_quant import kernels
-from dbr_quant.kernels import aot
-from dbr_quant.kernels.triton_common import Kernel
+from dbr_quant.kernels.triton import aot
+from dbr_quant.kernels.triton.common import Kernel
 
 REPO = Path(__file__).resolve().parents[2]
 NEXT_PYTHON_VAR = "DBR_TRITON_NEXT_PYTHON"
@@ -52,7 +52,7 @@ def test_aot_tool_passes_on_the_newest_triton(arch):
             pytest.fail(f"${NEXT_PYTHON_VAR}={python} does not exist: run `make venv-triton-next`")
         pytest.skip(f"{python} is missing: `make venv-triton-next` creates it (`make test` does)")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    run = subprocess.run([str(python), "-m", "dbr_quant.kernels.aot", "--arch", str(arch)], cwd=REPO, env=env,
+    run = subprocess.run([str(python), "-m", "dbr_quant.kernels.triton.aot", "--arch", str(arch)], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=1800)
     summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
     print(summary)
@@ -91,7 +91,7 @@ def test_every_kernel_of_every_triton_module_is_in_its_aot_table():
             in_table = {id(e[2]) for e in mod.AOT_CONFIGS}
             missing = [k.fn.__name__ for i, k in own.items() if i not in in_table]
             assert not missing, f"{info.name}: kernels missing from AOT_CONFIGS: {missing}"
-    assert {"triton_quantize", "triton_norm", "triton_gemm", "triton_attention"} <= listed
+    assert {"quantize", "norm", "gemm", "attention"} <= listed
 
 
 def test_error_chain_names_the_failure_inside_a_called_function():

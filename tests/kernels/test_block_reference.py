@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from dbr_quant import kernels
 from dbr_quant.formats import FP8Format
-from dbr_quant.kernels import reference_block as RB
+from dbr_quant.kernels.reference import block as RB
 
 FORMATS = list(FP8Format)
 

@@ -26,12 +26,13 @@ from triton.backends.compiler import GPUTarget
 
 from dbr_quant import kernels
 from dbr_quant.formats import FP8Format
-from dbr_quant.kernels import aot, use_backend
-from dbr_quant.kernels import reference as R
-from dbr_quant.kernels import reference_block as RB
-from dbr_quant.kernels import triton_block_gemm as TB
-from dbr_quant.kernels import triton_group_quantize as TG
-from dbr_quant.kernels.triton_gemm import GemmConfig
+from dbr_quant.kernels import use_backend
+from dbr_quant.kernels.reference import block as RB
+from dbr_quant.kernels.reference import dense as R
+from dbr_quant.kernels.triton import aot
+from dbr_quant.kernels.triton import block_gemm as TB
+from dbr_quant.kernels.triton import group_quantize as TG
+from dbr_quant.kernels.triton.gemm import GemmConfig
 
 SMALL = GemmConfig("test", 16, 16, 32, GROUP_M=2)
 FORMATS = list(FP8Format)

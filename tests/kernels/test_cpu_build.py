@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dbr_quant.kernels import cpu, cpu_build, cpu_e4m3
+from dbr_quant.kernels.cpu import build as cpu_build
+from dbr_quant.kernels.cpu import e4m3 as cpu_e4m3
+from dbr_quant.kernels.cpu import features as cpu
 
 REPO = Path(__file__).resolve().parents[2]
 SYSTEM_CC = shutil.which("gcc") or shutil.which("cc") or shutil.which("clang")
@@ -86,7 +88,7 @@ def test_a_cached_library_spawns_no_compiler(fresh, monkeypatch):
 
 _PROBE = """
 import json, warnings
-from dbr_quant.kernels import cpu_e4m3
+from dbr_quant.kernels.cpu import e4m3 as cpu_e4m3
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     active, why = cpu_e4m3.status()

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sequential import sequential_linear
 
-from dbr_quant.kernels import cpu_e4m3
-from dbr_quant.kernels import reference as R
+from dbr_quant.kernels.cpu import e4m3 as cpu_e4m3
+from dbr_quant.kernels.reference import dense as R
 
 ALL_CODES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
 FINITE = torch.isfinite(ALL_CODES.float())

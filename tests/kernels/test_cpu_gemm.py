@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from sequential import sequential_linear
 
 from dbr_quant.formats import FP8Format, safe_scale
-from dbr_quant.kernels import cpu, use_cpu_gemm
-from dbr_quant.kernels import reference as R
+from dbr_quant.kernels import use_cpu_gemm
+from dbr_quant.kernels.cpu import features as cpu
+from dbr_quant.kernels.reference import dense as R
 
 U32, U16 = 2.0**-24, 2.0**-8  # unit roundoff of fp32 and of bf16 (8 significant bits)
 LIPSCHITZ = {None: 1.0, "relu": 1.0, "gelu": 1.13, "gelu_tanh": 1.13, "silu": 1.1}  # max |act'| (+ margin)

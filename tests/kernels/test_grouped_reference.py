@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from dbr_quant import kernels as K
 from dbr_quant.formats import FP8Format, safe_scale
-from dbr_quant.kernels import reference as R
-from dbr_quant.kernels import reference_grouped as RG
-from dbr_quant.kernels.moe_routing import moe_route
+from dbr_quant.kernels.reference import dense as R
+from dbr_quant.kernels.reference import grouped as RG
+from dbr_quant.kernels.routing import moe_route
 
 E4M3 = FP8Format.E4M3
 ACTS = [None, *R.ACTIVATIONS, *R.GATED]

@@ -18,12 +18,13 @@ from test_triton_gemm import _jit_signature, _Recorder
 
 from dbr_quant import kernels as K
 from dbr_quant.formats import FP8Format, safe_scale
-from dbr_quant.kernels import aot, use_backend
-from dbr_quant.kernels import reference as R
-from dbr_quant.kernels import reference_grouped as RG
-from dbr_quant.kernels import triton_gemm as G
-from dbr_quant.kernels import triton_grouped_gemm as TG
-from dbr_quant.kernels.moe_routing import moe_route
+from dbr_quant.kernels import use_backend
+from dbr_quant.kernels.reference import dense as R
+from dbr_quant.kernels.reference import grouped as RG
+from dbr_quant.kernels.routing import moe_route
+from dbr_quant.kernels.triton import aot
+from dbr_quant.kernels.triton import gemm as G
+from dbr_quant.kernels.triton import grouped_gemm as TG
 
 SMALL = G.GemmConfig("test", 16, 16, 32, GROUP_M=2)
 E4M3 = FP8Format.E4M3
@@ -199,7 +200,7 @@ def test_aot_table_is_complete_and_unique():
     assert len(set(keys)) == len(keys) and len({e[1] for e in TG.AOT_CONFIGS}) == len(keys)
     grouped = [e for e in TG.AOT_CONFIGS if e[0] == "_fp8_grouped_gemm_kernel"]
     assert len(grouped) == len(G.CONFIGS) * 4 * len(ACTS) * 2 * 2 * 7
-    assert "triton_grouped_gemm" in aot.kernel_modules()
+    assert "grouped_gemm" in aot.kernel_modules()
 
 
 def _block_variants():

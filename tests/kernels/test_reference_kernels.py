@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dbr_quant.formats import FP8Format, safe_scale
-from dbr_quant.kernels import reference as R
+from dbr_quant.kernels.reference import dense as R
 
 FORMATS = [FP8Format.E4M3, FP8Format.E5M2]
 

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from dbr_quant.formats import FP8Format
-from dbr_quant.kernels import cpu_e4m3
-from dbr_quant.kernels import reference as R
-from dbr_quant.kernels.cpu import use_cpu_gemm
+from dbr_quant.kernels.cpu import e4m3 as cpu_e4m3
+from dbr_quant.kernels.cpu.features import use_cpu_gemm
+from dbr_quant.kernels.reference import dense as R
 
 E4M3 = torch.float8_e4m3fn
 SMALL = cpu_e4m3.SMALL

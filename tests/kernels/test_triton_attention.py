@@ -26,9 +26,10 @@ from hypothesis import strategies as st
 from triton.backends.compiler import GPUTarget
 
 from dbr_quant.formats import FP8Format, safe_scale
-from dbr_quant.kernels import reference, use_backend
-from dbr_quant.kernels import triton_attention as TA
-from dbr_quant.kernels.triton_common import fp8_constants
+from dbr_quant.kernels import use_backend
+from dbr_quant.kernels.reference import dense as reference
+from dbr_quant.kernels.triton import attention as TA
+from dbr_quant.kernels.triton.common import fp8_constants
 
 MIN_COSINE_ELEMENTS = 512
 # E5M2 keeps 2 mantissa bits, not 3: twice the rounding error, four times the 1 - cosine
@@ -262,7 +263,8 @@ def test_aot_configs_cover_every_launch():
 
 
 # a representative subset: smallest and largest head dim, both tile sizes, all mask kinds, causal on/off;
-# every configuration is compiled (with ptxas spill checks) by `python -m dbr_quant.kernels.aot --all --only attn`
+# every configuration is compiled (with ptxas spill checks) by
+# `python -m dbr_quant.kernels.triton.aot --all --only attn`
 SUBSET = [c for c in TA.AOT_CONFIGS if c[1] in {
     "e4m3 D=16 causal=False mask=bool BLOCK_M=64 BLOCK_N=32 warps=8 sm_90",
     "e4m3 D=128 causal=True mask=float BLOCK_M=64 BLOCK_N=32 warps=8 sm_90",

@@ -19,9 +19,9 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import mangle_type
 
 from dbr_quant.formats import FP8Format
-from dbr_quant.kernels import reference as R
-from dbr_quant.kernels import triton_gemm as G
 from dbr_quant.kernels import use_backend
+from dbr_quant.kernels.reference import dense as R
+from dbr_quant.kernels.triton import gemm as G
 
 SMALL = G.GemmConfig("test", 16, 16, 32, GROUP_M=2)
 FORMATS = list(FP8Format)

@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 from triton.backends.compiler import GPUTarget
 
 from dbr_quant.formats import FP8Format
-from dbr_quant.kernels import reference as R
-from dbr_quant.kernels import triton_norm as TN
 from dbr_quant.kernels import use_backend
-from dbr_quant.kernels.triton_common import Kernel
-from dbr_quant.kernels.triton_quantize import TRITON_DTYPES
+from dbr_quant.kernels.reference import dense as R
+from dbr_quant.kernels.triton import norm as TN
+from dbr_quant.kernels.triton.common import Kernel
+from dbr_quant.kernels.triton.quantize import TRITON_DTYPES
 
 FORMATS = [FP8Format.E4M3, FP8Format.E5M2]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

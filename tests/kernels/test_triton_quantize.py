@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from triton.backends.compiler import GPUTarget
 
 from dbr_quant.formats import FP8Format
-from dbr_quant.kernels import reference as R
-from dbr_quant.kernels import triton_quantize as TQ
 from dbr_quant.kernels import use_backend
-from dbr_quant.kernels.triton_common import Kernel
+from dbr_quant.kernels.reference import dense as R
+from dbr_quant.kernels.triton import quantize as TQ
+from dbr_quant.kernels.triton.common import Kernel
 
 FORMATS = [FP8Format.E4M3, FP8Format.E5M2]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -9,7 +9,7 @@ from triton.backends.compiler import GPUTarget
 
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels import use_backend
-from dbr_quant.kernels.triton_common import Kernel, fp8_bits, fp8_constants, round_to_fp8
+from dbr_quant.kernels.triton.common import Kernel, fp8_bits, fp8_constants, round_to_fp8
 
 
 def _quantize_kernel(x_ptr, y_ptr, N, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr,

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dbr_quant as dq
-from dbr_quant.kernels import triton_backend
+from dbr_quant.kernels.triton import backend as triton_backend
 
 # subgraph / op kind → the Triton functions it must launch (dbr_quant.kernels.triton_* modules)
 ROUTES = {

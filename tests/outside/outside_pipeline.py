@@ -11,7 +11,7 @@ from outside_models import Case
 from torch import nn
 
 import dbr_quant as dq
-from dbr_quant.weights import FP8Weight
+from dbr_quant.quantize.weights import FP8Weight
 
 REL_L2 = 0.1  # FP8 E4M3 (3 mantissa bits) through two or three layers: a few % relative L2 error
 GEMM_KERNELS = ("fp8_linear", "fp8_mlp", "fp8_gated_mlp", "fp8_matmul")

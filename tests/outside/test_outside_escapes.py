@@ -12,7 +12,7 @@ from outside_pipeline import REL_L2, rel_l2
 from torch import nn
 
 import dbr_quant as dq
-from dbr_quant.weights import FP8Weight
+from dbr_quant.quantize.weights import FP8Weight
 
 SINK: list[torch.Tensor] = []
 

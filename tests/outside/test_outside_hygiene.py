@@ -13,7 +13,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import dbr_quant as dq
-from dbr_quant.weights import FP8Weight
+from dbr_quant.quantize.weights import FP8Weight
 
 STOCK_CALL, STOCK_CALL_IMPL = nn.Module.__call__, nn.Module._call_impl
 

@@ -10,7 +10,7 @@ import torch
 from rounding_helpers import bits, correlated_inputs, hessian_of, mixing_matrix
 
 from dbr_quant.formats import FP8Format
-from dbr_quant.rounding import (
+from dbr_quant.quantize.rounding import (
     DEFAULT_DAMPINGS,
     FALLBACK_DAMPING,
     HessianAccumulator,
@@ -141,8 +141,8 @@ def test_no_calibration_data_is_an_error():
 def test_scores_round_each_candidate_exactly_as_gptq_round(granularity, act_order):
     """choose_damping rounds all candidates in one batched column loop: each must be gptq_round's result bit for
     bit, so its score is the float computed from gptq_round's weight (checked exactly, not approximately)."""
-    from dbr_quant.rounding.damping import _heldout_error
-    from dbr_quant.rounding.gptq import _broadcastable
+    from dbr_quant.quantize.rounding.damping import _heldout_error
+    from dbr_quant.quantize.rounding.gptq import _broadcastable
 
     w, data, _, _ = _calibration(seed=3, tokens_per_batch=40, batches=4)
     acc = _accumulate(data)

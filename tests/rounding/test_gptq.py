@@ -20,7 +20,7 @@ from rounding_helpers import (
 
 from dbr_quant.formats import FP8Format
 from dbr_quant.observers import MSE
-from dbr_quant.rounding import (
+from dbr_quant.quantize.rounding import (
     HessianNotPositiveDefiniteError,
     gptq_round,
     output_error,

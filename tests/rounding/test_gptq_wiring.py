@@ -16,9 +16,9 @@ from torch import nn
 
 import dbr_quant as dq
 from dbr_quant.fx_rewriter import rewrite
-from dbr_quant.rounding import HessianAccumulator, gptq_quantize
-from dbr_quant.rounding.collect import gptq_report
-from dbr_quant.weights import fp8_weight_of
+from dbr_quant.quantize.rounding import HessianAccumulator, gptq_quantize
+from dbr_quant.quantize.rounding.collect import gptq_report
+from dbr_quant.quantize.weights import fp8_weight_of
 
 D = 32
 

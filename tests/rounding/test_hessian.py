@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rounding_helpers import hessian_of
 
-from dbr_quant.rounding import HessianAccumulator
+from dbr_quant.quantize.rounding import HessianAccumulator
 
 
 @settings(max_examples=30, deadline=None)

@@ -1,0 +1,275 @@
+"""FP8 flash attention (forward) in Triton: the fused counterpart of :func:`reference.fp8_attention`.
+
+One program computes a BLOCK_M × HEAD_DIM tile of the output for one (batch, query head) and streams
+K/V in BLOCK_N-key tiles, keeping an fp32 online softmax (running max ``m``, running sum ``l``) so the
+Lq × Lk score matrix never exists in memory. Both GEMMs are FP8 ``tl.dot`` with fp32 accumulation
+(``wgmma … e4m3`` on sm_90, ``mma.sync … e4m3`` on sm_89).
+
+Numerics versus the reference (which quantizes the *normalised* P = softmax(S)):
+* here P is the *unnormalised* ``exp(s - m_running) ∈ [0, 1]``; it is rounded to FP8 with ``p_scale``
+  (default 1/fmt.max, so the row maximum lands exactly on fmt.max), multiplied into V, and the sum
+  ``l`` of the unrounded P divides the accumulator at the end. Rounding different numbers means the
+  result cannot match the reference bit for bit. Both differ from exact attention by at most
+  ``2^-(M+1) · max|v|·sv · (1 + Lk·p_scale·MIN_NORMAL)`` per element (M mantissa bits: each rounded P
+  has relative error ≤ 2^-(M+1), plus half a subnormal step; the weights sum to 1 and l ≥ 1), so they
+  differ from each other by at most twice that. The tests check these bounds.
+* scores are kept in log2 units (log2(e) folded into the scale) so the softmax uses ``exp2``.
+* a float mask is clamped below at -2^127 (``-inf`` stays ``-inf``): ``finfo.min · log2(e)`` would
+  overflow to -inf and turn a row masked with finfo.min (uniform weights in torch) into zeros.
+* a row whose keys are all masked (l = 0) outputs 0, as in the reference and SDPA.
+
+Limits: forward only; v_scale and p_scale per tensor (v's would scale the reduction dim of P·V);
+element offsets inside one (batch, head) slice are int32; every tile is masked (no mask-free fast
+path for interior tiles, which costs a few ALU ops per score).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from dbr_quant.formats import FP8Format
+from dbr_quant.kernels.triton.common import Kernel, check_device, fp8_constants, on_interpreter, round_to_fp8
+
+LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr global, so kernels may read it
+HEAD_DIMS = (16, 32, 64, 128)
+MASK_KINDS = {"none": 0, "bool": 1, "float": 2}
+# (BLOCK_M, num_warps): 64-row tiles for short query sequences (decode, short prompts), 128 otherwise.
+# BLOCK_N = 32 keys and 8 warps: with 64 keys or 4 warps, ptxas spilled registers (up to 3.7 KB for
+# D=128 with a mask on sm_90, see `python -m dbr_quant.kernels.triton.aot --all --only attn`); D=128 keeps
+# 64-row tiles for the same reason.
+GPU_BLOCKS = ((64, 8), (128, 8))
+BLOCK_N_GPU = 32
+NUM_STAGES = 3
+# Ada (sm_89, mma.sync) has more register pressure: ptxas spilled for every D=64 tile of 128 rows and for
+# D=16 with 8 warps, so it always uses 64-row tiles, with 4 warps for D=16 and 8 otherwise.
+ARCHS = (90, 89)
+
+
+def gpu_config(lq: int, head_dim: int, arch: int) -> tuple[int, int]:
+    """(BLOCK_M, num_warps) the kernel launches with on a GPU of compute capability ``arch``."""
+    if arch < 90:
+        return 64, 4 if head_dim == 16 else 8
+    block_m, warps = GPU_BLOCKS[0] if lq <= GPU_BLOCKS[0][0] or head_dim > 64 else GPU_BLOCKS[1]
+    return block_m, warps
+# The interpreter runs with small tiles so that short test sequences still cross several K/V tiles
+# and exercise the online-softmax rescaling; the kernel code is identical (block sizes are constexprs).
+INTERPRETER_BLOCKS = (16, 16)
+
+
+def _attn_fwd(
+    Q, K, V, Out, QScale, KScale, Scalars, Mask,
+    H, Lq, Lk, GROUP, softmax_scale,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_qsb, stride_qsh, stride_qsm,
+    stride_ksb, stride_ksh, stride_ksn,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, EXP_BIAS: tl.constexpr,
+):
+    """Grid (cdiv(Lq, BLOCK_M), B·H). Query head h reads kv head h // GROUP (GQA, as repeat_interleave).
+
+    Scales come in as per-row vectors (per-tensor scales arrive with stride 0), so one code path serves
+    both: q's scale multiplies rows of S, k's columns. ``Scalars`` = [1/p_scale, p_scale·v_scale] is read
+    from memory, so no host sync is needed. BLOCK_D pads HEAD_DIM 16 to 32, the smallest K of an FP8 MMA.
+    tl.max / tl.sum / tl.zeros are @jit helpers that the interpreter (run without $TRITON_INTERPRET, see
+    triton_common.Kernel) refuses to call, so the kernel uses tl.reduce with Triton's own combine
+    functions (the interpreter maps those to numpy) and tl.full; compiled, the code is the same.
+    """
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    kvh = h // GROUP
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < Lq
+    d_ok = offs_d < HEAD_DIM
+
+    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    qs = tl.load(QScale + b * stride_qsb + h * stride_qsh + offs_m * stride_qsm, mask=m_ok, other=0.0)
+    row_scale = qs * (softmax_scale * LOG2E)  # log2 units: exp(x) = exp2(x · log2 e)
+    p_inv = tl.load(Scalars)
+    out_scale = tl.load(Scalars + 1)
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    ks_base = KScale + b * stride_ksb + kvh * stride_ksh
+    mask_base = Mask + b * stride_mb + h * stride_mh + offs_m[:, None] * stride_mm
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    hi = Lk
+    if IS_CAUSAL:  # top-left aligned: key j is visible to query i iff j <= i; later tiles are all masked
+        hi = tl.minimum(Lk, (start_m + 1) * BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        n_ok = offs_n < Lk
+        k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                    mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        ks = tl.load(ks_base + offs_n * stride_ksn, mask=n_ok, other=0.0)
+        s = tl.dot(q, k) * row_scale[:, None] * ks[None, :]
+        keep = n_ok[None, :]
+        if IS_CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None])
+        if MASK_KIND == 1:  # bool mask (as uint8): keep where non-zero
+            mk = tl.load(mask_base + offs_n[None, :] * stride_mn, mask=m_ok[:, None] & n_ok[None, :], other=0)
+            keep = keep & (mk != 0)
+        if MASK_KIND == 2:  # additive float mask; -2^127 · log2 e is still finite (see module docstring)
+            add = tl.load(mask_base + offs_n[None, :] * stride_mn, mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+            add = tl.where(add == float("-inf"), add, tl.maximum(add, -1.7014118346046923e38))
+            s = s + add * LOG2E
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
+        # while every key so far is masked m_new is -inf; subtract 0 instead so exp2 gives 0, not NaN
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
+        # round in fp32 first: Triton's own float→fp8 cast drops carries (interpreter) or double-rounds
+        p_q = round_to_fp8(p * p_inv, FP8_MAX, MANTISSA_BITS, MIN_NORMAL).to(V.dtype.element_ty)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = tl.dot(p_q, v, acc * alpha[:, None])
+        m_i = m_new
+
+    # fully masked rows have l = 0 and acc = 0: divide by 1 to output exact zeros instead of NaN
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc * tl.math.div_rn(tl.full([BLOCK_M], 0.0, tl.float32) + out_scale, l_safe)[:, None]
+    o_ptrs = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, out, mask=m_ok[:, None] & d_ok[None, :])
+
+
+ATTN_FWD = Kernel(_attn_fwd)
+
+
+def _block_d(head_dim: int) -> int:
+    return max(head_dim, 32)
+
+
+def _launch_config(lq: int, head_dim: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for a launch: small tiles in the interpreter, :func:`gpu_config` else."""
+    if on_interpreter():
+        return (*INTERPRETER_BLOCKS, 4)
+    major, minor = torch.cuda.get_device_capability(device)
+    block_m, warps = gpu_config(lq, head_dim, 10 * major + minor)
+    return block_m, BLOCK_N_GPU, warps
+
+
+def _scale_rows(scale: torch.Tensor, shape: tuple[int, int, int], name: str) -> torch.Tensor:
+    """A q/k scale (0-d, or per token shaped (B, H, L, 1)) as a (B, H, L) fp32 view; broadcast dims get
+    stride 0, so per-tensor scales are not materialised."""
+    s = scale.to(torch.float32)
+    try:
+        return torch.broadcast_to(s, (*shape, 1))[..., 0]
+    except RuntimeError:
+        raise ValueError(f"{name} of shape {tuple(scale.shape)} must be 0-d or per token {(*shape, 1)}") from None
+
+
+def fp8_attention(
+    q_q: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_q: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_q: torch.Tensor,
+    v_scale: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    softmax_scale: float | None = None,
+    p_scale: torch.Tensor | None = None,
+    fmt: FP8Format = FP8Format.E4M3,
+) -> torch.Tensor:
+    """Fused FP8 attention with :func:`reference.fp8_attention`'s semantics; fp32 (B, Hq, Lq, D) output.
+
+    q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D) in ``fmt``; Hq a multiple of Hkv (GQA); D in 16/32/64/128.
+    q_scale / k_scale: 0-d or per token ((B, H, L, 1), k's on kv heads); v_scale and p_scale: 0-d.
+    ``attn_mask``: bool (keep True) or float (added), broadcastable to (B, Hq, Lq, Lk); broadcast dims
+    are read with stride 0, never expanded in memory.
+    """
+    fmt = FP8Format.parse(fmt)
+    for name, t in (("q_q", q_q), ("k_q", k_q), ("v_q", v_q)):
+        if t.dim() != 4 or t.dtype != fmt.dtype:
+            raise ValueError(f"{name} must be a 4-d (B, H, L, D) {fmt.dtype} tensor, got {t.dtype} {tuple(t.shape)}")
+    check_device(q_q, k_q, v_q, attn_mask)
+    B, Hq, Lq, D = q_q.shape
+    Hkv, Lk = k_q.shape[1], k_q.shape[2]
+    if D not in HEAD_DIMS:
+        raise ValueError(f"head dim {D} is not supported by the Triton kernel; use one of {HEAD_DIMS}")
+    if k_q.shape != v_q.shape or k_q.shape[0] != B or k_q.shape[3] != D or Hq % Hkv:
+        raise ValueError(f"k {tuple(k_q.shape)} / v {tuple(v_q.shape)} do not fit q {tuple(q_q.shape)} "
+                         "(same B and D; q heads a multiple of kv heads)")
+    if v_scale.numel() != 1 or (p_scale is not None and p_scale.numel() != 1):
+        raise ValueError("v_scale and p_scale must be per tensor (one element)")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(D)
+    if p_scale is None:
+        p_scale = torch.tensor(1.0 / fmt.max, device=q_q.device)
+    p_scale = p_scale.reshape(()).to(torch.float32)
+    scalars = torch.stack([torch.reciprocal(p_scale), p_scale * v_scale.reshape(()).float()])
+    qs = _scale_rows(q_scale, (B, Hq, Lq), "q_scale")
+    ks = _scale_rows(k_scale, (B, Hkv, Lk), "k_scale")
+
+    out = torch.empty((B, Hq, Lq, D), dtype=torch.float32, device=q_q.device)
+    if out.numel() == 0:
+        return out
+    if attn_mask is None:
+        kind, mask, mask_strides = 0, scalars, (0, 0, 0, 0)
+    else:
+        # convert before broadcasting: the fp32 / uint8 copy is the size of the mask as given
+        m = attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask.to(torch.float32)
+        kind = 1 if attn_mask.dtype == torch.bool else 2
+        mask = torch.broadcast_to(m, (B, Hq, Lq, Lk))
+        mask_strides = mask.stride()
+
+    block_m, block_n, warps = _launch_config(Lq, D, q_q.device)
+    grid = (triton.cdiv(Lq, block_m), B * Hq)
+    extra = {} if on_interpreter() else {"num_warps": warps, "num_stages": NUM_STAGES}
+    ATTN_FWD[grid](
+        q_q, k_q, v_q, out, qs, ks, scalars, mask,
+        Hq, Lq, Lk, Hq // Hkv, float(softmax_scale),
+        *q_q.stride(), *k_q.stride(), *v_q.stride(), *out.stride(),
+        *qs.stride(), *ks.stride(), *mask_strides,
+        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=bool(is_causal),
+        MASK_KIND=kind, **fp8_constants(fmt), **extra,
+    )
+    return out
+
+
+def _aot_configs() -> list[tuple[str, str, Kernel, dict, dict]]:
+    """Every compiled configuration :func:`fp8_attention` can launch, for ahead-of-time PTX checks."""
+    names = ["Q", "K", "V", "Out", "QScale", "KScale", "Scalars", "Mask", "H", "Lq", "Lk", "GROUP", "softmax_scale"]
+    ints = [f"stride_{t}{d}" for t in "qkvo" for d in ("b", "h", "m" if t in "qo" else "n", "d")]
+    ints += ["stride_qsb", "stride_qsh", "stride_qsm", "stride_ksb", "stride_ksh", "stride_ksn"]
+    ints += ["stride_mb", "stride_mh", "stride_mm", "stride_mn"]
+    configs = []
+    for fmt in FP8Format:
+        fp8 = "fp8e4nv" if fmt is FP8Format.E4M3 else "fp8e5"
+        for head_dim in HEAD_DIMS:
+            for causal in (False, True):
+                for mask_name, kind in MASK_KINDS.items():
+                    tiles = {(arch, *gpu_config(lq, head_dim, arch)) for arch in ARCHS for lq in (1, 10**6)}
+                    for arch, block_m, warps in sorted(tiles):
+                        types = [f"*{fp8}"] * 3 + ["*fp32"] * 4 + ["*u8" if kind == 1 else "*fp32"]
+                        sig = dict(zip(names, types + ["i32"] * 4 + ["fp32"]))
+                        sig.update(dict.fromkeys(ints, "i32"))
+                        consts = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), "BLOCK_M": block_m,
+                                  "BLOCK_N": BLOCK_N_GPU, "IS_CAUSAL": causal, "MASK_KIND": kind,
+                                  **fp8_constants(fmt)}
+                        sig.update(dict.fromkeys(consts, "constexpr"))
+                        desc = (f"{fmt.value} D={head_dim} causal={causal} mask={mask_name} "
+                                f"BLOCK_M={block_m} BLOCK_N={BLOCK_N_GPU} warps={warps} sm_{arch}")
+                        configs.append(("_attn_fwd", desc, ATTN_FWD, sig, consts))
+    return configs
+
+
+AOT_CONFIGS: list[tuple[str, str, Kernel, dict, dict]] = _aot_configs()

@@ -1,0 +1,118 @@
+"""Shared pieces of the Triton kernels: exact FP8 rounding and launching compiled or interpreted.
+
+Triton's own float→fp8 cast is not trusted: in the interpreter it drops a carry (126.7 → 64, not
+128) and on sm_89 it rounds twice (via fp16). :func:`round_to_fp8` rounds onto the FP8 grid in fp32
+(round-to-nearest-even, saturating), after which the cast only converts exactly representable values.
+The result matches ``torch.Tensor.to(torch.float8_e4m3fn / e5m2)`` after clamping, bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from dbr_quant.formats import FP8Format
+from dbr_quant.kernels.dispatch import current_backend
+
+
+class device_function(triton.runtime.JITFunction):  # noqa: N801 - used as a decorator, like triton.jit
+    """``@triton.jit`` for helpers called from kernels that must also run in the interpreter.
+
+    Compiled, the kernel's code generator inlines it like any jit function. Interpreted without the
+    TRITON_INTERPRET variable, a plain JITFunction refuses to be called; this one runs its Python body
+    (the interpreter has patched ``tl`` by then).
+    """
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+@device_function
+def round_to_fp8(x, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr):
+    """fp32 ``x`` → the nearest FP8 value (ties to even), saturated to ±FP8_MAX, still as fp32.
+
+    Normal range: round the fp32 mantissa to MANTISSA_BITS bits with integer arithmetic (a carry into
+    the exponent is the correct result). Subnormal range (|x| < MIN_NORMAL): the grid is uniform with
+    step MIN_NORMAL / 2**MANTISSA_BITS; adding and subtracting 1.5·2**23 rounds to it (ties to even).
+    """
+    x = tl.clamp(x, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    drop: tl.constexpr = 23 - MANTISSA_BITS
+    bits = x.to(tl.uint32, bitcast=True)
+    half: tl.constexpr = (1 << (drop - 1)) - 1
+    keep: tl.constexpr = 0xFFFFFFFF ^ ((1 << drop) - 1)  # clears the dropped mantissa bits
+    lsb = (bits >> drop) & 1
+    normal = ((bits + half + lsb) & keep).to(tl.float32, bitcast=True)
+    step_inv: tl.constexpr = (2**MANTISSA_BITS) / MIN_NORMAL
+    step: tl.constexpr = MIN_NORMAL / (2**MANTISSA_BITS)  # powers of two: both multiplies are exact
+    magic: tl.constexpr = 12582912.0  # 1.5 * 2**23: fp32 spacing 1 around it
+    a = tl.abs(x)
+    sub = ((a * step_inv + magic) - magic) * step  # (a GPU fp32 "/" would be the approximate div.full)
+    # put the sign bit back with integer ops: Triton's unary minus is 0 - x, which turns -0.0 into +0.0
+    sub = (sub.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
+    return tl.where(a < MIN_NORMAL, sub, normal)
+
+
+@device_function
+def fp8_bits(v, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, EXP_BIAS: tl.constexpr):
+    """The FP8 byte (uint8) of an fp32 value already on the FP8 grid (from :func:`round_to_fp8`).
+
+    Built with integer ops so no float→fp8 conversion is involved at all: kernels store it through a
+    uint8 view of the FP8 output. (The interpreter's cast also loses the sign of -0.0.)
+    """
+    bits = v.to(tl.uint32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    exponent = ((bits >> 23) & 0xFF).to(tl.int32) - 127 + EXP_BIAS
+    mantissa = ((bits >> (23 - MANTISSA_BITS)) & ((1 << MANTISSA_BITS) - 1)).to(tl.int32)
+    normal = (tl.maximum(exponent, 0) << MANTISSA_BITS) | mantissa
+    a = tl.abs(v)
+    steps: tl.constexpr = (2**MANTISSA_BITS) / MIN_NORMAL
+    subnormal = (tl.minimum(a, MIN_NORMAL) * steps).to(tl.int32)  # exact below MIN_NORMAL; no int overflow
+    code = tl.where(a < MIN_NORMAL, subnormal, normal)
+    return (code.to(tl.uint32) | sign).to(tl.uint8)
+
+
+def fp8_constants(fmt: FP8Format) -> dict[str, float | int]:
+    """The constexpr arguments of :func:`round_to_fp8` / :func:`fp8_bits` for a format."""
+    if fmt is FP8Format.E4M3:
+        return {"FP8_MAX": 448.0, "MANTISSA_BITS": 3, "MIN_NORMAL": 2.0**-6, "EXP_BIAS": 7}
+    return {"FP8_MAX": 57344.0, "MANTISSA_BITS": 2, "MIN_NORMAL": 2.0**-14, "EXP_BIAS": 15}
+
+
+def triton_dtype(fmt: FP8Format):
+    return tl.float8e4nv if fmt is FP8Format.E4M3 else tl.float8e5
+
+
+class Kernel:
+    """One Triton kernel, launchable compiled (``triton``) or in the CPU interpreter (``triton-interpret``).
+
+    The interpreter is chosen per launch from the current backend, so one process can run both (the
+    environment variable TRITON_INTERPRET is not needed).
+    """
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.jit = triton.jit(fn)
+
+    @functools.cached_property
+    def interpreted(self) -> InterpretedFunction:
+        return InterpretedFunction(self.fn)
+
+    def __getitem__(self, grid):
+        handle = self.interpreted if current_backend() == "triton-interpret" else self.jit
+        return handle[grid]
+
+
+def on_interpreter() -> bool:
+    return current_backend() == "triton-interpret"
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    """The interpreter runs on CPU tensors, the compiled kernels on CUDA ones."""
+    want = "cpu" if on_interpreter() else "cuda"
+    for t in tensors:
+        if t is not None and t.device.type != want:
+            raise RuntimeError(f"backend {current_backend()!r} needs {want} tensors, got one on {t.device}")

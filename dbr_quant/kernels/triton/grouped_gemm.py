@@ -1,0 +1,375 @@
+"""Triton grouped FP8 GEMM for mixture-of-experts blocks: every expert's rows in one launch.
+
+Matches :mod:`reference_grouped` (``exact=True``): per expert, the dense kernel's math (FP8 operands
+into ``tl.dot``, fp32 accumulator, ``acc·(sx·sw[e]) + b[e]``, activation or gated ``act(gate)·up``, then
+fp32/bf16/fp16, FP8 with the next projection's input scale, or the routing-weighted scatter-add).
+
+Tile schedule (ragged rows per expert, no padding). :func:`moe_routing.moe_route` sorts rows by expert
+and gives ``expert_offsets``; expert ``e`` needs ``ceil(rows_e / BLOCK_M)`` row tiles. Each program
+derives the schedule from the offsets itself (:func:`_tile_of`: a prefix sum of tiles per expert over
+chunks of 64 experts, then "how many experts end at or before my tile"), so a launch needs no host-side
+schedule, no host sync and no extra kernels; experts without rows own no tiles. The grid is an upper
+bound known from shapes alone, ``cdiv(rows, BLOCK_M) + min(E, rows)`` row tiles, and programs past the
+real tile count return at once. (vLLM's ``fused_moe`` instead pads each expert's rows to BLOCK_M with a
+separate ``moe_align_block_size`` kernel; deriving the schedule in-kernel saves that launch, which
+matters at decode where each launch is a few µs of a ~100 µs block.) Program ids map to (row tile, column
+tile) through the dense GEMM's GROUP_M ordering, so neighbouring programs share weight columns in L2.
+
+Rows either read their token's activations through ``slots`` (GATHER: the gate_up GEMM reads the token-
+order quantized input, nothing is permuted in memory) or read sorted rows directly (the down GEMM reads
+the gate_up output, or :func:`moe_quantize`'s per-expert quantized rows).
+
+Weighted scatter-add (the down GEMM): ``OUT_KIND="scatter_add"`` multiplies each row by its routing
+weight and adds it into its token's fp32 output row with ``tl.atomic_add`` (relaxed). Atomics keep the
+block at three launches (quantize, gate_up, down) and need no [T, top_k, N] buffer. Order: a token's
+``top_k`` contributions land in whatever order the programs run. For ``top_k ≤ 2`` that is still
+deterministic, since the output starts at zero and one IEEE addition is commutative (0 + a + b = a + b =
+b + a, bit for bit); for ``top_k ≥ 3`` the last bit can vary run to run. ``deterministic=True`` selects
+``"scatter_store"`` instead: rows weighted and stored at their slot of a [T·top_k, N] buffer, then summed
+over the slots in a fixed order by torch (a fourth launch, and top_k× the output bytes).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import triton
+import triton.language as tl
+
+from dbr_quant.formats import FP8Format
+from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
+from dbr_quant.kernels.reference.grouped import check_grouped_args
+from dbr_quant.kernels.routing import MoeRouting, expert_out_scale, expert_weight_scale, input_scale_kind
+from dbr_quant.kernels.triton.common import Kernel, check_device, device_function, fp8_bits, fp8_constants, round_to_fp8
+from dbr_quant.kernels.triton.gemm import (
+    _OUT_KINDS,
+    _OUT_PTR,
+    _PTR,
+    CONFIGS,
+    GemmConfig,
+    _activate,
+    _activation_kind,
+    _bf16_bits,
+    _check_size,
+    _describe,
+    _fp8_format,
+    _GemmKernel,
+    _grouped_tile,
+    _signature,
+    _unit_stride,
+    pick_config,
+)
+from dbr_quant.kernels.triton.quantize import block_max, block_sum, quantize_bits
+
+__all__ = ["AOT_CONFIGS", "aot_attrs", "aot_options", "fp8_grouped_linear", "moe_quantize"]
+
+EXPERT_CHUNK = 64  # experts examined per step of the tile schedule (a 64-lane prefix sum)
+QUANT_BLOCK = 1024  # columns per step of the gather-quantize kernel
+
+
+@device_function
+def _tile_of(tile, expert_offsets_ptr, num_experts, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """Row tile ``tile`` of the ragged schedule → (expert, its first row in the tile, the expert's end row,
+    total tiles). Expert e owns tiles [T_e, T_e + ceil(rows_e / BLOCK_M)) with T_e the prefix sum; since
+    those ends are non-decreasing, the owner is the number of experts whose tiles end at or before
+    ``tile``, and its first tile is the largest such end. BLOCK_M = 1 maps a row to its expert."""
+    lanes = tl.arange(0, CHUNK)
+    done = tile * 0  # tiles of the experts before this chunk (scalars typed like ``tile``)
+    expert = tile * 0
+    first_tile = tile * 0
+    for chunk in range(0, num_experts, CHUNK):
+        idx = chunk + lanes
+        live = idx < num_experts
+        start = tl.load(expert_offsets_ptr + idx, mask=live, other=0)
+        end = tl.load(expert_offsets_ptr + idx + 1, mask=live, other=0)
+        tiles_end = tl.associative_scan((end - start + BLOCK_M - 1) // BLOCK_M, 0, tl.standard._sum_combine) + done
+        before = live & (tiles_end <= tile)
+        expert += block_sum(before.to(tl.int32))
+        first_tile = tl.maximum(first_tile, block_max(tl.where(before, tiles_end, 0)))
+        done = block_max(tl.where(live, tiles_end, done))
+    valid = tile < done
+    e = tl.where(valid, expert, 0)  # past the last tile: a safe index (the program returns)
+    row = tl.load(expert_offsets_ptr + e) + (tile - first_tile) * BLOCK_M
+    return e, row, tl.load(expert_offsets_ptr + e + 1), valid
+
+
+def _fp8_grouped_gemm_kernel(
+    a_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, inv_out_scale_ptr, slots_ptr, route_w_ptr,
+    expert_offsets_ptr,
+    N, K, num_experts, top_k, max_tiles,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+    stride_xe, stride_xr, stride_se, stride_sn, stride_be, stride_ie,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    CHUNK: tl.constexpr, ACTIVATION: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GATHER: tl.constexpr, OUT_KIND: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr,
+    MIN_NORMAL: tl.constexpr, EXP_BIAS: tl.constexpr,
+):
+    """out = epilogue(A_rows · W[e]ᵀ) for one (row tile, column tile) of expert e. GATED: W[e] is [gate; up]
+    (2N × K) and the CTA holds both accumulators, as the dense kernel (act(gate)·up formed in registers).
+    Scales are indexed through strides that are 0 where they do not vary: x by expert (stride_xe) or by
+    input row (stride_xr), W by expert (stride_se) and channel (stride_sn), the FP8 output by expert."""
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), max_tiles * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    e, row0, row_end, valid = _tile_of(pid_m, expert_offsets_ptr, num_experts, BLOCK_M, CHUNK)
+    if not valid:
+        return
+    rm = row0 + tl.arange(0, BLOCK_M)  # sorted rows of expert e
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mask_m = rm < row_end
+    mask_n = rn < N
+    slot = tl.load(slots_ptr + rm, mask=mask_m, other=0)  # token · top_k + choice
+    a_row = slot // top_k if GATHER else rm
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + rk[None, :] * stride_ak
+    # 64-bit expert offset: E·N·K exceeds 2**31 for large MoEs (the offsets within one expert do not)
+    w_ptrs = w_ptr + e.to(tl.int64) * stride_we + rk[:, None] * stride_wk + rn[None, :] * stride_wn
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    if GATED:
+        up_ptrs = w_ptrs + N * stride_wn
+        acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for k in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & (rk[None, :] < k_left), other=0.0)
+        w_mask = (rk[:, None] < k_left) & mask_n[None, :]
+        acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc)
+        if GATED:
+            acc_up = tl.dot(a, tl.load(up_ptrs, mask=w_mask, other=0.0), acc_up)
+            up_ptrs += BLOCK_K * stride_wk
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+
+    # epilogue in the reference's order: acc·(sx·sw) + bias → activation → output
+    xs = tl.load(x_scale_ptr + e * stride_xe + a_row * stride_xr, mask=mask_m, other=0.0)
+    ws_ptrs = w_scale_ptr + e * stride_se + rn * stride_sn
+    y = acc * (xs[:, None] * tl.load(ws_ptrs, mask=mask_n, other=0.0)[None, :])
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + e * stride_be + rn, mask=mask_n, other=0.0)[None, :]
+    if GATED:
+        up = acc_up * (xs[:, None] * tl.load(ws_ptrs + N * stride_sn, mask=mask_n, other=0.0)[None, :])
+        if HAS_BIAS:
+            up += tl.load(bias_ptr + e * stride_be + N + rn, mask=mask_n, other=0.0)[None, :]
+        y = _activate(y, ACTIVATION) * up
+    else:
+        y = _activate(y, ACTIVATION)
+    mask = mask_m[:, None] & mask_n[None, :]
+    if OUT_KIND == "scatter_add" or OUT_KIND == "scatter_store":
+        y = y * tl.load(route_w_ptr + slot, mask=mask_m, other=0.0)[:, None]
+        dest = slot // top_k if OUT_KIND == "scatter_add" else slot
+        out_ptrs = out_ptr + dest[:, None] * stride_om + rn[None, :] * stride_on
+        if OUT_KIND == "scatter_add":
+            tl.atomic_add(out_ptrs, y, mask=mask, sem="relaxed")
+        else:
+            tl.store(out_ptrs, y, mask=mask)
+    else:
+        out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on
+        if OUT_KIND == "fp8":  # the next projection's input scale (per expert or shared), exact RNE, bytes
+            q = round_to_fp8(y * tl.load(inv_out_scale_ptr + e * stride_ie), FP8_MAX, MANTISSA_BITS, MIN_NORMAL)
+            tl.store(out_ptrs, fp8_bits(q, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS), mask=mask)
+        elif OUT_KIND == "bf16":
+            tl.store(out_ptrs, _bf16_bits(y), mask=mask)
+        else:
+            tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _moe_quantize_kernel(x_ptr, slots_ptr, expert_offsets_ptr, inv_ptr, q_ptr, K, num_experts, top_k,
+                         stride_xm, BLOCK: tl.constexpr, CHUNK: tl.constexpr, FP8_MAX: tl.constexpr,
+                         MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, EXP_BIAS: tl.constexpr):
+    """Sorted row r = its token's activations quantized with its expert's scale (one program per row)."""
+    r = tl.program_id(0)
+    e, _, _, _ = _tile_of(r, expert_offsets_ptr, num_experts, 1, CHUNK)
+    inv = tl.load(inv_ptr + e)
+    x_row = x_ptr + (tl.load(slots_ptr + r) // top_k).to(tl.int64) * stride_xm
+    q_row = q_ptr + r.to(tl.int64) * K
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, K, BLOCK):
+        mask = start + cols < K
+        x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(q_row + start + cols, quantize_bits(x, inv, FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS),
+                 mask=mask)
+
+
+GROUPED_KERNEL = _GemmKernel(_fp8_grouped_gemm_kernel, (
+    "num_experts", "top_k", "max_tiles", "stride_xe", "stride_xr", "stride_se", "stride_sn", "stride_be", "stride_ie"))
+MOE_QUANTIZE_KERNEL = _GemmKernel(_moe_quantize_kernel, ("num_experts", "top_k"))
+_LOADED = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def pick_grouped_config(rows: int, num_experts: int) -> GemmConfig:
+    """The dense GEMM's config for the average rows per expert (no autotuning: must run interpreted)."""
+    return pick_config(triton.cdiv(rows, num_experts))
+
+
+def fp8_grouped_linear(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    routing: MoeRouting,
+    *,
+    x_sorted: bool = False,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    out_scale: torch.Tensor | None = None,
+    out_fmt: FP8Format | str = FP8Format.E4M3,
+    topk_weights: torch.Tensor | None = None,
+    deterministic: bool = False,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """:func:`reference_grouped.fp8_grouped_linear` in one launch (two with ``deterministic`` scatter).
+
+    ``config`` overrides the block config (tests use small tiles to get many ragged tiles per expert).
+    """
+    op = "fp8_grouped_linear"
+    check_device(x_q, x_scale, w_q, w_scale, bias, out_scale, topk_weights, routing.slots)
+    _fp8_format(x_q, "x_q")
+    _fp8_format(w_q, "w_q")
+    check_grouped_args(x_q, w_q, routing, x_sorted, activation, out_scale, topk_weights, op)
+    num_e, n_w, k = w_q.shape
+    gated = activation in GATED
+    n = n_w // 2 if gated else n_w
+    rows, dev = routing.num_rows, x_q.device
+    a = _unit_stride(x_q, 1)
+    w_q = _unit_stride(w_q, 2)
+    _check_size(a, w_q[0])  # offsets within one expert's weight and within A are 32-bit
+    if max(rows, routing.num_tokens) * n >= 2**31:
+        raise ValueError(f"{op}: output too large for 32-bit offsets ({rows} rows × {n})")
+
+    xs = x_scale.detach().float()
+    kind = input_scale_kind(xs, num_e, a.shape[0], op)
+    xs = xs.reshape(-1)
+    stride_xe, stride_xr = {"tensor": (0, 0), "expert": (1, 0), "row": (0, 1)}[kind]
+    ws = expert_weight_scale(w_scale, num_e, n_w, op).contiguous()
+    stride_se, stride_sn = (0, 0) if ws.dim() == 0 else (ws.stride(0), 0 if ws.shape[1] == 1 else 1)
+    b = None
+    if bias is not None:
+        if tuple(bias.shape) != (num_e, n_w):
+            raise ValueError(f"{op}: bias must be [E, N] = [{num_e}, {n_w}], got {tuple(bias.shape)}")
+        b = bias.detach().float().contiguous()
+    route_w = None  # routing weights in slot order (token · top_k + choice): the kernel indexes them by slot
+    if topk_weights is not None:
+        if tuple(topk_weights.shape) != (routing.num_tokens, routing.top_k):
+            raise ValueError(f"{op}: topk_weights must be [{routing.num_tokens}, {routing.top_k}] like the "
+                             f"routing's topk_ids, got {tuple(topk_weights.shape)}")
+        route_w = topk_weights.detach().float().contiguous().reshape(-1)
+
+    inv, stride_ie, fmt_o = xs, 0, FP8Format.E4M3
+    if topk_weights is not None:
+        kind_o = "scatter_store" if deterministic and routing.top_k > 1 else "scatter_add"
+        shape = (rows, n) if kind_o == "scatter_store" else (routing.num_tokens, n)
+        out = (torch.empty if kind_o == "scatter_store" else torch.zeros)(shape, dtype=torch.float32, device=dev)
+        out_view = out
+    elif out_scale is not None:
+        fmt_o, kind_o = FP8Format.parse(out_fmt), "fp8"
+        inv = torch.reciprocal(expert_out_scale(out_scale, num_e, op)).reshape(-1)  # reference.quantize's bits
+        stride_ie = 0 if inv.numel() == 1 else 1
+        out = torch.empty((rows, n), dtype=fmt_o.dtype, device=dev)
+        out_view = out.view(torch.uint8)
+    else:
+        if out_dtype not in _OUT_KINDS:
+            raise TypeError(f"{op}: out_dtype must be one of {list(_OUT_KINDS)} (or pass out_scale for FP8)")
+        kind_o = _OUT_KINDS[out_dtype]
+        out = torch.empty((rows, n), dtype=out_dtype, device=dev)
+        out_view = out.view(torch.uint16) if kind_o == "bf16" else out
+
+    cfg = config or pick_grouped_config(rows, num_e)
+    if gated and config is None:
+        cfg = cfg.gated()
+    max_tiles = triton.cdiv(rows, cfg.BLOCK_M) + min(num_e, rows)
+    if rows and n:
+        GROUPED_KERNEL[(max_tiles * triton.cdiv(n, cfg.BLOCK_N),)](
+            a, w_q, out_view, xs, ws, xs if b is None else b, inv, routing.slots,
+            xs if route_w is None else route_w, routing.expert_offsets,
+            n, k, num_e, routing.top_k, max_tiles,
+            a.stride(0), a.stride(1), w_q.stride(0), w_q.stride(1), w_q.stride(2), out.stride(0), out.stride(1),
+            stride_xe, stride_xr, stride_se, stride_sn, 0 if b is None else b.stride(0), stride_ie,
+            **cfg.constexprs(), CHUNK=EXPERT_CHUNK, ACTIVATION=_activation_kind(activation), GATED=gated,
+            HAS_BIAS=b is not None, GATHER=not x_sorted, OUT_KIND=kind_o, **fp8_constants(fmt_o),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    if kind_o == "scatter_store":  # the fixed-order combine over each token's top_k slots
+        out = out.view(routing.num_tokens, routing.top_k, n).sum(1)
+    if topk_weights is not None and out_dtype != torch.float32:
+        out = out.to(out_dtype)
+    return out
+
+
+def moe_quantize(x: torch.Tensor, x_scale: torch.Tensor, routing: MoeRouting, fmt: FP8Format) -> torch.Tensor:
+    """:func:`reference_grouped.moe_quantize` (per-expert scales, sorted rows out) in one launch."""
+    check_device(x, x_scale, routing.slots)
+    if x_scale.dim() != 1 or x_scale.numel() != routing.num_experts:
+        raise ValueError(f"moe_quantize: x_scale must hold one scale per expert ([{routing.num_experts}]), "
+                         f"got shape {tuple(x_scale.shape)}")
+    if x.dim() != 2 or x.shape[0] != routing.num_tokens:
+        raise ValueError(f"moe_quantize: x must be [{routing.num_tokens}, K] (tokens of the routing), "
+                         f"got {tuple(x.shape)}")
+    x_c = _unit_stride(x if x.dtype in _LOADED else x.float(), 1)
+    q = torch.empty((routing.num_rows, x.shape[1]), dtype=fmt.dtype, device=x.device)
+    if q.numel():
+        inv = torch.reciprocal(x_scale.float()).contiguous()  # reference.quantize's own reciprocal bits
+        MOE_QUANTIZE_KERNEL[(routing.num_rows,)](
+            x_c, routing.slots, routing.expert_offsets, inv, q.view(torch.uint8), x.shape[1], routing.num_experts,
+            routing.top_k, x_c.stride(0), BLOCK=QUANT_BLOCK, CHUNK=EXPERT_CHUNK, **fp8_constants(fmt))
+    return q
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ahead-of-time compilation table: every variant the wrappers can launch (what the JIT would compile)
+
+_GROUPED_OUTS = ("fp32", "bf16", "fp16", *FP8Format, "scatter_add", "scatter_store")
+
+
+def _grouped_entry(cfg, fmt_a, fmt_w, activation, has_bias, gather, out):
+    """One AOT_CONFIGS row for fp8_grouped_linear; ``out`` is an OUT_KIND name or an FP8Format."""
+    kind = "fp8" if isinstance(out, FP8Format) else out
+    gated = activation in GATED
+    cfg = cfg.gated() if gated else cfg
+    out_ptr = "*fp32" if kind.startswith("scatter") else _OUT_PTR[kind]
+    ptrs = {"a_ptr": _PTR[fmt_a], "w_ptr": _PTR[fmt_w], "out_ptr": out_ptr, "x_scale_ptr": "*fp32",
+            "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "inv_out_scale_ptr": "*fp32", "slots_ptr": "*i32",
+            "route_w_ptr": "*fp32", "expert_offsets_ptr": "*i32"}
+    sig, consts = _signature(GROUPED_KERNEL, ptrs, ("stride_ak", "stride_wk", "stride_on"))
+    consts.update(cfg.constexprs(), CHUNK=EXPERT_CHUNK, ACTIVATION=_activation_kind(activation), GATED=gated,
+                  HAS_BIAS=has_bias, GATHER=gather, OUT_KIND=kind,
+                  **fp8_constants(out if kind == "fp8" else FP8Format.E4M3))
+    out_name = f"fp8{out.value}" if kind == "fp8" else kind
+    desc = (f"{_describe(cfg)} | {fmt_a.value}x{fmt_w.value} act={activation} bias={int(has_bias)}"
+            f" rows={'gathered' if gather else 'sorted'} out={out_name}")
+    return ("_fp8_grouped_gemm_kernel", desc, GROUPED_KERNEL, sig, consts)
+
+
+def _moe_quantize_entry(x_dtype: str, fmt: FP8Format):
+    ptrs = {"x_ptr": f"*{x_dtype}", "slots_ptr": "*i32", "expert_offsets_ptr": "*i32", "inv_ptr": "*fp32",
+            "q_ptr": "*u8"}
+    sig, consts = _signature(MOE_QUANTIZE_KERNEL, ptrs, ())
+    consts.update(BLOCK=QUANT_BLOCK, CHUNK=EXPERT_CHUNK, **fp8_constants(fmt))
+    return ("_moe_quantize_kernel", f"moe_quantize x={x_dtype} {fmt.value} BLOCK={QUANT_BLOCK} warps=4",
+            MOE_QUANTIZE_KERNEL, sig, consts)
+
+
+def _aot_configs() -> list[tuple[str, str, Kernel, dict, dict]]:
+    fmts = list(FP8Format)
+    grouped = itertools.product(CONFIGS.values(), fmts, fmts, (None,) + ACTIVATIONS + GATED, (False, True),
+                                (True, False), _GROUPED_OUTS)
+    quant = itertools.product(("fp32", "bf16", "fp16"), fmts)
+    return [_grouped_entry(*args) for args in grouped] + [_moe_quantize_entry(*args) for args in quant]
+
+
+AOT_CONFIGS: list[tuple[str, str, Kernel, dict, dict]] = _aot_configs()
+
+
+def aot_attrs(entry: tuple[str, str, Kernel, dict, dict]) -> dict:
+    """ASTSource ``attrs`` for the common aligned case (pointers, K, N and leading strides multiples of 16),
+    as the JIT would specialize them: without them loads are neither vectorized nor cp.async-pipelined."""
+    sig = entry[3]
+    aligned = {"N", "K", "stride_am", "stride_we", "stride_wn", "stride_om", "stride_xm"}
+    return {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
+            if ty.startswith("*") or (ty == "i32" and name in aligned)}
+
+
+def aot_options(entry: tuple[str, str, Kernel, dict, dict]) -> dict[str, int]:
+    """``num_warps``/``num_stages`` an AOT_CONFIGS entry is launched with (triton.compile options)."""
+    if entry[0] == "_moe_quantize_kernel":
+        return {"num_warps": 4, "num_stages": 3}  # Triton's launch defaults, which moe_quantize uses
+    cfg = CONFIGS[entry[1].split()[0].removesuffix("-gated")]  # descriptions start with the config's name
+    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}

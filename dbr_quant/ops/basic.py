@@ -1,0 +1,293 @@
+"""FP8 execution of single recorded ops (the "basic ops"); fused subgraphs in fusions.py build on them.
+
+Each executor gets the intercepted call and an ``env`` (the converted model's run context) that hands
+out activation scales and FP8 weights; the arithmetic itself is in ``dbr_quant.kernels``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from dbr_quant import kernels
+from dbr_quant.ops.mappings import LINEAR, MATMUL, MATMUL_AS_LINEAR, SDPA, linear_weight
+from dbr_quant.ops.straight_through import run_straight_through, substitute, wants_gradient
+from dbr_quant.quantize.weights import FP8Weight, adjacent_rows, fp8_weight_of
+from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
+
+_is_grad_enabled = torch._C.is_grad_enabled  # read once per quantized op
+
+
+@dataclass(slots=True, init=False)  # created per intercepted op: slots and a hand-written __init__ (no
+class Call:                          # __post_init__ frame) make it cheaper to build and read
+    """One intercepted call as it arrived at run time."""
+
+    kind: str
+    func: Any  # the torch function, or the nn.Linear module for module calls
+    args: tuple
+    kwargs: dict
+    op: SeenOp | None = None
+    state: AutoQuantizationState | None = None
+    placeholder: Any = None  # what this call returned while its subgraph was still pending
+    module: nn.Module | None = field(init=False, repr=False)  # func, when the call is a module call
+
+    def __init__(self, kind: str, func: Any, args: tuple, kwargs: dict, op: SeenOp | None = None,
+                 state: AutoQuantizationState | None = None, placeholder: Any = None) -> None:
+        self.kind = kind
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.op = op
+        self.state = state
+        self.placeholder = placeholder
+        self.module = func if isinstance(func, nn.Module) else None
+
+    def run_original(self, args: tuple | None = None, kwargs: dict | None = None) -> Any:
+        """The high-precision op as the user wrote it (FP8 weights dequantized)."""
+        args = self.args if args is None else args
+        kwargs = self.kwargs if kwargs is None else kwargs
+        m = self.module
+        if m is None:
+            return self.func(*args, **kwargs)
+        if self.kind == LINEAR:
+            return torch.nn.functional.linear(args[0], *linear_hp_weight(m))
+        return type(m).forward(m, *args, **kwargs)  # a recognised norm module's own body
+
+
+class Env(Protocol):
+    def input_scale(self, call: Call, slot: str, x: torch.Tensor | None) -> torch.Tensor:
+        """The scale for an activation; ``x`` may be None for static scales (needed when dynamic)."""
+
+
+def stored_fp8_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(fp8 weight (N×K), scale (N,) or 0-d) that convert stored for a linear module, else None.
+
+    The gate and up projections of a gated MLP are stored as adjacent rows of one [gate; up] buffer (so
+    the fused GEMM reads both without a copy); each module's weight is its own rows of it.
+    """
+    w = fp8_weight_of(module)
+    return None if w is None else (w.qdata, w.scale)
+
+
+def stacked_gate_up(gate: Call, up: Call) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The [gate; up] FP8 weight and scales when convert stacked this pair (and they still share one
+    buffer: a device move copies them apart, then the fused GEMM concatenates per call), else None.
+    Block-scaled pairs: scales [gate block rows; up block rows], the layout of ``fp8_block_linear``'s gated path."""
+    g, u = gate.module, up.module
+    if g is None or u is None or u.__dict__.get("_dbr_stacked_after") is not g:
+        return None
+    gw, uw = fp8_weight_of(g), fp8_weight_of(u)
+    q = adjacent_rows(gw.qdata, uw.qdata)
+    s = adjacent_rows(gw.scale, uw.scale)
+    if q is None or s is None:
+        return torch.cat([gw.qdata, uw.qdata]), torch.cat([gw.scale, uw.scale])
+    return q, s
+
+
+def linear_hp_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight and bias of an nn.Linear in high precision (dequantized when stored in FP8), as (N×K)."""
+    w = fp8_weight_of(module)
+    if w is None:
+        return linear_weight(module), module.bias
+    return kernels.dequantize(w.qdata, w.elementwise_scale(), w.dtype), module.bias
+
+
+def linear_operands(call: Call) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(x, weight-or-None-if-stored-FP8, bias) of a linear call, module or functional."""
+    if call.module is not None:
+        m = call.module
+        return call.args[0], None if fp8_weight_of(m) is not None else linear_weight(m), m.bias
+    args, kw = call.args, call.kwargs
+    x = args[0]
+    if call.func in MATMUL_AS_LINEAR:  # x @ W (W a parameter, mappings.call_kind): the linear's weight is Wᵀ
+        return x, (args[1] if len(args) > 1 else kw["other"]).mT, None
+    w = args[1] if len(args) > 1 else kw["weight"]
+    b = args[2] if len(args) > 2 else kw.get("bias")
+    return x, w, b
+
+
+def _stored(w: torch.Tensor | None) -> FP8Weight | None:
+    """A functional linear's weight when it is (a view of) a parameter convert stored in FP8 (param_weights.py)
+    in the [out, in] orientation the GEMM reads; None otherwise (then it is quantized per call)."""
+    return w if type(w) is FP8Weight and not w.transposed else None
+
+
+def weight_block(call: Call) -> tuple[int, int] | None:
+    """The (rows, columns) block of a block-scaled linear's weight (stored, or per the config when the weight
+    is quantized per call), else None."""
+    w = fp8_weight_of(call.module) if call.module is not None else _stored(linear_operands(call)[1])
+    if w is not None:
+        return w.block
+    wcfg = call.op.qconfig.weight
+    return wcfg.block if wcfg.granularity == "block" else None
+
+
+def fp8_weight(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 weight and its scale: stored on the module by convert, else quantized now (dynamic).
+    Block-scaled (see :func:`weight_block`): scale [⌈N/bn⌉, ⌈K/bk⌉]."""
+    stored = stored_fp8_weight(call.module) if call.module is not None else None
+    if stored is not None:
+        return stored
+    _, w, _ = linear_operands(call)
+    if type(w) is FP8Weight:
+        if not w.transposed:
+            return w.qdata, w.scale
+        w = w.dequantize()  # stored in the other orientation: its scales run along this GEMM's reduction
+    wcfg = call.op.qconfig.weight
+    if wcfg.granularity == "block":
+        return kernels.block_quantize_weight(w, wcfg.block, wcfg.format)
+    per_channel = wcfg.granularity == "channel"
+    scale = kernels.dynamic_scale(w, wcfg.format, per_token=per_channel)
+    return kernels.quantize(w, scale, wcfg.format), scale.reshape(-1) if per_channel else scale
+
+
+def linear_parts(call: Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, int] | None]:
+    """(fp8 weight, its scale, bias, block) of a linear call: :func:`fp8_weight`, the bias of
+    :func:`linear_operands` and :func:`weight_block` in one read of the module (the runtime's hot path: a
+    converted ``nn.Linear`` costs two dict lookups here, then its ``FP8Weight``'s fields)."""
+    m = call.module
+    if m is not None:
+        w = m._parameters.get("weight")
+        if type(w) is FP8Weight:
+            params = m._parameters
+            bias = params["bias"] if "bias" in params else m.bias
+            return w.qdata, w.scale, bias, w.block
+    _, w, bias = linear_operands(call)
+    stored = _stored(w)
+    if stored is not None:
+        return stored.qdata, stored.scale, bias, stored.block
+    w_q, w_scale = fp8_weight(call)
+    return w_q, w_scale, bias, weight_block(call)
+
+
+# Per-token scales only for operands whose rows are not the GEMM's reduction dimension (a scale along
+# K could not be taken out of the dot product): linear inputs, matmul's left operand, q and k.
+PER_TOKEN_SLOTS = ("input", "a", "q", "k")
+
+
+def quantized_input(call: Call, slot: str, x: torch.Tensor, env: Env) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8, scale) of an activation: a static scale from the env, or a dynamic one in the same kernel.
+    "group" activations outside a block linear's input (matmul / attention operands) are quantized per token
+    where the slot allows it (the finest granularity those kernels take), else per tensor."""
+    cfg = call.op.qconfig
+    if cfg.dynamic:
+        per_token = cfg.activation.granularity in ("token", "group") and slot in PER_TOKEN_SLOTS
+        return kernels.dynamic_quantize(x, cfg.activation.format, per_token)
+    scale = env.input_scale(call, slot, x)
+    return kernels.quantize(x, scale, cfg.activation.format), scale
+
+
+def as_group_scale(scale: torch.Tensor, x_q: torch.Tensor, group: int) -> torch.Tensor:
+    """An activation scale in the per-token-group layout [..., ⌈K/group⌉] of the block GEMM: group scales as
+    they are, a per-tensor (0-d or one value) or per-token ([..., 1]) scale repeated over the groups."""
+    kb = math.ceil(x_q.shape[-1] / group)
+    want = (*x_q.shape[:-1], kb)
+    if tuple(scale.shape) == want:
+        return scale
+    return scale.reshape(scale.shape if scale.dim() == x_q.dim() else ()).expand(want).contiguous()
+
+
+def quantized_block_input(call: Call, x: torch.Tensor, env: Env, block: tuple[int, int]
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8, scale [..., ⌈K/bk⌉]) of a block linear's input: dynamic per-token-group quantization in one launch
+    for "group" activations, else the op's own scheme with its scale repeated per group."""
+    cfg = call.op.qconfig
+    if cfg.dynamic and cfg.activation.granularity == "group":
+        return kernels.group_quantize(x, block[1], cfg.activation.format)
+    x_q, x_scale = quantized_input(call, "input", x, env)
+    return x_q, as_group_scale(x_scale, x_q, block[1])
+
+
+def run_linear(call: Call, env: Env, *, x: torch.Tensor | None = None, activation: str | None = None,
+               residual: torch.Tensor | None = None, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+               out_scale: torch.Tensor | None = None, out_fmt=None) -> torch.Tensor:
+    """One FP8 linear: quantize the input (unless ``x_fp8`` = (fp8 data, scale) is given: a previous
+    kernel already did), GEMM with epilogue; FP8 output with ``out_scale`` for the next op."""
+    w_q, w_scale, bias, block = linear_parts(call)
+    x = call.args[0] if x is None else x
+    kw = {} if out_scale is None else {"out_scale": out_scale, "out_fmt": out_fmt}
+    if x_fp8 is not None:
+        x_q, x_scale = x_fp8
+    elif block is not None:
+        x_q, x_scale = quantized_block_input(call, x, env, block)
+    else:
+        x_q, x_scale = quantized_input(call, "input", x, env)
+    return linear_kernel(x_q, x_scale, w_q, w_scale, block, bias=bias, activation=activation,
+                         residual=residual, out_dtype=x.dtype, **kw)
+
+
+def linear_kernel(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                  block: tuple[int, int] | None, **epilogue: Any) -> torch.Tensor:
+    """``kernels.fp8_linear``, or ``kernels.fp8_block_linear`` for a block-scaled weight (the input scale
+    brought to the per-token-group layout)."""
+    if block is None:
+        return kernels.fp8_linear(x_q, x_scale, w_q, w_scale, **epilogue)
+    return kernels.fp8_block_linear(x_q, as_group_scale(x_scale, x_q, block[1]), w_q, w_scale, block=block,
+                                    **epilogue)
+
+
+def run_mlp(fc1_weight: tuple[torch.Tensor, torch.Tensor], fc1_bias: torch.Tensor | None, x_q: torch.Tensor,
+            x_scale: torch.Tensor, activation: str | None, fc2: Call, env: Env, residual: torch.Tensor | None,
+            out_dtype: torch.dtype, fc1_block: tuple[int, int] | None = None) -> torch.Tensor:
+    """fc1 (FP8 input given; its weight, possibly a stacked [gate; up]) → activation → fc2 (+ residual) as
+    one ``kernels.fp8_mlp``: FP8 from fc1's epilogue to fc2 with fc2's input scale (static). With a
+    block-scaled fc1 or fc2, the same FP8 hand-off as two linear kernels."""
+    h_scale = env.input_scale(fc2, "input", None)
+    w2_q, w2_scale, b2, fc2_block = linear_parts(fc2)
+    if fc1_block is not None or fc2_block is not None:
+        h = linear_kernel(x_q, x_scale, *fc1_weight, fc1_block, bias=fc1_bias, activation=activation,
+                          out_dtype=out_dtype, out_scale=h_scale, out_fmt=fc2.op.qconfig.activation.format)
+        return linear_kernel(h, h_scale, w2_q, w2_scale, fc2_block, bias=b2, residual=residual, out_dtype=out_dtype)
+    return kernels.fp8_mlp(x_q, x_scale, *fc1_weight, fc1_bias, activation, h_scale,
+                           fc2.op.qconfig.activation.format, w2_q, w2_scale, b2, residual, out_dtype)
+
+
+def run_matmul(call: Call, env: Env, *, a: torch.Tensor | None = None, b: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    a = call.args[0] if a is None else a
+    b = call.args[1] if b is None else b
+    a_q, a_s = quantized_input(call, "a", a, env)
+    b_q, b_s = quantized_input(call, "b", b, env)
+    return kernels.fp8_matmul(a_q, a_s, b_q, b_s).to(torch.promote_types(a.dtype, b.dtype))
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def sdpa_arguments(call: Call) -> dict[str, Any]:
+    bound = dict(zip(_SDPA_ARGS, call.args))
+    bound.update(call.kwargs)
+    return bound
+
+
+def run_sdpa(call: Call, env: Env) -> torch.Tensor:
+    a = sdpa_arguments(call)
+    q, k, v = a["query"], a["key"], a["value"]
+    q_q, q_s = quantized_input(call, "q", q, env)
+    k_q, k_s = quantized_input(call, "k", k, env)
+    v_q, v_s = quantized_input(call, "v", v, env)
+    out = kernels.fp8_attention(
+        q_q, q_s, k_q, k_s, v_q, v_s,
+        attn_mask=a.get("attn_mask"), is_causal=bool(a.get("is_causal", False)),
+        softmax_scale=a.get("scale"), fmt=call.op.qconfig.activation.format,
+    )
+    return out.to(q.dtype)
+
+
+EXECUTORS = {LINEAR: run_linear, MATMUL: run_matmul, SDPA: run_sdpa}
+
+
+def run_basic(call: Call, env: Env) -> torch.Tensor:
+    """Run one recorded op: in FP8 when it is quantized, else as written."""
+    if call.op is None or not call.op.quantize:
+        return call.run_original()
+    if _is_grad_enabled() and (tensors := wants_gradient((call,))) is not None:
+        # the FP8 value, the high-precision op's gradient (straight_through.py)
+        return run_straight_through(lambda: EXECUTORS[call.kind](call, env), lambda sub: call.run_original(
+            tuple(substitute(a, sub) for a in call.args), {k: substitute(v, sub) for k, v in call.kwargs.items()}),
+            tensors, lambda: f"{call.kind} {call.op.fqn}")
+    return EXECUTORS[call.kind](call, env)

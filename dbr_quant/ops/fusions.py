@@ -1,0 +1,538 @@
+"""The fusion registry: which recorded op sequences run as one subgraph, and how.
+
+A fusion is a pattern over the trace (a head op and the ops that consume its output, one after the
+other) plus ``run``: an implementation that must equal running its ops one by one (``reference``).
+Register one with ``@register_fusion``; matching tries longer patterns first. A subgraph only forms
+where every intermediate tensor has exactly one consumer (the next op of the pattern), is not
+returned to the caller, and crosses no module that has hooks — so fusing never changes what user
+code or hooks can observe. See docs/extending.md for the recipe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dbr_quant import kernels
+from dbr_quant.ops.basic import (
+    Call,
+    Env,
+    linear_kernel,
+    linear_operands,
+    linear_parts,
+    quantized_block_input,
+    quantized_input,
+    run_basic,
+    run_linear,
+    run_mlp,
+    stacked_gate_up,
+    weight_block,
+)
+from dbr_quant.ops.mappings import (
+    ACT,
+    ADD,
+    DIV,
+    LINEAR,
+    MATMUL,
+    MUL,
+    NORM,
+    PASSTHROUGH,
+    SOFTMAX,
+    activation_name,
+    rms_norm_module_eps,
+)
+from dbr_quant.ops.straight_through import run_straight_through, substitute, wants_gradient
+from dbr_quant.quantize.weights import FP8Weight
+from dbr_quant.runtime.state import SeenOp
+
+
+@dataclass
+class Event:
+    """One call seen during the trace (any torch function, or an nn.Linear module call)."""
+
+    index: int
+    kind: str | None
+    func: Any
+    arg_ids: tuple[int | None, ...]  # trace ids of the positional tensor args (None for non-tensors)
+    kwarg_ids: tuple[int, ...]
+    output: int | None
+    op: SeenOp | None = None
+    detail: dict = field(default_factory=dict)
+    written: int | None = None  # the tensor an in-place op (``add_``, ``+=``, ``x[i] = v``, ``out=``) writes into
+
+    def quantized(self, kind: str) -> bool:
+        return self.kind == kind and self.op is not None and self.op.quantize
+
+
+@dataclass
+class TraceGraph:
+    """Dataflow of one traced forward: who consumes each tensor, and which tensors escape."""
+
+    events: list[Event]
+    consumers: dict[int, list[int]]
+    escaped: set[int]  # returned to the caller, or seen by a module that has hooks
+    taken: set[int] = field(default_factory=set)  # events already in a subgraph
+    storage: Sequence[int | None] = ()  # trace id → its storage (views share one; None: unknown, may alias any)
+
+    def sole_consumer(self, tid: int | None) -> Event | None:
+        """The one event that reads ``tid``, if it is free: a consumer taken by an earlier subgraph ends a
+        pattern there (an optional tail step is then skipped) instead of failing the whole match."""
+        if tid is None or tid in self.escaped:
+            return None
+        users = self.consumers.get(tid, ())
+        return self.events[users[0]] if len(users) == 1 and users[0] not in self.taken else None
+
+
+@dataclass(frozen=True)
+class Step:
+    """One op of a chain pattern: its kind, whether it may be absent, and an extra condition."""
+
+    kind: str
+    optional: bool = False
+    accepts: Callable[[Event, Event], bool] = lambda ev, prev: True
+
+
+class Fusion:
+    """Base class: a chain pattern (override ``match`` for non-chains) and a fused ``run``."""
+
+    name: str = ""
+    steps: tuple[Step, ...] = ()
+    head_readers: int = 1  # how many ops of the subgraph read the head's output (a norm feeding gate and up: 2)
+
+    def match(self, graph: TraceGraph, head: Event) -> list[Event] | None:
+        if not _accepts(self.steps[0], head, None):
+            return None
+        matched, cur, i = [head], head, 1
+        while i < len(self.steps):
+            nxt = graph.sole_consumer(cur.output)
+            while nxt is not None and nxt.kind == PASSTHROUGH and nxt.detail.get("passthrough"):
+                matched.append(nxt)
+                cur, nxt = nxt, graph.sole_consumer(nxt.output)
+            step = self.steps[i]
+            if nxt is not None and _accepts(step, nxt, cur):
+                matched.append(nxt)
+                cur, i = nxt, i + 1
+            elif step.optional:
+                i += 1
+            else:
+                return None
+        while matched[-1].kind == PASSTHROUGH:
+            matched.pop()
+        return matched if len(matched) > 1 else None
+
+    def run(self, calls: Sequence[Call], env: Env) -> torch.Tensor:
+        """The fused implementation; the default is the reference itself."""
+        return self.reference(calls, env)
+
+    @staticmethod
+    def reference(calls: Sequence[Call], env: Env) -> torch.Tensor:
+        """Run the ops one by one (each quantized op on its own), feeding outputs forward."""
+        values: dict[int, torch.Tensor] = {}
+        out = None
+        for call in calls:
+            args = tuple(values.get(id(a), a) for a in call.args)
+            kwargs = {k: values.get(id(v), v) for k, v in call.kwargs.items()}
+            out = run_basic(Call(call.kind, call.func, args, kwargs, call.op, call.state), env)
+            values[id(call.placeholder)] = out
+        return out
+
+
+    def high_precision(self, calls: Sequence[Call], sub: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The ops as the user wrote them, FP8 weights dequantized, with the tensors ``sub`` maps (by id)
+        replaced: the reference whose gradient the FP8 subgraph carries when one is wanted (straight_through.py)."""
+        values: dict[int, torch.Tensor] = dict(sub)
+        out = None
+        for call in calls:
+            args = tuple(substitute(a, values) for a in call.args)
+            kwargs = {k: substitute(v, values) for k, v in call.kwargs.items()}
+            out = Call(call.kind, call.func, args, kwargs).run_original()
+            values[id(call.placeholder)] = out
+        return out
+
+    def run_with_gradient(self, calls: Sequence[Call], env: Env) -> torch.Tensor:
+        """:meth:`run`, with straight-through gradients when the caller wants them (grad mode on and some
+        tensor the subgraph reads requires grad)."""
+        tensors = wants_gradient(calls)
+        if tensors is None:
+            return self.run(calls, env)
+        return run_straight_through(lambda: self.run(calls, env), lambda sub: self.high_precision(calls, sub),
+                                    tensors, lambda: self.describe(calls))
+
+    def describe(self, calls: Sequence[Call]) -> str:
+        """The subgraph for messages: the fusion's name and its ops' module paths."""
+        return f"the fused {self.name} subgraph (" + ", ".join(c.op.fqn for c in calls if c.op is not None) + ")"
+
+
+def _accepts(step: Step, ev: Event, prev: Event | None) -> bool:
+    if ev.kind != step.kind:
+        return False
+    if ev.kind in (LINEAR, MATMUL) and (ev.op is None or not ev.op.quantize):
+        return False
+    if prev is not None and not _threads(ev, prev.output):
+        return False
+    return step.accepts(ev, prev)
+
+
+def _threads(ev: Event, tid: int | None) -> bool:
+    """``ev`` reads ``tid`` (the previous op's output) in exactly one of its tensor arguments: in ``y + y``
+    or ``y * y`` it is also the other operand, which a fused kernel reads from outside the subgraph."""
+    return tid is not None and (*ev.arg_ids, *ev.kwarg_ids).count(tid) == 1
+
+
+FUSIONS: list[Fusion] = []
+
+
+def register_fusion(cls: type[Fusion]) -> type[Fusion]:
+    """Class decorator: add a fusion to the registry (longest patterns are tried first)."""
+    FUSIONS.append(cls())
+    FUSIONS.sort(key=lambda f: -len(f.steps))
+    return cls
+
+
+def find_subgraphs(graph: TraceGraph) -> list[tuple[Fusion, list[Event]]]:
+    """Greedy left-to-right matching over the trace: each event joins at most one subgraph."""
+    taken = graph.taken
+    found = []
+    for head in graph.events:
+        if head.index in taken or head.op is None:
+            continue
+        for fusion in FUSIONS:
+            matched = fusion.match(graph, head)
+            if matched and not any(ev.index in taken for ev in matched) and _self_contained(graph, fusion, matched):
+                taken.update(ev.index for ev in matched)
+                found.append((fusion, matched))
+                break
+    return found
+
+
+def _self_contained(graph: TraceGraph, fusion: Fusion, matched: list[Event]) -> bool:
+    """Whatever a fusion's ``match`` found, the subgraph runs as one only if its dataflow is what its ``run``
+    assumes. Each tensor made inside (but the last) exists only as a placeholder that the pattern's next op
+    reads, once: read by any other op (even one of the subgraph, as ``y + y``'s other operand or a residual),
+    returned, or seen by a hook, it would be that empty placeholder. And as every op of the subgraph runs
+    when its last one arrives, no op in between may write in place into a tensor the subgraph read before."""
+    members = {ev.index for ev in matched}
+    for ev in matched[:-1]:
+        if ev.output is None or ev.output in graph.escaped:
+            return False
+        users = graph.consumers.get(ev.output, ())
+        reads = sum((*graph.events[u].arg_ids, *graph.events[u].kwarg_ids).count(ev.output) for u in users)
+        if not members.issuperset(users) or reads != (fusion.head_readers if ev is matched[0] else 1):
+            return False
+    def storage(tid: int) -> int | None:
+        return graph.storage[tid] if tid < len(graph.storage) else None
+
+    read: set[int | None] = set()  # storages the subgraph has read so far, in trace order
+    for ev in graph.events[min(members): max(members)]:
+        if ev.index in members:
+            read.update(storage(i) for i in (*ev.arg_ids, *ev.kwarg_ids) if i is not None)
+        elif ev.written is not None and read:
+            written = storage(ev.written)
+            if written is None or written in read or None in read:  # None: not known, so it may alias any
+                return False
+    return True
+
+
+# --------------------------------------------------------------------------- step conditions
+def _first_arg(ev: Event, prev: Event) -> bool:
+    return ev.arg_ids[:1] == (prev.output,)
+
+
+def _residual(ev: Event, prev: Event) -> bool:
+    """``a + b`` with both tensors of the same shape, no ``alpha`` (a residual connection)."""
+    ids = [i for i in ev.arg_ids[:2] if i is not None]
+    return len(ids) == 2 and not ev.kwarg_ids and ev.detail.get("same_shape", False) \
+        and "alpha" not in ev.detail.get("kwargs", ())
+
+
+def _scalar_operand(ev: Event, prev: Event) -> bool:
+    """Multiplying or dividing the scores by a Python number (the softmax scale)."""
+    return ev.arg_ids[:1] == (prev.output,) and ev.detail.get("scalar_other", False)
+
+
+def _last_dim(ev: Event, prev: Event) -> bool:
+    return ev.detail.get("softmax_last_dim", False)
+
+
+def _calls(calls: Sequence[Call], kind: str) -> list[Call]:
+    return [c for c in calls if c.kind == kind]
+
+
+def _other_operand(call: Call) -> torch.Tensor:
+    """The operand of a binary op that is not the subgraph's own intermediate (a placeholder)."""
+    a, b = call.args[0], call.args[1]
+    return b if getattr(a, "_dbr_placeholder", False) else a
+
+
+def _activation(calls: Sequence[Call]) -> str | None:
+    acts = _calls(calls, ACT)
+    return activation_name(acts[0].func, acts[0].args, acts[0].kwargs) if acts else None
+
+
+# --------------------------------------------------------------------------- the fusions
+@register_fusion
+class LinearActivation(Fusion):
+    """linear (+bias) → relu / gelu / gelu-tanh / silu, one GEMM with the activation in its epilogue."""
+
+    name = "linear_act"
+    steps = (Step(LINEAR), Step(ACT, accepts=_first_arg))
+
+    def run(self, calls, env):
+        act = calls[-1]  # a passthrough op is never last (the matcher drops trailing ones)
+        return run_linear(calls[0], env, activation=activation_name(act.func, act.args, act.kwargs))
+
+
+@register_fusion
+class LinearResidual(Fusion):
+    """linear (+bias) → + residual, the residual added in the GEMM epilogue."""
+
+    name = "linear_residual"
+    steps = (Step(LINEAR), Step(ADD, accepts=_residual))
+
+    def run(self, calls, env):
+        out = run_linear(calls[0], env, residual=_other_operand(_calls(calls, ADD)[0]))
+        return out
+
+
+def _mlp(fc1: Call, fc2: Call, env: Env, x: torch.Tensor, act: str | None, residual: torch.Tensor | None,
+         x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """fc1 → act → fc2: fc1's epilogue applies the activation and quantizes with fc2's input scale, so
+    FP8 goes from one GEMM to the next (quantize + 2 GEMMs; with a fused norm, norm + 2 GEMMs)."""
+    if fc2.op.qconfig.dynamic:  # fc2's scale would depend on fc1's output: no FP8 hand-off
+        h = run_linear(fc1, env, x=x, activation=act, x_fp8=x_fp8)
+        return run_linear(fc2, env, x=h, residual=residual)
+    w_q, w_scale, bias, block = linear_parts(fc1)
+    if x_fp8 is None:
+        cfg = fc1.op.qconfig
+        if block is None and not cfg.dynamic:  # quantized_input's static case, inlined (the runtime's hot path)
+            x_scale = env.input_scale(fc1, "input", x)
+            x_fp8 = kernels.quantize(x, x_scale, cfg.activation.format), x_scale
+        else:
+            x_fp8 = _quantized_linear_input(fc1, x, env, block)
+    return run_mlp((w_q, w_scale), bias, *x_fp8, act, fc2, env, residual, x.dtype, fc1_block=block)
+
+
+def _static_mlp(fc1: Call, fc2: Call, env: Env, act: str | None, residual: torch.Tensor | None) -> Any:
+    """:func:`_mlp` → :func:`run_mlp` for the common case, read in one go: two converted linear modules with
+    per-tensor / per-channel FP8 weights and static input scales (the same two kernel calls with the same
+    operands); NotImplemented for anything else."""
+    m1, m2 = fc1.module, fc2.module
+    if m1 is None or m2 is None:
+        return NotImplemented
+    p1, p2 = m1._parameters, m2._parameters
+    w1, w2 = p1.get("weight"), p2.get("weight")
+    c1, c2 = fc1.op.qconfig, fc2.op.qconfig
+    if type(w1) is not FP8Weight or type(w2) is not FP8Weight or w1.block is not None or w2.block is not None \
+            or c1.dynamic or c2.dynamic or "bias" not in p1 or "bias" not in p2:
+        return NotImplemented
+    x = fc1.args[0]
+    x_scale = env.input_scale(fc1, "input", x)
+    x_q = kernels.quantize(x, x_scale, c1.activation.format)
+    return kernels.fp8_mlp(x_q, x_scale, w1.qdata, w1.scale, p1["bias"], act, env.input_scale(fc2, "input", None),
+                           c2.activation.format, w2.qdata, w2.scale, p2["bias"], residual, x.dtype)
+
+
+def _quantized_linear_input(call: Call, x: torch.Tensor, env: Env, block: tuple[int, int] | None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantized_input(call, "input", x, env) if block is None else quantized_block_input(call, x, env, block)
+
+
+@register_fusion
+class MLP(Fusion):
+    """fc1 → activation → fc2 (→ + residual): fc1's epilogue hands fc2 its input in FP8."""
+
+    name = "mlp"
+    steps = (Step(LINEAR), Step(ACT, accepts=_first_arg), Step(LINEAR, accepts=_first_arg),
+             Step(ADD, optional=True, accepts=_residual))
+
+    def run(self, calls, env):
+        if len(calls) <= 4 and calls[1].kind == ACT and calls[2].kind == LINEAR:  # no passthrough ops between
+            fc1, act, fc2 = calls[0], calls[1], calls[2]
+            residual = _other_operand(calls[3]) if len(calls) == 4 else None
+            act = activation_name(act.func, act.args, act.kwargs)
+            out = _static_mlp(fc1, fc2, env, act, residual)
+            if out is not NotImplemented:
+                return out
+            return _mlp(fc1, fc2, env, fc1.args[0], act, residual)
+        fc1, fc2 = _calls(calls, LINEAR)
+        adds = _calls(calls, ADD)
+        residual = _other_operand(adds[0]) if adds else None
+        return _mlp(fc1, fc2, env, fc1.args[0], _activation(calls), residual)
+
+
+def _norm_arguments(norm: Call) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, float | None,
+                                          bool] | None:
+    """(x, weight, bias, eps, rms) of an F.layer_norm / F.rms_norm call over the last dimension only, or of
+    a recognised RMSNorm module."""
+    if norm.module is not None:
+        return norm.args[0], norm.module.weight, None, rms_norm_module_eps(norm.module), True
+    rms = norm.func is F.rms_norm
+    names = ("input", "normalized_shape", "weight", "eps") if rms else (
+        "input", "normalized_shape", "weight", "bias", "eps")
+    a = dict(zip(names, norm.args))
+    a.update(norm.kwargs)
+    x, shape = a["input"], a["normalized_shape"]
+    if len(tuple(shape)) != 1:
+        return None
+    eps = a.get("eps", None if rms else 1e-5)
+    if eps is None:  # F.rms_norm's default: the machine epsilon of the input's dtype
+        eps = torch.finfo(x.dtype).eps
+    return x, a.get("weight"), a.get("bias"), eps, rms
+
+
+def _norm_quantize(norm: Call, fc: Call, env: Env) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """The norm and the quantization of ``fc``'s input in one kernel where its scheme allows: a static scale
+    (``layer_norm_quantize``) or dynamic per-token groups of a block linear (``layer_norm_group_quantize``).
+    Returns (normalized, (fp8, scale)); (the norm as written, None) otherwise."""
+    parts = _norm_arguments(norm)
+    if parts is None:
+        return norm.run_original(), None
+    x, weight, bias, eps, rms = parts
+    cfg = fc.op.qconfig
+    if not cfg.dynamic:
+        scale = env.input_scale(fc, "input", None)
+        y, q = kernels.layer_norm_quantize(x, weight, bias, eps, scale, cfg.activation.format, rms=rms)
+        return y, (q, scale)
+    block = weight_block(fc)
+    if block is not None and cfg.activation.granularity == "group":
+        y, q, scale = kernels.layer_norm_group_quantize(x, weight, bias, eps, block[1], cfg.activation.format,
+                                                        rms=rms)
+        return y, (q, scale)
+    return norm.run_original(), None
+
+
+@register_fusion
+class NormLinear(Fusion):
+    """LayerNorm / RMSNorm → linear (optionally → activation → linear: the whole MLP block).
+
+    One kernel normalizes and quantizes with the linear's input scale (static, or dynamic per-token groups for
+    block-scaled weights): the MLP block is 3 launches."""
+
+    name = "norm_linear"
+    steps = (Step(NORM), Step(LINEAR, accepts=_first_arg), Step(ACT, optional=True, accepts=_first_arg),
+             Step(LINEAR, optional=True, accepts=_first_arg), Step(ADD, optional=True, accepts=_residual))
+
+    def run(self, calls, env):
+        norm, linears = calls[0], _calls(calls, LINEAR)
+        act = _activation(calls)
+        adds = _calls(calls, ADD)
+        residual = _other_operand(adds[0]) if adds else None
+        fc1 = linears[0]
+        y, x_fp8 = _norm_quantize(norm, fc1, env)
+        if len(linears) == 1:
+            return run_linear(fc1, env, x=y, activation=act, residual=residual, x_fp8=x_fp8)
+        return _mlp(fc1, linears[1], env, y, act, residual, x_fp8)
+
+
+_GATED_KERNELS = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh"}  # Gemma: gelu_tanh
+
+
+def _gated_mlp(gate: Call, up: Call, down: Call | None, env: Env, x: torch.Tensor, act: str | None,
+               residual: torch.Tensor | None, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> torch.Tensor:
+    """down(act(gate(x)) · up(x)): with stacked [gate; up] weights one GEMM computes both halves and
+    act(gate)·up in its epilogue, writing FP8 for down (quantize + 2 GEMMs; with a fused norm, 3 launches)."""
+    stacked = stacked_gate_up(gate, up)  # convert stacks a pair only when both quantize x identically
+    kernel_act = _GATED_KERNELS.get(act)
+    if stacked is None or kernel_act is None:
+        h = run_linear(gate, env, x=x, activation=act, x_fp8=x_fp8) * run_linear(up, env, x=x, x_fp8=x_fp8)
+        return h if down is None else run_linear(down, env, x=h, residual=residual)
+    w_q, w_scale = stacked
+    block = weight_block(gate)
+    x_q, x_scale = _quantized_linear_input(gate, x, env, block) if x_fp8 is None else x_fp8
+    biases = [linear_operands(c)[2] for c in (gate, up)]
+    bias = None if biases == [None, None] else torch.cat(
+        [b if b is not None else torch.zeros(n, device=x.device) for b, n in zip(biases, (w_q.shape[0] // 2,) * 2)])
+    if down is None or down.op.qconfig.dynamic:
+        h = linear_kernel(x_q, x_scale, w_q, w_scale, block, bias=bias, activation=kernel_act, out_dtype=x.dtype)
+        return h if down is None else run_linear(down, env, x=h, residual=residual)
+    return run_mlp((w_q, w_scale), bias, x_q, x_scale, kernel_act, down, env, residual, x.dtype, fc1_block=block)
+
+
+def _residual_after(graph: TraceGraph, last: Event) -> Event | None:
+    add = graph.sole_consumer(last.output)
+    return add if add is not None and add.kind == ADD and _threads(add, last.output) and _residual(add, last) else None
+
+
+@register_fusion
+class GatedMLP(Fusion):
+    """SwiGLU / GEGLU / ReGLU: down(act(gate(x)) * up(x)) (+ residual); gate and up read the same input."""
+
+    name = "gated_mlp"
+    steps = (Step(LINEAR), Step(ACT), Step(LINEAR), Step(MUL), Step(LINEAR, optional=True),
+             Step(ADD, optional=True))
+
+    def match(self, graph, head):
+        if not head.quantized(LINEAR):
+            return None
+        act = graph.sole_consumer(head.output)
+        if act is None or act.kind != ACT:
+            return None
+        mul = graph.sole_consumer(act.output)
+        if mul is None or mul.kind != MUL or not _threads(mul, act.output):
+            return None
+        other = [i for i in mul.arg_ids[:2] if i != act.output]
+        ups = [ev for ev in graph.events[act.index + 1: mul.index] if ev.quantized(LINEAR) and
+               ev.index not in graph.taken and ev.output in other and ev.arg_ids[:1] == head.arg_ids[:1]]
+        if len(ups) != 1 or graph.sole_consumer(ups[0].output) is not mul:
+            return None
+        matched = [head, act, ups[0], mul]
+        down = graph.sole_consumer(mul.output)
+        if down is not None and down.quantized(LINEAR) and down.arg_ids[:1] == (mul.output,):
+            matched.append(down)
+            add = _residual_after(graph, down)
+            if add is not None:
+                matched.append(add)
+        return matched
+
+    def run(self, calls, env):
+        linears = _calls(calls, LINEAR)
+        adds = _calls(calls, ADD)
+        return _gated_mlp(linears[0], linears[1], linears[2] if len(linears) == 3 else None, env,
+                          linears[0].args[0], _activation(calls), _other_operand(adds[0]) if adds else None)
+
+
+@register_fusion
+class NormGatedMLP(Fusion):
+    """RMSNorm / LayerNorm → gate and up → act·up → down (+ residual): Llama's MLP block in 3 launches
+    (norm + quantize, the stacked gate|up GEMM writing FP8, down with the residual)."""
+
+    name = "norm_gated_mlp"
+    steps = (Step(NORM), Step(LINEAR), Step(ACT), Step(LINEAR), Step(MUL), Step(LINEAR, optional=True),
+             Step(ADD, optional=True))
+    head_readers = 2  # gate and up
+
+    def match(self, graph, head):
+        users = graph.consumers.get(head.output, [])
+        if head.kind != NORM or head.output in graph.escaped or len(users) != 2:
+            return None
+        inner = GatedMLP.match(self, graph, graph.events[users[0]])
+        if inner is None or inner[2].index != users[1]:
+            return None
+        return [head, *inner]
+
+    def run(self, calls, env):
+        norm, linears = calls[0], _calls(calls, LINEAR)
+        gate, up = linears[:2]
+        down = linears[2] if len(linears) == 3 else None
+        adds = _calls(calls, ADD)
+        residual = _other_operand(adds[0]) if adds else None
+        act = _activation(calls)
+        if stacked_gate_up(gate, up) is None:
+            return _gated_mlp(gate, up, down, env, norm.run_original(), act, residual)
+        y, x_fp8 = _norm_quantize(norm, gate, env)
+        return _gated_mlp(gate, up, down, env, y, act, residual, x_fp8=x_fp8)
+
+
+@register_fusion
+class Attention(Fusion):
+    """q·kᵀ → (× or ÷ scale) → (+ mask) → softmax → ·v, with FP8 GEMMs and an fp32 softmax."""
+
+    name = "attention"
+    steps = (Step(MATMUL), Step(MUL, optional=True, accepts=_scalar_operand),
+             Step(DIV, optional=True, accepts=_scalar_operand), Step(ADD, optional=True),
+             Step(SOFTMAX, accepts=_last_dim), Step(MATMUL, accepts=_first_arg))

@@ -1,0 +1,129 @@
+"""In-place edits of a converted FP8 weight re-quantize it: never a silent no-op.
+
+What writes into ``module.weight`` after convert, and what it gets:
+
+* PEFT's ``merge_and_unload`` (``weight.data += delta``, or ``w = weight.data.clone(); w += delta;
+  weight.data = w``), Hugging Face ``_init_weights`` (``nn.init.normal_``), ``add_`` / ``mul_`` / ``zero_`` /
+  ``fill_`` / ``normal_`` / ``uniform_`` / ``copy_`` / ``w[i] = v`` / ``.data = tensor``: the weight is
+  dequantized to fp32, the op runs there, and the result is quantized again with the weight's own rule —
+  the config convert used (format, observer, granularity: per tensor, per channel or per block) — into the
+  weight's own buffers. The scale changes with the values; the layout does not, so the rows of a stacked
+  gated-MLP ``[gate; up]`` buffer stay in place and the fused GEMM keeps reading one buffer.
+* Why re-quantize and not raise: merging an adapter or re-initialising a layer after convert is something
+  users do (PEFT merge is the common one); the result is what converting the edited fp32 weight would give
+  (GPTQ-rounded weights are rounded to nearest again: the calibration Hessians are gone).
+* What raises: an edit that changes the shape, produces NaN/inf, or writes a weight that accelerate keeps
+  offloaded (its bytes live in accelerate's weights map); ``FP8Weight(tensor)`` without scales (accelerate's
+  ``set_module_tensor_to_device(..., value=tensor)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from dbr_quant import kernels
+from dbr_quant.formats import FP8Format
+from dbr_quant.qconfig import TensorQConfig
+from dbr_quant.quantize.weight_quantization import all_finite, quantize_experts, quantize_weight
+from dbr_quant.quantize.weights import FP8Weight
+
+__all__ = ["weight_config", "edit", "edit_in_place", "set_data"]
+
+
+def weight_config(w: FP8Weight) -> TensorQConfig:
+    """The weight config ``w`` was quantized with: the one convert stored, else (a weight loaded from a
+    checkpoint) the one its layout implies, with amax scales as compressed-tensors computes them."""
+    if w.qconfig is not None:
+        return w.qconfig
+    fmt = FP8Format.of(w.qdata.dtype)
+    if w.block is not None:
+        return TensorQConfig(format=fmt, granularity="block", block=w.block)
+    experts_per_tensor = w.qdata.dim() == 3 and w.scale.shape[-1] == 1 < w.qdata.shape[1]  # [E, 1] per expert
+    return TensorQConfig(format=fmt, granularity="tensor" if w.scale.dim() == 0 or experts_per_tensor else "channel")
+
+
+def _quantize_like(w: FP8Weight, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 data, scale) of ``values`` (in ``qdata``'s layout) with ``w``'s rule: the quantizers convert uses."""
+    cfg = weight_config(w)
+    if values.dim() == 3:
+        return quantize_experts(values, cfg)
+    if cfg.granularity == "block":
+        return kernels.block_quantize_weight(values, cfg.block, cfg.format)
+    return quantize_weight(values, cfg)
+
+
+def _store(w: FP8Weight, values: torch.Tensor, what: str) -> None:
+    """Quantize ``values`` (``w``'s logical layout) into ``w``'s own ``qdata`` and ``scale``, in place."""
+    if tuple(values.shape) != tuple(w.shape):
+        raise RuntimeError(f"dbr_quant: {what} would make an FP8 weight {list(w.shape)} {list(values.shape)}; a "
+                           "converted weight keeps its shape (call dq.disabled() or convert the edited model again)")
+    if w.qdata.is_meta:
+        raise RuntimeError(f"dbr_quant: {what} on an offloaded FP8 weight (accelerate keeps its bytes in the "
+                           "weights map); edit the weight before convert, or load the model without offloading")
+    if w.scale.dim() == 0 and w.qdata.numel() * w.qdata.element_size() < w.qdata.untyped_storage().nbytes():
+        # rows of a per-tensor weight (in_proj_weight[:E], w.chunk(3)): one scale serves every row, so
+        # re-quantizing these rows alone would silently rescale the others
+        raise RuntimeError(f"dbr_quant: {what} on rows {list(w.shape)} of a per-tensor-scaled FP8 weight would "
+                           "change the scale of its other rows; edit the whole parameter instead")
+    values = values.transpose(-2, -1) if w.transposed else values
+    values = values.float().contiguous()
+    if not all_finite(values.reshape(-1, values.shape[-1])):
+        raise ValueError(f"dbr_quant: {what} would put NaN/inf into an FP8 weight {list(w.shape)}; the weight "
+                         "is left as it was")
+    q, scale = _quantize_like(w, values)
+    w.qdata.copy_(q)
+    # a per-tensor scale stored per row (a stacked [gate; up] buffer) takes the one value in every row
+    w.scale.copy_(scale.reshape(()) if scale.numel() == 1 else scale.reshape(w.scale.shape))
+
+
+def edit(w: FP8Weight, fn: Callable[[torch.Tensor], Any], what: str) -> None:
+    """Run ``fn`` on ``w``'s fp32 values (in place), then re-quantize the result into ``w``."""
+    high = w.dequantize(torch.float32)
+    fn(high)
+    _store(w, high, what)
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[FP8Weight]:
+    """The FP8 weights among the arguments ``func`` writes into (``self`` of ``add_``, ``out=``)."""
+    found: list[FP8Weight] = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        if isinstance(value, FP8Weight) and all(value is not w for w in found):
+            found.append(value)
+    return found
+
+
+def edit_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func`` writes into FP8 weights: run it on their fp32 values, re-quantize each. None if it writes none."""
+    written = _written(func, args, kwargs)
+    if not written:
+        return None
+    high = {id(w): w.dequantize(torch.float32) for w in written}
+    unwrap = lambda t: high.get(id(t), t.dequantize()) if isinstance(t, FP8Weight) else t  # noqa: E731
+    out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+    for w in written:
+        _store(w, high[id(w)], f"aten.{func.__name__}")
+    back = {id(high[id(w)]): w for w in written}
+    return tree_map(lambda t: back.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
+
+
+def set_data(w: FP8Weight, value: torch.Tensor) -> None:
+    """``param.data = value``: another FP8 weight is taken as it is (it shares the bytes, as torch's ``.data =``
+    does); high-precision values are re-quantized into ``w``."""
+    if value.shape != w.shape:
+        raise RuntimeError(f"dbr_quant: `.data =` a {list(value.shape)} tensor on an FP8 weight {list(w.shape)}; a "
+                           "converted weight keeps its shape (call dq.disabled() or convert the edited model again)")
+    if not isinstance(value, FP8Weight):
+        edit(w, lambda high: high.copy_(value), "`.data = tensor`")
+        return
+    if value.dtype != w.dtype:
+        raise RuntimeError(f"dbr_quant: `.data =` an FP8 weight reporting {value.dtype} on one reporting {w.dtype}; "
+                           "change the compute dtype with module.to(dtype)")
+    w.qdata, w.scale, w.transposed, w.block, w.qconfig = (value.qdata, value.scale, value.transposed, value.block,
+                                                          value.qconfig)

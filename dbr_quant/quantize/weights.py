@@ -1,0 +1,426 @@
+"""The FP8 weight of a converted linear: ``module.weight`` stays, stored as FP8 bytes plus scales.
+
+``FP8Weight`` is a wrapper tensor subclass (the design torchao's ``Float8Tensor`` uses): it reports the
+original high-precision dtype, the original shape and the real device, so model code that reads
+``module.weight.dtype`` / ``.shape`` / ``.device`` (Hugging Face T5, tied embeddings, PEFT, accelerate)
+keeps working, while its only storage is ``qdata`` (FP8, ``[out, in]``) and ``scale`` (fp32, ``[out]`` per
+channel, 0-d per tensor, or ``[⌈out/bn⌉, ⌈in/bk⌉]`` per ``block`` = (bn, bk) tile: the compressed-tensors
+FP8_BLOCK / FineGrainedFP8 layout, see kernels.reference_block). Why a subclass rather than buffers beside a
+dropped ``weight``:
+
+* ``Module.to(dtype)`` / ``.half()`` / ``.bfloat16()`` pass each parameter through ``_to_copy``; the subclass
+  answers by changing only the dtype it reports (the compute/output dtype), never the FP8 bytes or the
+  fp32 scales. A plain FP8 buffer counts as floating point and would be cast to bf16/fp16 silently.
+* Anything outside dbr_quant's runtime that uses it as a tensor (``F.linear(x, m.weight)``,
+  ``m.weight.float()``, ``m.weight @ x``) gets the dequantized values (``__torch_dispatch__`` fallback).
+* ``__tensor_flatten__`` lets ``torch.export`` / ``torch.compile`` see the two inner tensors.
+
+The runtime never goes through dispatch: it reads ``qdata`` and ``scale`` directly. ``state_dict()`` of a
+converted linear holds ``weight`` (float8) and ``weight_scale`` (fp32), the keys serving engines read.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import pickle
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils._pytree import tree_map
+
+if TYPE_CHECKING:
+    from dbr_quant.qconfig import TensorQConfig
+
+aten = torch.ops.aten
+
+__all__ = ["FP8Weight", "attach_fp8_weight", "fp8_weight_of", "adjacent_rows", "fp8_weight_bytes"]
+
+
+class FP8Weight(torch.Tensor):
+    """An FP8 weight (``qdata`` × ``scale``) that reports the high-precision ``dtype`` it replaces.
+
+    ``transposed`` marks Hugging Face ``Conv1D`` (GPT-2), whose weight is ``[in, out]``: the logical tensor
+    is ``qdata.T`` while ``qdata`` stays ``[out, in]`` for the GEMM (blocks tile ``qdata``). ``block`` is the
+    (rows, columns) tile of a block-scaled weight, None for per-tensor / per-channel scales. A 3-D ``qdata``
+    ``[E, out, in]`` is the stacked weights of an MoE experts module (``dbr_quant.moe.experts``; ``scale`` ``[E, out]``,
+    ``[E, 1]``, or ``[E, ⌈out/bn⌉, ⌈in/bk⌉]`` with ``block``); ``transposed`` then swaps the last two dims
+    (experts stored ``[E, in, out]``). ``qconfig`` is the weight config convert quantized it with (None when
+    loaded from a checkpoint): an in-place edit (``add_``, ``.data +=``, ``copy_``, ``normal_``, …) re-quantizes
+    with it (``weight_edits.py``).
+    """
+
+    qdata: torch.Tensor
+    scale: torch.Tensor
+    transposed: bool
+    block: tuple[int, int] | None
+    qconfig: TensorQConfig | None
+
+    @staticmethod
+    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                transposed: bool = False, block: tuple[int, int] | None = None, *, requires_grad: bool = False,
+                qconfig: TensorQConfig | None = None):
+        if isinstance(qdata, FP8Weight) and scale is None:
+            # ``type(param)(value, requires_grad=...)``: how accelerate's set_module_tensor_to_device rebuilds a
+            # parameter it moves (offloaded models, see offload.py). A parameter, like nn.Parameter(value).
+            if requires_grad:
+                raise RuntimeError("dbr_quant: an FP8 weight is inference-only; it cannot require grad")
+            return nn.Parameter(qdata._like(), requires_grad=False)
+        if scale is None:
+            raise TypeError("dbr_quant: FP8Weight(tensor) got high-precision values without scales (what accelerate's "
+                            "set_module_tensor_to_device(module, 'weight', device, value=tensor) does to a converted "
+                            "linear); give a converted weight new values in place instead: `with torch.no_grad(): "
+                            "module.weight.copy_(values)` re-quantizes them with the weight's own scale rule")
+        shape = (*qdata.shape[:-2], qdata.shape[-1], qdata.shape[-2]) if transposed else qdata.shape
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=qdata.device,
+                                                   requires_grad=False)
+
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                 transposed: bool = False, block: tuple[int, int] | None = None, *, requires_grad: bool = False,
+                 qconfig: TensorQConfig | None = None):
+        if scale is None:  # the copy form above: __new__ returned a complete FP8Weight
+            return
+        self.qdata = qdata
+        self.scale = scale
+        self.transposed = transposed
+        self.block = None if block is None else (int(block[0]), int(block[1]))
+        self.qconfig = qconfig
+
+    @property
+    def data(self) -> FP8Weight:
+        return torch._C.TensorBase.data.__get__(self)  # an FP8Weight sharing qdata and scale (aten.detach below)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """``param.data = value`` (PEFT's merge): high-precision values are re-quantized into this weight."""
+        from dbr_quant.quantize.edits import set_data
+
+        set_data(self, value)
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        """``weight[i] = v``: the edited values are re-quantized into this weight (not a temporary copy)."""
+        from dbr_quant.quantize.edits import edit
+
+        v = value.dequantize(torch.float32) if isinstance(value, FP8Weight) else value
+        edit(self, lambda high: high.__setitem__(index, v), "`weight[...] = value`")
+
+    def data_ptr(self) -> int:
+        """The FP8 data's address (a wrapper has no storage of its own; accelerate tells tied weights apart
+        by ``data_ptr()``, and every wrapper would otherwise answer 0)."""
+        return self.qdata.data_ptr()
+
+    def __repr__(self) -> str:
+        gran = ("per-tensor" if self.scale.dim() == 0 else "per-channel" if self.block is None
+                else f"{self.block[0]}x{self.block[1]} block")
+        return (f"FP8Weight(shape={list(self.shape)}, dtype={self.dtype}, storage={self.qdata.dtype}, {gran} scale, "
+                f"device={self.device})")
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return ["qdata", "scale"], (self.dtype, self.transposed, self.block)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, ctx: Any, outer_size: Any, outer_stride: Any) -> FP8Weight:
+        return FP8Weight(inner["qdata"], inner["scale"], *ctx)
+
+    def __deepcopy__(self, memo: dict) -> FP8Weight:
+        # memo-aware copies keep a stacked [gate; up] pair sharing one storage after deepcopy
+        out = FP8Weight(copy.deepcopy(self.qdata, memo), copy.deepcopy(self.scale, memo), self.dtype, self.transposed,
+                        self.block, qconfig=self.qconfig)
+        if isinstance(self, nn.Parameter):
+            out = nn.Parameter(out, requires_grad=False)
+        memo[id(self)] = out
+        return out
+
+    def __reduce_ex__(self, protocol: int):  # pickle (joblib, Ray, mlflow), copy, torch.save(model)
+        # qdata and scale travel as views of their storage's bytes: torch cannot pickle a float8 storage
+        # (its legacy storage format has no float8 class), and one byte tensor per storage keeps a stacked
+        # [gate; up] pair sharing one buffer after loading (pickle's memo and torch.save both store it once)
+        return _rebuild_from_bytes, (_storage_view(self.qdata), _storage_view(self.scale), self.dtype, self.transposed,
+                                     isinstance(self, nn.Parameter), self.block, self.qconfig)
+
+    def _stable_hash_for_caching(self) -> str:
+        """What torch.compile's AOT autograd cache keys this weight on (see torch/_functorch/_aot_autograd/
+        autograd_cache.py): the inner tensors' metadata (dtype, shape, strides, device) plus the reported
+        dtype, shape, layout flags and block. Like a plain parameter, the values are not part of the key: a
+        compiled graph takes the FP8 bytes and scales as inputs (freezing, which would bake them in,
+        bypasses that cache)."""
+        from torch._inductor.codecache import extract_tensor_metadata_for_cache_key
+
+        payload = (tuple(self.shape), str(self.dtype), self.requires_grad, self.transposed, self.block,
+                   [extract_tensor_metadata_for_cache_key(t) for t in (self.qdata, self.scale)])
+        return hashlib.blake2b(pickle.dumps(payload), digest_size=16).hexdigest()
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The high-precision values ``qdata × scale`` in ``dtype`` (default: the reported dtype)."""
+        from dbr_quant import kernels
+
+        w = kernels.dequantize(self.qdata, self.elementwise_scale(), dtype or self.dtype)
+        return w.transpose(-2, -1) if self.transposed else w
+
+    def elementwise_scale(self) -> torch.Tensor:
+        """``scale`` broadcastable against ``qdata`` [out, in]: 0-d, [out, 1], or one per element for blocks."""
+        if self.block is not None:
+            from dbr_quant.kernels.reference.block import expand_block_scale
+
+            if self.qdata.dim() == 3:  # MoE experts: scale [E, ⌈N/bn⌉, ⌈K/bk⌉], each expert blocked on its own
+                return torch.stack([expand_block_scale(s, tuple(self.qdata.shape[1:]), self.block) for s in self.scale])
+            return expand_block_scale(self.scale, tuple(self.qdata.shape), self.block)
+        return self.scale.unsqueeze(-1) if self.scale.dim() else self.scale
+
+    def _like(self, qdata: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+              dtype: torch.dtype | None = None) -> FP8Weight:
+        return FP8Weight(self.qdata if qdata is None else qdata, self.scale if scale is None else scale,
+                         self.dtype if dtype is None else dtype, self.transposed, self.block, qconfig=self.qconfig)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if torch.is_inference_mode_enabled():
+            # what a view op (detach, t) returns gets the FP8Weight's version counter after this returns: an
+            # output made here inside inference_mode would be an inference tensor, which has none (RuntimeError)
+            with torch.inference_mode(False):
+                return cls.__torch_dispatch__(func, types, args, kwargs)
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            return handler(*args, **kwargs)
+        view = _VIEWS.get(func)
+        if view is not None:
+            out = view(*args, **kwargs)
+            if out is not None:
+                return out
+        if func._schema.is_mutable:  # add_, mul_, zero_, normal_, out=…: re-quantize what it writes
+            from dbr_quant.quantize.edits import edit_in_place
+
+            edited = edit_in_place(func, args, kwargs)
+            if edited is not None:
+                return edited
+        # any other use as a tensor: the dequantized high-precision values
+        unwrap = lambda t: t.dequantize() if isinstance(t, FP8Weight) else t  # noqa: E731
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+def _rebuild(qdata, scale, dtype, transposed, is_param, block=None):
+    w = FP8Weight(qdata, scale, dtype, transposed, block)
+    return nn.Parameter(w, requires_grad=False) if is_param else w
+
+
+# storage → its bytes as one uint8 tensor, alive while a pickle holds it: the same storage reduces to the same
+# object, which pickle's memo stores once
+_STORAGE_BYTES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _storage_view(t: torch.Tensor) -> tuple:
+    """``t`` as (uint8 tensor over its whole storage, dtype, size, stride, offset); a meta tensor as itself."""
+    if t.is_meta:
+        return (t,)
+    storage = t.untyped_storage()
+    key = (str(t.device), storage.data_ptr(), storage.nbytes())
+    whole = _STORAGE_BYTES.get(key) if storage.nbytes() else None
+    if whole is None:
+        whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+        if storage.nbytes():
+            _STORAGE_BYTES[key] = whole
+    return whole, t.dtype, tuple(t.shape), t.stride(), t.storage_offset()
+
+
+def _from_storage_view(whole: torch.Tensor, dtype: torch.dtype | None = None, size=None, stride=None,
+                       offset: int = 0) -> torch.Tensor:
+    if dtype is None:  # a meta tensor, pickled as itself
+        return whole
+    return whole.view(dtype).as_strided(size, stride, offset)
+
+
+def _rebuild_from_bytes(qdata: tuple, scale: tuple, dtype, transposed, is_param, block=None, qconfig=None):
+    w = FP8Weight(_from_storage_view(*qdata), _from_storage_view(*scale), dtype, transposed, block, qconfig=qconfig)
+    return nn.Parameter(w, requires_grad=False) if is_param else w
+
+
+def _to_copy(w: FP8Weight, *, dtype=None, device=None, layout=None, pin_memory=None, non_blocking=False,
+             memory_format=None) -> FP8Weight:
+    """``.to(dtype)`` switches the reported (compute) dtype only; ``.to(device)`` moves bytes and scales."""
+    if dtype is not None and not (dtype.is_floating_point and dtype.itemsize >= 2):
+        raise TypeError(f"dbr_quant: an FP8 weight can compute in float32/bfloat16/float16, not {dtype}; "
+                        "call .dequantize() for the values in another dtype")
+    q, s = w.qdata, w.scale
+    if device is not None and torch.device(device) != q.device:
+        q, s = q.to(device, non_blocking=non_blocking), s.to(device, non_blocking=non_blocking)
+    return w._like(q, s, dtype)
+
+
+def _copy_(dst: FP8Weight, src: torch.Tensor, non_blocking: bool = False) -> FP8Weight:
+    """Another FP8 weight's bytes and scales as they are; high-precision values re-quantized (weight_edits.py)."""
+    if not isinstance(src, FP8Weight):
+        from dbr_quant.quantize.edits import edit
+
+        edit(dst, lambda high: high.copy_(src), "copy_ of high-precision values")
+        return dst
+    if src.block != dst.block:
+        raise RuntimeError(f"dbr_quant: FP8 weight block mismatch: {src.block} into {dst.block}")
+    if src.qdata.shape != dst.qdata.shape or src.scale.shape != dst.scale.shape:
+        raise RuntimeError(f"dbr_quant: FP8 weight shape/scale mismatch: {list(src.qdata.shape)} "
+                           f"{list(src.scale.shape)} into {list(dst.qdata.shape)} {list(dst.scale.shape)}")
+    dst.qdata.copy_(src.qdata, non_blocking)
+    dst.scale.copy_(src.scale, non_blocking)
+    return dst
+
+
+def _transpose(w: FP8Weight, dim0: int = 0, dim1: int = 1) -> FP8Weight | None:
+    """``w.t()`` / ``.mT`` / ``.T`` of a 2-D weight: the same bytes in the other orientation (an activation ×
+    parameter matmul ``x @ A.t()`` reads A this way: dbr_quant runs it as a linear on A's FP8 rows)."""
+    if w.dim() != 2:
+        return None
+    if dim0 % 2 == dim1 % 2:
+        return w._like()
+    return FP8Weight(w.qdata, w.scale, w.dtype, not w.transposed, w.block)
+
+
+def _rows(w: FP8Weight, start: int, stop: int) -> FP8Weight | None:
+    """Output rows [start, stop) of a 2-D [out, in] weight, as an FP8 weight on the same bytes: a per-channel
+    (or per-tensor) quantized row slice is the quantization of that slice. None where the slice cuts a scale
+    in two (a block row, a transposed weight's input dimension): the caller then dequantizes."""
+    if w.dim() != 2 or w.transposed:
+        return None
+    n = w.qdata.shape[0]
+    start, stop = max(0, min(start, n)), max(0, min(stop, n))
+    if w.block is None:
+        scale = w.scale[start:stop] if w.scale.dim() else w.scale
+    elif start % w.block[0] == 0 and (stop % w.block[0] == 0 or stop == n):
+        scale = w.scale[start // w.block[0]:-(-stop // w.block[0])]
+    else:
+        return None
+    return FP8Weight(w.qdata[start:stop], scale, w.dtype, False, w.block)
+
+
+def _split(w: FP8Weight, sizes: Any, dim: int = 0) -> list[FP8Weight] | None:
+    n = w.shape[dim] if w.dim() else 0
+    if dim % max(w.dim(), 1) != 0:
+        return None
+    sizes = [sizes] * -(-n // sizes) if isinstance(sizes, int) else list(sizes)
+    out, start = [], 0
+    for size in sizes:
+        part = _rows(w, start, min(start + size, n))
+        if part is None:
+            return None
+        out.append(part)
+        start += size
+    return out
+
+
+def _slice(w: FP8Weight, dim: int = 0, start: int | None = None, end: int | None = None, step: int = 1):
+    if step != 1 or dim % max(w.dim(), 1) != 0:
+        return None
+    n = w.shape[0]
+    start = 0 if start is None else start + n if start < 0 else start
+    end = n if end is None else end + n if end < 0 else end
+    return _rows(w, start, end)
+
+
+# view ops that keep an FP8 weight FP8 (None from a handler: not expressible, fall back to the dequantized values)
+_VIEWS = {
+    aten.t.default: _transpose,
+    aten.transpose.int: _transpose,
+    aten.permute.default: lambda w, dims: _transpose(w, *dims) if len(dims) == 2 else None,  # .T
+    aten.split.Tensor: _split,
+    aten.split_with_sizes.default: _split,
+    aten.slice.Tensor: _slice,
+}
+
+
+_HANDLERS = {
+    aten.detach.default: lambda w: w._like(),
+    aten.alias.default: lambda w: w._like(),
+    aten.clone.default: lambda w, memory_format=None: w._like(w.qdata.clone(), w.scale.clone()),
+    aten._to_copy.default: _to_copy,
+    aten.copy_.default: _copy_,
+    aten.is_same_size.default: lambda a, b: a.shape == b.shape,
+}
+
+
+# ---------------------------------------------------------------------- modules
+def fp8_weight_of(module: nn.Module) -> FP8Weight | None:
+    """The module's FP8 weight when convert stored one, else None (the hot path: one dict lookup)."""
+    w = module._parameters.get("weight")
+    return w if type(w) is FP8Weight else None
+
+
+def attach_fp8_weight(module: nn.Module, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                      transposed: bool = False, block: tuple[int, int] | None = None, name: str = "weight", *,
+                      qconfig: TensorQConfig | None = None) -> None:
+    """Make ``module.<name>`` (``weight`` unless a functional linear reads another parameter, e.g. an attention's
+    ``in_proj_weight``) an FP8 weight; its state_dict entries become ``<name>`` (FP8) + ``<name>_scale`` (2-d
+    [⌈out/bn⌉, ⌈in/bk⌉] for a block-scaled weight, as compressed-tensors FP8_BLOCK stores it). ``qconfig``: the
+    weight config it was quantized with (an in-place edit re-quantizes with it)."""
+    module._parameters[name] = nn.Parameter(FP8Weight(qdata, scale, dtype, transposed, block, qconfig=qconfig),
+                                            requires_grad=False)
+    if not module.__dict__.get("_dbr_fp8_hooks"):
+        module._register_state_dict_hook(_state_dict_hook)
+        module._register_load_state_dict_pre_hook(_load_hook, with_module=True)
+        module.__dict__["_dbr_fp8_hooks"] = True
+
+
+def _fp8_parameters(module: nn.Module) -> list[tuple[str, FP8Weight]]:
+    return [(name, w) for name, w in module._parameters.items() if type(w) is FP8Weight]
+
+
+def _state_dict_hook(module, state_dict, prefix, local_metadata):
+    for name, w in _fp8_parameters(module):
+        q, s = w.qdata, w.scale
+        if q.untyped_storage().nbytes() != q.numel() * q.element_size():
+            q, s = q.clone(), s.clone()  # rows of a stacked [gate; up] buffer: safetensors refuses shared storage
+        state_dict[prefix + name] = q
+        state_dict[prefix + name + "_scale"] = s
+
+
+def _load_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    """``weight`` (FP8) + ``weight_scale`` from a checkpoint become one FP8Weight, which the stock loader
+    then copies into the module's weight in place (a stacked [gate; up] buffer stays shared)."""
+    for name, w in _fp8_parameters(module):
+        key = prefix + name
+        if key not in state_dict or isinstance(state_dict[key], FP8Weight):
+            continue
+        q, s = state_dict[key], state_dict.pop(key + "_scale", None)
+        if s is None:
+            missing.append(key + "_scale")
+            del state_dict[key]
+            continue
+        if q.dtype != w.qdata.dtype or q.shape != w.qdata.shape or s.shape != w.scale.shape:
+            errors.append(f"{key}: the checkpoint holds {q.dtype} {list(q.shape)} with scale {list(s.shape)}, "
+                          f"the converted model {w.qdata.dtype} {list(w.qdata.shape)} with scale "
+                          f"{list(w.scale.shape)}; convert the model with the same QConfig before loading")
+            del state_dict[key]
+            continue
+        state_dict[key] = FP8Weight(q, s, w.dtype, w.transposed, w.block)
+
+
+def adjacent_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """``cat([a, b])`` without a copy when ``b``'s rows directly follow ``a``'s in one storage, else None."""
+    if is_fake(a) or is_fake(b):
+        # while a graph is captured the two are separate graph inputs: a view reaching from one into the
+        # other's rows would read whatever the other input holds at run time (after a device move, garbage)
+        return None
+    if a.dtype != b.dtype or a.device != b.device or a.shape[1:] != b.shape[1:] or not (
+            a.is_contiguous() and b.is_contiguous()):
+        return None
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return None
+    if b.storage_offset() != a.storage_offset() + a.numel():
+        return None
+    return a.as_strided((a.shape[0] + b.shape[0], *a.shape[1:]), a.stride(), a.storage_offset())
+
+
+def fp8_weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's FP8 weights occupy (FP8 data + scales; a shared buffer counted once)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for m in model.modules():
+        for t in (t for _, w in _fp8_parameters(m) for t in (w.qdata, w.scale)):
+            key = (t.untyped_storage().data_ptr(), t.storage_offset())
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+    return total

@@ -1,0 +1,447 @@
+"""The convert run: what a converted model's forward does with each intercepted call (FP8 kernels, recorded
+subgraphs through their fusions, the precompiled plan's fast paths, placeholders). Split from ``runs.py``,
+which holds the base ``Run`` and the other phases.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module_globals
+from torch.utils._pytree import tree_map
+
+from dbr_quant.integrations import accelerate as offload
+from dbr_quant.moe import experts as moe
+from dbr_quant.ops.basic import Call, run_basic
+from dbr_quant.ops.mappings import (
+    ACT,
+    FUNC_KINDS,
+    INDEXED,
+    LINEAR,
+    MATMUL,
+    NORM,
+    PASSTHROUGH,
+    call_kind,
+    is_device_move,
+    is_linear_module,
+    is_passthrough,
+)
+from dbr_quant.runtime.interception import current_run, has_global_hooks, has_hooks, suspended
+from dbr_quant.runtime.plan import plan_of
+from dbr_quant.runtime.runs import HOOKED_BODY_FUNCS, Run, Subgraph
+
+
+@dataclass(slots=True)
+class _Pending:
+    subgraph: Subgraph
+    calls: list[Call] = field(default_factory=list)
+
+
+class ConvertRun(Run):
+    """Executes quantized ops in FP8 and recorded subgraphs through their fusions.
+
+    A subgraph runs when its last op arrives: until then each of its ops returns a placeholder (an
+    empty meta tensor) that only the next op of the same subgraph consumes — the trace proved it. If
+    anything else touches a placeholder (control flow changed, a hook appeared, it is returned), the
+    subgraph is *materialized*: its ops so far run one by one, and the real values replace the
+    placeholders.
+    """
+
+    def begin(self) -> None:
+        super().begin()
+        self.pending: dict[int, _Pending] = {}
+        self.placeholders: dict[int, _Pending] = {}
+        self.resolved: dict[int, torch.Tensor] = {}
+        self.done: list[_Pending] = []
+        self.n_placeholders = placeholder_base(current_run() is None)  # next index into this thread's pool
+        self.onloaded: dict[int, nn.Module] = {}  # accelerate-offloaded modules whose weights we loaded
+        self.pool = _placeholder_pool()  # this thread's placeholder tensors (grown by _placeholder_tensor)
+        self.subgraphs = self.record.subgraphs
+
+    # ------------------------------------------------------------------ placeholders
+    def _scan(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, _Pending | None]:
+        """Swap resolved placeholders for values; return the pending subgraph an argument belongs to."""
+        hit = None
+        seen: list[int] = []  # the placeholders read, to catch one read twice
+
+        def fix(a):
+            nonlocal hit
+            if isinstance(a, torch.Tensor):
+                key = id(a)
+                if key in self.resolved:
+                    return self.resolved[key]
+                p = self.placeholders.get(key)
+                if p is not None:
+                    if hit is not None and hit is not p:
+                        self.materialize(hit)
+                    hit = p
+                    seen.append(key)
+            elif isinstance(a, (list, tuple)) and a and any(isinstance(x, torch.Tensor) for x in a):
+                return type(a)(fix(x) for x in a) if not hasattr(a, "_fields") else a
+            return a
+
+        args = tuple(fix(a) for a in args)
+        kwargs = {k: fix(v) for k, v in kwargs.items()} if kwargs else kwargs
+        if len(seen) > 1 and (len(set(seen)) < len(seen) or _read_before(hit, seen)):
+            # `y + y` or `fc2(relu(h)) + h` where the trace saw `y + r`: a fused run would take a placeholder
+            # for the residual; the ops so far run one by one instead and this call sees values
+            self.materialize(hit)
+            return self._scan(args, kwargs)
+        if hit is not None and hit.subgraph.id not in self.pending:  # materialized while scanning
+            args = tuple(self.resolved.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args)
+            hit = None
+        return args, kwargs, hit
+
+    def _resolve_all(self, args: tuple, kwargs: dict, hit: _Pending | None) -> tuple[tuple, dict]:
+        if hit is not None:
+            self.materialize(hit)
+            args, kwargs, _ = self._scan(args, kwargs)
+        return args, kwargs
+
+    def materialize(self, p: _Pending) -> None:
+        """Run a pending subgraph's ops one by one and record the real value of each placeholder."""
+        self.pending.pop(p.subgraph.id, None)
+        for call in p.calls:
+            self.placeholders.pop(id(call.placeholder), None)
+            args = tuple(self.resolved.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in call.args)
+            out = run_basic(Call(call.kind, call.func, args, call.kwargs, call.op, call.state), self)
+            self.resolved[id(call.placeholder)] = out
+        self.done.append(p)
+
+    def _placeholder(self, p: _Pending, call: Call) -> torch.Tensor:
+        n = self.n_placeholders
+        pool = self.pool
+        ph = pool[n] if n < len(pool) else _placeholder_tensor(n)
+        self.n_placeholders = n + 1
+        call.placeholder = ph
+        p.calls.append(call)
+        self.placeholders[id(ph)] = p
+        return ph
+
+    def _step(self, p: _Pending, call: Call) -> torch.Tensor:
+        """Add ``call`` to its subgraph: run the fusion if it completes it, else return a placeholder."""
+        if len(p.calls) + 1 == len(p.subgraph.kinds):
+            p.calls.append(call)
+            self.pending.pop(p.subgraph.id, None)
+            for c in p.calls[:-1]:
+                self.placeholders.pop(id(c.placeholder), None)
+            self.done.append(p)
+            fusion = p.subgraph.fusion
+            try:
+                return fusion.run_with_gradient(p.calls, self) if _is_grad_enabled() else fusion.run(p.calls, self)
+            except TypeError as e:  # inside `a + b` Python would turn a TypeError into a bare NotImplemented
+                raise RuntimeError(f"dbr_quant: {fusion.describe(p.calls)} failed: {type(e).__name__}: {e}") from e
+        return self._placeholder(p, call)
+
+    # ------------------------------------------------------------------ interception
+    def _execute(self, call: Call, hit: _Pending | None) -> Any:
+        op = call.op
+        sg = self.record.subgraphs.get(op.group[0]) if op.group is not None else None
+        if sg is not None:
+            step = op.group[1]
+            p = self.pending.get(sg.id)
+            if step == 0:
+                if p is not None:
+                    self.materialize(p)
+                if hit is not None:
+                    call.args, call.kwargs = self._resolve_all(call.args, call.kwargs, hit)
+                p = _Pending(sg)
+                self.pending[sg.id] = p
+                return self._step(p, call)
+            if p is not None and len(p.calls) == step and (hit is None or hit is p):
+                return self._step(p, call)
+            if p is not None:
+                self.materialize(p)
+        call.args, call.kwargs = self._resolve_all(call.args, call.kwargs, hit)
+        return run_basic(call, self)
+
+    def function_call(self, func, args, kwargs):
+        if self.hooked and func in HOOKED_BODY_FUNCS:
+            out = self.hooked_body(func, args, kwargs)
+            if out is not NotImplemented:
+                return out
+        if func is torch.Tensor.to and id(args[0]) in self.placeholders and self._moves_nothing(args, kwargs):
+            return args[0]
+        hit = None
+        if self.placeholders or self.resolved:
+            args, kwargs, hit = self._scan(args, kwargs)
+        kind = FUNC_KINDS.get(func)
+        if kind == MATMUL:  # x @ W of a parameter W is a linear (mappings.call_kind)
+            kind = call_kind(func, args, kwargs)
+        if kind in INDEXED:
+            st = self.owner_state()
+            op = self.next_op(st, kind, self.op_fqn(kind), self.warns(kind))
+            if op is not None:
+                return self._execute(Call(kind, func, args, kwargs, op, st), hit)
+        elif hit is not None:
+            kinds = hit.subgraph.kinds
+            expected = len(hit.calls) < len(kinds) and kinds[len(hit.calls)] == kind
+            if expected and (kind != PASSTHROUGH or is_passthrough(func, args, kwargs)):  # e.g. train-mode dropout
+                return self._step(hit, Call(kind, func, args, kwargs))
+        if hit is not None:
+            args, kwargs = self._resolve_all(args, kwargs, hit)
+        return func(*args, **kwargs)
+
+    def _moves_nothing(self, args: tuple, kwargs: dict) -> bool:
+        """A placeholder moved to the device its subgraph computes on (accelerate's hooks do it at module
+        boundaries; the trace saw such moves move nothing and did not record them): it stays a placeholder."""
+        if not is_device_move(args, kwargs):
+            return False
+        first = self.placeholders[id(args[0])].calls[0].args[0]
+        target = args[1] if len(args) > 1 else kwargs["device"]
+        return isinstance(first, torch.Tensor) and first.device == torch.device(target)
+
+    def module_call(self, module, args, kwargs):
+        d = module.__dict__
+        role = _ROLES.get(type(module))
+        if role is None:
+            role = _role(type(module))
+        if (role is _LINEAR or role is _ACT) and "_hf_hook" not in d and len(args) == 1 and not kwargs \
+                and not module._forward_hooks and not module._forward_pre_hooks and not has_global_hooks():
+            # the precompiled plan's fast paths (plan.py): a plain nn.Linear or activation module whose step
+            # is the expected one; NotImplemented when anything is unusual (then the general path below)
+            out = self._linear_fast(module, d, args[0]) if role is _LINEAR else self._act_fast(module, args[0])
+            if out is not NotImplemented:
+                return out
+        if role is _PLAIN and "_hf_hook" not in d and d.get("_dbr_experts") is None \
+                and not d.get("_dbr_norm") and not ((self.placeholders or self.resolved) and has_hooks(module)):
+            return self.call_module(module, args, kwargs)  # the common case, decided by a few dict lookups
+        if "_hf_hook" in d and (is_linear_module(module) or d.get("_dbr_norm")) and not has_hooks(module):
+            # accelerate (offload.py) loads weights in the forward wrapper that the FP8 path bypasses: load
+            # them here and keep them until no pending fused subgraph can still read them
+            args, kwargs = offload.onload(module, args, kwargs)
+            self.onloaded[id(module)] = module
+            try:
+                return self._module_call(module, args, kwargs)
+            finally:
+                if not self.pending:
+                    self._offload()
+        return self._module_call(module, args, kwargs)
+
+    def _linear_fast(self, module: nn.Module, d: dict, x: Any) -> Any:
+        """A plain ``nn.Linear`` (one positional input, no hooks) whose record is the next one in its owner's
+        plan: no generic scan, matching or subgraph lookup, and no suspension while it only joins a pending
+        subgraph (nothing below calls torch then). NotImplemented, with nothing consumed, when the op is not
+        the expected one (the general path then matches, warns or raises as before)."""
+        st = self.owners[-1]
+        if st is None:
+            return NotImplemented
+        plan = st.__dict__.get("_dbr_plan")
+        if plan is None or plan.subgraphs is not self.subgraphs:
+            plan = plan_of(st, self.subgraphs)
+        key = id(st)
+        i = self.cursors.get(key, 0)
+        steps = plan.steps
+        if i >= len(steps):
+            return NotImplemented
+        step = steps[i]
+        if step.kind != LINEAR or step.fqn != d.get("_dbr_fqn"):  # == on the same str object is an identity check
+            return NotImplemented
+        hit = None
+        if self.placeholders or self.resolved:
+            k = id(x)
+            resolved = self.resolved.get(k)
+            if resolved is not None:
+                x = resolved
+            else:
+                hit = self.placeholders.get(k)
+        self.cursors[key] = i + 1
+        call = Call(LINEAR, module, (x,), {}, step.op, st)
+        sg = step.subgraph
+        if sg is not None:
+            p = self.pending.get(sg.id)
+            if step.step == 0:
+                if p is None and hit is None and not step.last:
+                    p = self.pending[sg.id] = _Pending(sg)
+                    return self._placeholder(p, call)
+            elif p is not None and len(p.calls) == step.step and (hit is None or hit is p):
+                if not step.last:
+                    return self._placeholder(p, call)
+                before, self.suspended = self.suspended, True  # `suspended(self)`, inlined
+                guard = _DisableTorchFunction()
+                guard.__enter__()
+                try:
+                    return self._step(p, call)
+                finally:
+                    guard.__exit__(None, None, None)
+                    self.suspended = before
+        with suspended(self):
+            return self._execute(call, hit)
+
+    def _act_fast(self, module: nn.Module, x: Any) -> Any:
+        """An activation module (one input, no hooks): its functional call on real input, or the next step of
+        the pending subgraph ``x`` is a placeholder of; NotImplemented otherwise (the general path)."""
+        p = self.placeholders.get(id(x))
+        if p is None:
+            if self.resolved or _module_globals._global_forward_hooks or _module_globals._global_forward_pre_hooks:
+                return NotImplemented
+            with _DisableTorchFunction():  # a functional activation calls no module: `suspended` not needed
+                return _ACTIVATION_BODIES[type(module)](module, x)
+        kinds = p.subgraph.kinds
+        n = len(p.calls)
+        if n >= len(kinds) or kinds[n] != ACT or has_global_hooks():
+            return NotImplemented
+        func, kw = ACTIVATION_MODULES[type(module)](module)
+        call = Call(ACT, func, (x,), kw)
+        if n + 1 < len(kinds):
+            return self._placeholder(p, call)
+        with suspended(self):
+            return self._step(p, call)
+
+    def _offload(self) -> None:
+        while self.onloaded:
+            offload.offload(self.onloaded.popitem()[1])
+
+    def _module_call(self, module, args, kwargs):
+        if is_linear_module(module):
+            if has_hooks(module):
+                return self._hooked_linear_call(module, args, kwargs)
+            with suspended(self):  # our own torch calls below are not the model's
+                return self._linear_call(module, args, kwargs)
+        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe.py
+            return moe.experts_call(self, module, args, kwargs, "convert")
+        act = ACTIVATION_MODULES.get(type(module))
+        if act is not None and len(args) == 1 and not kwargs and not has_hooks(module):
+            # an activation module's forward is one F.relu / F.gelu / F.silu: take the step it would take
+            # (join a pending subgraph, or just compute) without the module call and the torch-function trip
+            func, kw = act(module)
+            p = self.placeholders.get(id(args[0]))
+            if p is None and not self.resolved:
+                with suspended(self):
+                    return func(args[0], **kw)
+            kinds = p.subgraph.kinds if p is not None else ()
+            if p is not None and len(p.calls) < len(kinds) and kinds[len(p.calls)] == ACT:
+                with suspended(self):
+                    return self._step(p, Call(ACT, func, args, kw))
+        if module.__dict__.get("_dbr_norm") and not has_hooks(module) and len(args) == 1 and not kwargs:
+            with suspended(self):
+                return self._norm_module_call(module, args)
+        if (self.placeholders or self.resolved) and has_hooks(module):
+            with suspended(self):
+                args, kwargs, hit = self._scan(args, kwargs)
+                args, kwargs = self._resolve_all(args, kwargs, hit)
+        return self.call_module(module, args, kwargs)
+
+    def _norm_module_call(self, module: nn.Module, args: tuple) -> Any:
+        """A recognised RMSNorm module: a NORM op, possibly the head of a fused subgraph."""
+        hit = None
+        if self.placeholders or self.resolved:
+            args, _, hit = self._scan(args, {})
+        op = self.next_op(st := self.owner_state(), NORM, self.op_fqn(NORM, module), False)
+        if op is None:
+            args, _ = self._resolve_all(args, {}, hit)
+            return Call(NORM, module, args, {}).run_original()
+        return self._execute(Call(NORM, module, args, {}, op, st), hit)
+
+    def _hooked_linear_call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """Hooks must see real tensors: no fusion, the stock __call__ runs them around our FP8 op."""
+        with suspended(self):
+            if self.placeholders or self.resolved:
+                args, kwargs = self._resolve_all(*self._scan(args, kwargs))
+            op = self.next_op(st := self.owner_state(), LINEAR, self.op_fqn(LINEAR, module))
+        return self.call_hooked(module, lambda x: run_basic(Call(LINEAR, module, (x,), {}, op, st), self),
+                                args, kwargs)
+
+    def _linear_call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if not args and len(kwargs) == 1:  # `linear(input=x)`: the FP8 path reads its one input positionally
+            args, kwargs = tuple(kwargs.values()), {}
+        hit = None
+        if self.placeholders or self.resolved:
+            args, kwargs, hit = self._scan(args, kwargs)
+        op = self.next_op(st := self.owner_state(), LINEAR, self.op_fqn(LINEAR, module))
+        if op is None:
+            args, kwargs = self._resolve_all(args, kwargs, hit)
+            return Call(LINEAR, module, args, kwargs).run_original()
+        return self._execute(Call(LINEAR, module, args, kwargs, op, st), hit)
+
+    def finish(self, out: Any) -> Any:
+        for p in list(self.pending.values()):
+            self.materialize(p)
+        self._offload()
+        if self.resolved:
+            out = tree_map(lambda t: self.resolved.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
+        return out
+
+
+def _read_before(p: _Pending, keys: list[int]) -> bool:
+    """Whether an op of ``p`` already read one of these placeholders (each is read once, by the next op)."""
+    return any(isinstance(a, torch.Tensor) and id(a) in keys for c in p.calls for a in c.args)
+
+
+_container_classes: dict[type, bool] = {}
+_PLAIN, _LINEAR, _ACT, _OTHER = "plain", "linear", "act", "other"
+_ROLES: dict[type, str] = {}
+
+
+def _role(cls: type) -> str:
+    """What the convert run does with a module of class ``cls`` (cached per class): runs its forward
+    (plain), executes it as a linear op through the plan's fast path (a stock ``nn.Linear``), takes an
+    activation step, or decides per call (other linear modules: Hugging Face Conv1D)."""
+    if not _plain_container(cls):
+        role = _ACT if cls in ACTIVATION_MODULES else (
+            _LINEAR if issubclass(cls, nn.Linear) and cls.forward is nn.Linear.forward else _OTHER)
+    else:
+        role = _PLAIN
+    _ROLES[cls] = role
+    return role
+
+
+def _plain_container(cls: type) -> bool:
+    """Whether the convert run does nothing with a module of class ``cls`` itself (it only runs its forward):
+    not a linear module, not an activation module. Cached per class (per instance, the run still checks
+    the norm/experts marks and hooks)."""
+    plain = _container_classes.get(cls)
+    if plain is None:
+        linear = issubclass(cls, nn.Linear) or (cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers."))
+        plain = _container_classes[cls] = not linear and cls not in ACTIVATION_MODULES
+    return plain
+
+
+_pool = threading.local()
+_DisableTorchFunction = torch._C.DisableTorchFunction
+_is_grad_enabled = torch._C.is_grad_enabled
+
+
+def _placeholder_tensor(i: int) -> torch.Tensor:
+    """The i-th placeholder of this thread's pool: an empty meta tensor marked as a placeholder. Runs of
+    one thread nest (a prepared model called inside another's forward), so each run takes indices above
+    those of the runs it is nested in (``placeholder_base``): identities stay unique among live runs."""
+    tensors = _placeholder_pool()
+    if len(tensors) <= i:
+        with _DisableTorchFunction():  # not a call of the model's
+            while len(tensors) <= i:
+                ph = torch.empty(0, device="meta")
+                ph._dbr_placeholder = True
+                tensors.append(ph)
+    return tensors[i]
+
+
+def _placeholder_pool() -> list[torch.Tensor]:
+    tensors = getattr(_pool, "tensors", None)
+    if tensors is None:
+        tensors = _pool.tensors = []
+    return tensors
+
+
+def placeholder_base(outermost: bool) -> int:
+    """Where a new run's placeholders start in this thread's pool: 0 for an outermost run, else above
+    everything handed out so far."""
+    return 0 if outermost else len(getattr(_pool, "tensors", ()))
+
+
+# activation modules whose forward is one functional call: (module) → (function, kwargs)
+ACTIVATION_MODULES = {
+    nn.ReLU: lambda m: (torch.nn.functional.relu, {"inplace": m.inplace}),
+    nn.GELU: lambda m: (torch.nn.functional.gelu, {"approximate": m.approximate}),
+    nn.SiLU: lambda m: (torch.nn.functional.silu, {"inplace": m.inplace}),
+}
+# the same calls, made directly: (module, x) → output (the activation fast path's standalone case)
+_ACTIVATION_BODIES = {
+    nn.ReLU: lambda m, x: torch.nn.functional.relu(x, m.inplace),
+    nn.GELU: lambda m, x: torch.nn.functional.gelu(x, approximate=m.approximate),
+    nn.SiLU: lambda m, x: torch.nn.functional.silu(x, m.inplace),
+}

@@ -1,0 +1,225 @@
+"""Interception: ``__torch_function__`` (a thread-local TorchFunctionMode) and module calls.
+
+Both are overridden only while a prepared or converted model runs, for the calling thread only: the body
+of ``nn.Module.__call__`` — ``Module._call_impl``, which the stock ``__call__`` calls — is swapped for a
+dispatcher that falls through to the original unless this thread is inside a run, and the swap is
+reference-counted across threads and undone on every exit path, exceptions (KeyboardInterrupt included)
+too. What each intercepted call *does* is decided by the run object (``runs.py``): record it, observe
+it, or execute it in FP8.
+
+Why ``_call_impl`` and not ``__call__`` itself: assigning a dunder on ``nn.Module`` makes CPython update
+the call slot of every Module subclass loaded (≈ 150 µs per swap pair with transformers imported, paid
+on every forward); a plain attribute costs 0.1 µs. Tracers that wrap ``Module.__call__`` (torch.fx,
+torch.export) still wrap outside us. A submodule compiled with ``Module.compile()`` bypasses
+``_call_impl`` and is not intercepted (its compiled graph runs as is).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules import module as _module_globals
+from torch.overrides import TorchFunctionMode
+
+from dbr_quant.integrations.accelerate import has_opaque_hook
+
+
+class _ThreadRun(threading.local):
+    run = None  # the run this thread is inside (a class default: reading it unset is not a failed lookup)
+
+
+_tls = _ThreadRun()
+_patch_lock = threading.Lock()
+_patch_depth = 0
+# What Module._call_impl was when we swapped it (the stock one unless someone else wraps it too). We call
+# through it and put it back, rather than assuming the stock function.
+_outer_call = nn.Module._call_impl
+
+
+def original_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Call a module the stock way (its hooks included), bypassing interception of this call."""
+    return _outer_call(module, *args, **kwargs)
+
+
+def _intercepting_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    run = _tls.run
+    if run is None or run.suspended:
+        return _outer_call(module, *args, **kwargs)
+    return run.module_call(module, args, kwargs)
+
+
+class _FunctionMode(TorchFunctionMode):
+    """Routes every torch function called during a run to the run (the mode stack is thread-local)."""
+
+    def __init__(self, run: Any) -> None:
+        super().__init__()
+        self.run = run
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.run.suspended:
+            return func(*args, **kwargs)
+        body = _OPEN_BODIES.get(func)
+        if body is not None:  # torch's Python body, with this mode on again: its linears are seen one by one
+            with _FunctionMode(self.run):
+                return body(*args, **kwargs)
+        return self.run.function_call(func, args, kwargs)
+
+
+class _Globals(dict):
+    """A function's globals seen through one override: lookups of other names reach the live module dict."""
+
+    def __init__(self, module_globals: dict, **override: Any) -> None:
+        super().__init__(override)
+        self.module_globals = module_globals
+
+    def __missing__(self, key: str) -> Any:
+        return self.module_globals[key]
+
+
+def _open_body(func: Any) -> Any:
+    """A copy of a torch Python function whose ``has_torch_function`` check answers False.
+
+    Why: a torch function that checks for overrides hands a whole call to a torch-function mode, which runs
+    it with the mode popped, so nothing inside is seen: ``F.multi_head_attention_forward`` would be one
+    opaque call, with its in-projection (``in_proj_weight``, most of an attention's weights) and its output
+    projection inside it. Running this copy while the mode is on again lets every op inside reach the run —
+    torch's own code, not a re-implementation. None (the call stays opaque) if torch's code changed shape."""
+    code = getattr(func, "__code__", None)
+    if code is None or "has_torch_function" not in code.co_names:
+        return None
+    body = types.FunctionType(code, _Globals(func.__globals__, has_torch_function=lambda *_: False),
+                              func.__name__, func.__defaults__, func.__closure__)
+    body.__kwdefaults__ = func.__kwdefaults__
+    return body
+
+
+_OPEN_BODIES = {f: b for f in (F.multi_head_attention_forward,) if (b := _open_body(f)) is not None}
+
+# Modules whose forward takes a fused C++ fast path (torch._transformer_encoder_layer_fwd,
+# torch._native_multi_head_attention) when nothing overrides torch functions, skipping the linears inside.
+# Every phase of a model that holds one runs with the mode on, so torch declines the fast path the same way
+# when prepare traces, calibrate observes and the converted model runs ("some Tensor argument
+# has_torch_function"). Thread-local, unlike torch.backends.mha.set_fastpath_enabled, a process-wide switch.
+FAST_PATH_MODULES = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
+
+
+@contextlib.contextmanager
+def intercepting(run: Any, functions: bool = True) -> Iterator[None]:
+    """Route this thread's torch functions and module calls to ``run`` for the duration of the block.
+
+    ``functions=False`` intercepts module calls only (a calibration run whose recorded ops all run as
+    modules has nothing to do per torch function, and the mode's trip costs microseconds per call)."""
+    global _patch_depth, _outer_call
+    with _patch_lock:
+        if _patch_depth == 0:
+            _outer_call = nn.Module._call_impl
+            nn.Module._call_impl = _intercepting_call
+        _patch_depth += 1
+    previous = _tls.run
+    _tls.run = run
+    run.routes_functions = functions
+    try:
+        with _FunctionMode(run) if functions else contextlib.nullcontext():
+            yield
+    finally:
+        _tls.run = previous
+        with _patch_lock:
+            _patch_depth -= 1
+            if _patch_depth == 0:
+                nn.Module._call_impl = _outer_call
+
+
+@contextlib.contextmanager
+def routing_functions(run: Any) -> Iterator[None]:
+    """Route torch functions to ``run`` for the block too, when its ``intercepting`` block does not already
+    (a calibration run that intercepts module calls only, around a linear whose pre-hooks must run first)."""
+    if run.routes_functions:
+        yield
+        return
+    with _FunctionMode(run):
+        yield
+
+
+def current_run() -> Any:
+    """The run this thread is inside, or None."""
+    return _tls.run
+
+
+def is_patched() -> bool:
+    """True while some thread is inside a run (tests use it to check global state is restored)."""
+    return nn.Module._call_impl is _intercepting_call
+
+
+class suspended:  # noqa: N801 - used like a function: ``with suspended(run):``
+    """Run the block without interception: our own bookkeeping and kernels, a recognised op's forward.
+
+    Torch-function dispatch is switched off too, so the kernels' many small torch calls do not each
+    take a trip through the Python mode (that trip cost more than the ops themselves). A class rather
+    than a generator context manager: it is entered once or twice per op, and this costs a third.
+    """
+
+    __slots__ = ("run", "before", "guard")
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+
+    def __enter__(self) -> None:
+        self.before = self.run.suspended
+        self.run.suspended = True
+        self.guard = torch._C.DisableTorchFunction()
+        self.guard.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.guard.__exit__(*exc)
+        self.run.suspended = self.before
+
+
+def has_pre_hooks(module: nn.Module) -> bool:
+    """Forward pre-hooks (the module's, global ones, or an accelerate hook other than its transparent device
+    hooks): code that may change the module's input before its forward sees it."""
+    return bool(module._forward_pre_hooks or _module_globals._global_forward_pre_hooks) or (
+        "_hf_hook" in module.__dict__ and has_opaque_hook(module))
+
+
+def has_global_hooks() -> bool:
+    """Forward hooks registered for every module (``register_module_forward_hook``: profilers, activation
+    statistics): they see every linear call, so no fast path may skip one."""
+    return bool(_module_globals._global_forward_hooks or _module_globals._global_forward_pre_hooks)
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Forward hooks (user code that could observe the module's inputs and outputs): the module's, global ones
+    (``register_module_forward_hook``: profilers, activation statistics), or an accelerate hook other than
+    its device/offload hooks (those are transparent: see offload.py)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks) or has_global_hooks() or (
+        "_hf_hook" in module.__dict__ and has_opaque_hook(module))
+
+
+class _ThreadDisabled(threading.local):
+    on = False  # a class default: reading it unset is a plain attribute hit, not a failed lookup (once per forward)
+
+
+_disabled = _ThreadDisabled()
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Inside the block, prepared and converted models run their original high-precision path."""
+    before = _disabled.on
+    _disabled.on = True
+    try:
+        yield
+    finally:
+        _disabled.on = before
+
+
+def is_disabled() -> bool:
+    return _disabled.on

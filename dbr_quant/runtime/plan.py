@@ -1,0 +1,50 @@
+"""The precompiled plan of a converted module: its recorded ops in call order, each with its subgraph
+and step resolved, so the runtime's per-op work is an index and two identity-speed comparisons.
+
+A plan holds structure only (records, subgraphs), never tensors: weights and scales are read at call
+time, so ``.to()`` / ``.half()`` / ``load_state_dict`` after convert need no invalidation. It is built
+the first time a converted forward asks for it and kept on the state (``__dict__["_dbr_plan"]``, not a
+submodule or buffer; dropped on deepcopy / pickle); it is rebuilt when the model's subgraph table is a
+different object. Records and subgraphs are written only by prepare(), so a plan built after convert stays
+right. Building is idempotent, so threads that race to build it store equal plans.
+
+A plan only says what to expect: ``convert_run.ConvertRun`` checks each arriving op against the step at its
+cursor and takes its general path (matching, warnings, ``UnseenOpError``) whenever they differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
+
+
+@dataclass(frozen=True, slots=True)
+class PlanStep:
+    """One recorded op: what must arrive (kind, fqn) and how it runs (its subgraph, its step there)."""
+
+    kind: str
+    fqn: str
+    op: SeenOp
+    subgraph: Any  # runs.Subgraph, or None for an op that runs on its own
+    step: int  # its position in the subgraph
+    last: bool  # whether it completes the subgraph (the fused kernel runs then)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    subgraphs: dict  # the record's subgraph table this plan was built from
+    steps: tuple[PlanStep, ...]
+
+
+def plan_of(st: AutoQuantizationState, subgraphs: dict) -> Plan:
+    """The plan of ``st``'s recorded ops against the model's subgraph table (built once, then cached)."""
+    steps = []
+    for op in st.seen_ops:
+        sg = subgraphs.get(op.group[0]) if op.group is not None else None
+        step = op.group[1] if sg is not None else 0
+        steps.append(PlanStep(op.kind, op.fqn, op, sg, step, sg is not None and step == len(sg.kinds) - 1))
+    plan = Plan(subgraphs, tuple(steps))
+    st.__dict__["_dbr_plan"] = plan
+    return plan

@@ -1,0 +1,345 @@
+"""What happens to each intercepted call, per phase: trace, calibrate, convert, high precision.
+
+A *run* lives for one call of the root model. ``auto_trace.intercepting(run)`` routes this thread's
+torch functions and module calls to ``run.function_call`` / ``run.module_call``. Runs read and write
+``AutoQuantizationState`` objects; the arithmetic of quantized ops is in ``basic_ops`` / ``fusions``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module_globals
+from torch.utils._pytree import tree_flatten
+
+from dbr_quant import kernels
+from dbr_quant.integrations import accelerate as offload
+from dbr_quant.moe import experts as moe
+from dbr_quant.ops.basic import PER_TOKEN_SLOTS, Call, linear_hp_weight, stored_fp8_weight
+from dbr_quant.ops.fusions import Fusion
+from dbr_quant.ops.mappings import FUNC_KINDS, INDEXED, LINEAR, MATMUL, SDPA, call_kind, is_linear_module
+from dbr_quant.runtime.interception import has_hooks, has_pre_hooks, original_call, routing_functions, suspended
+from dbr_quant.runtime.state import AutoQuantizationState, SeenOp, observer_key
+
+
+@dataclass
+class Subgraph:
+    """A matched fusion instance and the kinds of its ops in call order. (Hooks added after convert need
+    no record here: a hooked module that receives a placeholder materializes the subgraph.)"""
+
+    id: int
+    fusion: Fusion
+    kinds: tuple[str, ...]
+
+
+@dataclass
+class ModelRecord:
+    """Everything dbr_quant keeps about one prepared model (held on the root as ``_dbr_record``)."""
+
+    qconfig: Any
+    phase: str = "tracing"  # tracing → prepared → converted
+    states: list[AutoQuantizationState] = field(default_factory=list)
+    hidden_states: list[tuple[nn.Module, AutoQuantizationState]] = field(default_factory=list)
+    subgraphs: dict[int, Subgraph] = field(default_factory=dict)
+    example: tuple[tuple, dict] | None = None  # prepare()'s example inputs: the default for the rewriter
+    inspector: Any = None  # set by dbr_quant.inspect while a session runs: then forwards are InspectRuns
+    calibration_lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
+    observes_functions: bool = True  # whether calibration must see torch function calls (set by prepare)
+    hessians: Any = None  # rounding.collect.HessianCollector when some op asks for GPTQ rounding (set by prepare)
+    param_uses: dict = field(default_factory=dict)  # parameter fqn → the trace's calls that read it (precision.py)
+
+    def __getstate__(self) -> dict:  # deepcopy / pickle: a lock cannot be copied; the copy gets its own
+        state = dict(self.__dict__)
+        state.pop("calibration_lock", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.calibration_lock = threading.RLock()
+
+
+def state_of(module: nn.Module) -> AutoQuantizationState | None:
+    st = module.__dict__.get("_auto_quant_state")
+    return st if st is not None else module._modules.get("_auto_quant_state")
+
+
+def fqn_of(module: nn.Module) -> str | None:
+    return module.__dict__.get("_dbr_fqn")
+
+
+class Run:
+    """Shared bookkeeping: the module stack and where an op's record lives."""
+
+    def __init__(self, root: nn.Module, record: ModelRecord) -> None:
+        self.root = root
+        self.record = record
+        self.stack: list[nn.Module] = [root]
+        # states of the modules on the stack that own records (root first): the innermost is where an op
+        # now running is recorded — kept beside the stack so finding it is O(1) per op
+        self.owners: list[AutoQuantizationState | None] = [state_of(root)]
+        self.suspended = False
+        self.cursors: dict[int, int] = {}  # id(state) → position of its next op in this forward
+        self.hooked: list[tuple[nn.Module, Any]] = []  # linear modules with hooks now running: (module, body)
+        self.routes_functions = True  # whether torch functions reach this run (set by auto_trace.intercepting)
+
+    def next_op(self, st: AutoQuantizationState | None, kind: str, fqn: str, warn: bool = True) -> SeenOp | None:
+        """The record of the op now running in ``st``'s module, or None when the trace never saw it here
+        (one warning, for kinds this config quantizes; ``warn`` False for the others)."""
+        if st is None:
+            return None
+        key = id(st)
+        i = self.cursors.get(key, 0)
+        j = st.match(kind, fqn, i)
+        if j >= 0:
+            self.cursors[key] = j + 1
+            return st.seen_ops[j]
+        if warn:
+            st.unseen(kind, fqn, i, self.record.qconfig.strict)
+        return None
+
+    def call_hooked(self, module: nn.Module, body, args: tuple, kwargs: dict) -> Any:
+        """Call a linear module that has hooks through the stock ``__call__`` (so its hooks run and see
+        real tensors) with ``body(x)`` computing its output: the module's own forward calls ``F.linear``
+        (``torch.addmm`` for Conv1D), which :meth:`hooked_body` intercepts. Nothing on the module is
+        patched, so other threads calling it at the same time are not affected."""
+        self.hooked.append((module, body))
+        try:
+            return self.call_module(module, args, kwargs)
+        finally:
+            self.hooked.pop()
+
+    def hooked_body(self, func, args: tuple, kwargs: dict) -> Any:
+        """The output of a hooked linear's body, when this call is its forward's ``F.linear``/``addmm``;
+        else NotImplemented."""
+        module, body = self.hooked[-1]
+        if self.stack[-1] is not module or not any(a is module._parameters.get("weight") for a in args):
+            return NotImplemented
+        x = args[0] if func is torch.nn.functional.linear else args[1]
+        with suspended(self):
+            return body(x)
+
+    def owner(self) -> nn.Module:
+        """The innermost module on the stack that owns records (a non-leaf module of the model, or root)."""
+        for m in reversed(self.stack):
+            if m.__dict__.get("_dbr_owner"):
+                return m
+        return self.root
+
+    def owner_state(self) -> AutoQuantizationState | None:
+        """The state of the innermost module on the stack that owns records (a non-leaf module, or root)."""
+        return self.owners[-1]
+
+    def op_fqn(self, kind: str, module: nn.Module | None = None) -> str:
+        if module is not None and fqn_of(module) is not None:
+            return fqn_of(module)
+        for m in reversed(self.stack):
+            base = fqn_of(m)
+            if base is not None:
+                return f"{base}.{kind}" if base else kind
+        return kind
+
+    def warns(self, kind: str) -> bool:
+        """Whether an unseen op of this kind deserves a warning: only kinds the config quantizes."""
+        return kind == LINEAR or (kind in (MATMUL, SDPA) and self.record.qconfig.quantize_attention)
+
+    def input_scale(self, call: Call, slot: str, x: torch.Tensor | None) -> torch.Tensor:
+        """An activation's scale (the executors' env): the frozen one after convert, the observer's current
+        one on a prepared model (inspection), or computed from ``x`` when dynamic."""
+        op = call.op
+        if op.qconfig.dynamic:
+            cfg = op.qconfig.activation
+            per_token = cfg.granularity == "token" and slot in PER_TOKEN_SLOTS
+            return kernels.dynamic_scale(x, cfg.format, per_token=per_token)
+        st = call.state
+        if st.converted:  # st.frozen_scale(op, slot), inlined: this runs for every quantized activation
+            name = st._scale_names.get((op.index, slot))
+            s = st._buffers[name] if name is not None else st.frozen_scale(op, slot)
+        else:
+            s = st.observers[observer_key(op.index, slot)].scale()
+        return s if x is None or s.device == x.device else s.to(x.device)
+
+    def call_module(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        self.stack.append(module)
+        d = module.__dict__
+        owns = d.get("_dbr_owner", False)
+        if owns:
+            self.owners.append(state_of(module))
+        try:
+            forward = self._direct_forward(module, d)
+            if forward is not None:
+                return forward(*args, **kwargs)
+            return original_call(module, *args, **kwargs)
+        finally:
+            self.stack.pop()
+            if owns:
+                self.owners.pop()
+
+    def _direct_forward(self, module: nn.Module, d: dict) -> Any:
+        """The forward that ``Module._call_impl`` would call, when calling it directly is all ``_call_impl``
+        would do (no hooks anywhere, no TorchScript tracing), else None. For a module of this model that
+        carries our entry forward (api.py), the body that forward runs inside a run of this model."""
+        if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks \
+                or module._backward_pre_hooks or _any_global_hooks() or torch._C._get_tracing_state():
+            return None
+        forward = d.get("forward")
+        if forward is None:
+            return type(module).forward.__get__(module)
+        root = getattr(forward, "_dbr_root", None)
+        if root is None or root.__dict__.get("_dbr_record") is not self.record:
+            return None
+        return d.get("_dbr_inner_forward") or type(module).forward.__get__(module)
+
+    def begin(self) -> None:
+        pass
+
+    def finish(self, out: Any) -> Any:
+        return out
+
+
+class CalibrateRun(Run):
+    """Runs the model in high precision and feeds each quantized op's inputs to its observers."""
+
+    def _observe(self, kind: str, call_args: tuple, kwargs: dict, module: nn.Module | None) -> None:
+        st = self.owner_state()
+        if st is None:
+            return
+        op = self.next_op(st, kind, self.op_fqn(kind, module), self.warns(kind))
+        if op is not None and module is not None and self.record.hessians is not None:
+            self.record.hessians.observe(self, op, call_args, kwargs)  # GPTQ rounding (rounding/collect.py)
+        if op is None or not op.quantize or op.qconfig.dynamic:
+            return
+        values = observed_inputs(kind, call_args, kwargs)
+        for slot in op.slots:
+            st.observe(op, slot, values[slot])
+
+    def function_call(self, func, args, kwargs):
+        if self.hooked and func in HOOKED_BODY_FUNCS:  # a hooked linear's own F.linear / addmm: its input now
+            module = self.hooked[-1][0]                 # is what its pre-hooks made of it
+            if self.stack[-1] is module and any(a is module._parameters.get("weight") for a in args):
+                with suspended(self):
+                    self._observe(LINEAR, (args[0] if func is torch.nn.functional.linear else args[1],), {}, module)
+                    return func(*args, **kwargs)
+        if not self.routes_functions:  # functions routed here only for a hooked linear's body
+            return func(*args, **kwargs)
+        kind = FUNC_KINDS.get(func)
+        if kind == MATMUL:  # x @ W of a parameter W is a linear (mappings.call_kind)
+            kind = call_kind(func, args, kwargs)
+        if kind in INDEXED:
+            self._observe(kind, args, kwargs, None)
+        return func(*args, **kwargs)
+
+    def module_call(self, module, args, kwargs):
+        if is_linear_module(module):
+            if has_pre_hooks(module):  # observe what convert will quantize: the input after the pre-hooks
+                with routing_functions(self):
+                    return self.call_hooked(module, None, args, kwargs)
+            with suspended(self):
+                self._observe(LINEAR, args, kwargs, module)
+                return original_call(module, *args, **kwargs)
+        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe.py
+            return moe.experts_call(self, module, args, kwargs, "calibrate")
+        return self.call_module(module, args, kwargs)
+
+
+def observed_inputs(kind: str, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
+    """The activation tensors of an op by slot name (input; a, b; q, k, v)."""
+    if kind == LINEAR:
+        return {"input": args[0] if args else kwargs["input"]}
+    if kind == "matmul":
+        return {"a": args[0], "b": args[1] if len(args) > 1 else kwargs["other"]}
+    if kind == "sdpa":
+        names = ("query", "key", "value")
+        vals = dict(zip(names, args))
+        vals.update({k: v for k, v in kwargs.items() if k in names})
+        return {"q": vals["query"], "k": vals["key"], "v": vals["value"]}
+    return {}
+
+
+def _any_global_hooks() -> bool:
+    """Hooks registered for every module, forward or backward."""
+    g = _module_globals
+    return bool(g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
+                or g._global_backward_pre_hooks)
+
+
+
+class InspectRun(Run):
+    """A prepared (calibrated) or converted model inside a ``dbr_quant.inspect`` session.
+
+    Every recorded quantized op runs on its own (no subgraphs, so each layer is observable) through
+    ``inspector.execute(call, env)``, which decides per layer between FP8, fake quantization and high
+    precision and logs statistics. On a prepared model the activation scales are the observers' current
+    ones and weights are quantized on the fly — what convert would store.
+    """
+
+    def __init__(self, root: nn.Module, record: ModelRecord, inspector: Any) -> None:
+        super().__init__(root, record)
+        self.inspector = inspector
+
+    def _op(self, kind: str, module: nn.Module | None = None):
+        st = self.owner_state()
+        return st, self.next_op(st, kind, self.op_fqn(kind, module), self.warns(kind))
+
+    def function_call(self, func, args, kwargs):
+        if self.hooked and func in HOOKED_BODY_FUNCS:
+            out = self.hooked_body(func, args, kwargs)
+            if out is not NotImplemented:
+                return out
+        kind = FUNC_KINDS.get(func)
+        if kind == MATMUL:  # x @ W of a parameter W is a linear (mappings.call_kind)
+            kind = call_kind(func, args, kwargs)
+        if kind in INDEXED:
+            st, op = self._op(kind)
+            if op is not None and op.quantize:
+                return self.inspector.execute(Call(kind, func, args, kwargs, op, st), self)
+        return func(*args, **kwargs)
+
+    def module_call(self, module, args, kwargs):
+        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe.py
+            return moe.experts_call(self, module, args, kwargs,
+                                    "convert" if self.record.phase == "converted" else "hp")
+        if not is_linear_module(module):
+            return self.call_module(module, args, kwargs)
+        with suspended(self):
+            st, op = self._op(LINEAR, module)
+            if op is not None and op.quantize:
+                body = lambda x: self.inspector.execute(Call(LINEAR, module, (x,), {}, op, st), self)  # noqa: E731
+            elif stored_fp8_weight(module) is not None:
+                body = lambda x: Call(LINEAR, module, (x,), {}).run_original()  # noqa: E731
+            else:
+                return original_call(module, *args, **kwargs)
+            if not has_hooks(module) and not offload.has_device_hook(module):  # accelerate loads weights in forward
+                return body(*args, **kwargs)
+        return self.call_hooked(module, body, args, kwargs)
+
+
+class HighPrecisionRun(Run):
+    """``dbr_quant.disabled()`` on a converted model: every op as written, FP8 weights dequantized."""
+
+    def function_call(self, func, args, kwargs):
+        if self.hooked and func in HOOKED_BODY_FUNCS:
+            out = self.hooked_body(func, args, kwargs)
+            if out is not NotImplemented:
+                return out
+        return func(*args, **kwargs)
+
+    def module_call(self, module, args, kwargs):
+        if is_linear_module(module) and stored_fp8_weight(module) is not None:
+            body = lambda x: torch.nn.functional.linear(x, *linear_hp_weight(module))  # noqa: E731
+            if not has_hooks(module) and not offload.has_device_hook(module):  # accelerate loads weights in forward
+                with suspended(self):
+                    return body(*args, *kwargs.values())  # a linear's one input, given by name too (`input=x`)
+            return self.call_hooked(module, body, args, kwargs)
+        return self.call_module(module, args, kwargs)
+
+
+# what a linear module's own forward calls to compute its output (nn.Linear; Hugging Face Conv1D)
+HOOKED_BODY_FUNCS = frozenset({torch.nn.functional.linear, torch.addmm})
+
+
+def tensor_leaves(obj: Any) -> list[torch.Tensor]:
+    return [x for x in tree_flatten(obj)[0] if isinstance(x, torch.Tensor)]

@@ -1,0 +1,186 @@
+"""AutoQuantizationState: what one module's forward was seen to do, and the quantization state for it.
+
+One state is attached as ``_auto_quant_state`` to every module whose forward runs recorded ops. It keeps
+the ops in call order (``seen_ops``), an observer per quantized activation (``observers``), and after
+convert the activation scales as buffers. It does not know how ops are intercepted (auto_trace) nor
+how they are computed (fusions / kernels).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dbr_quant.qconfig import OpQConfig
+
+
+class UnseenOpError(RuntimeError):
+    """A forward ran a recorded op the trace never saw, with ``QConfig(strict=True)``."""
+
+
+class UncalibratedError(RuntimeError):
+    """convert() was called before calibration ran the observers it needs."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor as seen during the trace: a trace-local id, its dtype and shape."""
+
+    id: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def __repr__(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"t{self.id}:{dtype}{list(self.shape)}"
+
+
+@dataclass
+class SeenOp:
+    """One recorded op: its position in the module's forward, what it is, and how it will run."""
+
+    index: int
+    kind: str
+    fqn: str
+    target: str
+    inputs: tuple[TensorInfo | None, ...]
+    outputs: tuple[TensorInfo, ...]
+    qconfig: OpQConfig
+    quantize: bool
+    reason: str = ""  # why it stays in high precision, when quantize is False
+    slots: tuple[str, ...] = ()  # activation inputs that get an observer / scale
+    group: tuple[int, int] | None = None  # (subgraph id, step) when part of a fused subgraph
+    fusion: str | None = None
+    weight_owner: str | None = None  # fqn of the nn.Linear holding a static weight
+    weight_param: Any = None  # param_weights.ParamRef: the parameter a functional linear reads as its weight
+
+    def describe(self) -> str:
+        ins = ", ".join(repr(t) if t is not None else "-" for t in self.inputs)
+        outs = ", ".join(repr(t) for t in self.outputs)
+        mode = "fp8" if self.quantize else f"high precision ({self.reason})"
+        fused = f" fusion={self.fusion}#{self.group[0]}.{self.group[1]}" if self.group else ""
+        return f"({self.index}) {self.kind} {self.fqn} [{self.target}] in=({ins}) out=({outs}) {mode}{fused}"
+
+
+def observer_key(index: int, slot: str) -> str:
+    return f"{index}_{slot}"
+
+
+class AutoQuantizationState(nn.Module):
+    """Per-module record of quantizeable ops (call order), their observers and converted scales."""
+
+    def __init__(self, fqn: str) -> None:
+        super().__init__()
+        self.fqn = fqn
+        self.seen_ops: list[SeenOp] = []
+        self.observers = nn.ModuleDict()
+        self.converted = False
+        self._warned: set[tuple] = set()
+        self._scale_names: dict[tuple[int, str], str] = {}
+
+    # ----------------------------------------------------------------- recording (trace)
+    def add_op(self, op: SeenOp, make_observer) -> SeenOp:
+        self.seen_ops.append(op)
+        if op.quantize and not op.qconfig.dynamic:
+            for slot in op.slots:
+                self.observers[observer_key(op.index, slot)] = make_observer(op)
+        return op
+
+    # ----------------------------------------------------------------- matching (later runs)
+    def match(self, kind: str, fqn: str, start: int) -> int:
+        """Index of the record for an op of ``kind``/``fqn`` at position ``start`` of a forward, or -1.
+
+        Records are matched in call order; when an earlier record was skipped (a branch not taken this
+        time), the next record with the same kind and fqn matches. The position belongs to the run (one
+        per root forward), never to this shared state, so concurrent forwards do not disturb each other.
+        """
+        ops = self.seen_ops
+        if start < len(ops) and ops[start].kind == kind and ops[start].fqn == fqn:
+            return start
+        for j in range(start + 1, len(ops)):
+            if ops[j].kind == kind and ops[j].fqn == fqn:
+                return j
+        return -1
+
+    def unseen(self, kind: str, fqn: str, position: int, strict: bool) -> None:
+        """An op the trace never saw at this point: one warning per (op, position), or an error when strict."""
+        msg = (
+            f"dbr_quant: module '{self.fqn or '<root>'}' ran op '{kind}' ({fqn}) that the trace in prepare() "
+            f"never saw at this point (control flow changed). It runs in high precision. Re-run prepare() "
+            f"with example inputs that take this path to quantize it."
+        )
+        if strict:
+            raise UnseenOpError(msg + " (QConfig(strict=True) turns this warning into this error.)")
+        key = (kind, fqn, position)
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(msg, stacklevel=5)
+
+    # ----------------------------------------------------------------- calibration / convert
+    def observe(self, op: SeenOp, slot: str, x: torch.Tensor) -> None:
+        self.observers[observer_key(op.index, slot)](x)
+
+    def uncalibrated(self) -> list[str]:
+        return [
+            f"{self.fqn or '<root>'}: op {op.index} {op.kind} {op.fqn} input '{slot}'"
+            for op in self.seen_ops
+            if op.quantize and not op.qconfig.dynamic
+            for slot in op.slots
+            if not self.observers[observer_key(op.index, slot)].calibrated
+        ]
+
+    def freeze_scales(self) -> None:
+        """Turn every observer into a fixed scale buffer (kept beside the observer's amax)."""
+        for op in self.seen_ops:
+            if not op.quantize or op.qconfig.dynamic:
+                continue
+            for slot in op.slots:
+                key = observer_key(op.index, slot)
+                self.register_buffer(f"scale_{key}", self.observers[key].scale().detach().clone())
+        self.converted = True
+
+    def scale(self, op: SeenOp, slot: str) -> torch.Tensor:
+        return getattr(self, f"scale_{observer_key(op.index, slot)}")
+
+    def frozen_scale(self, op: SeenOp, slot: str) -> torch.Tensor:
+        """``scale`` without building the name per call (the runtime's hot path)."""
+        names = self._scale_names
+        key = (op.index, slot)
+        name = names.get(key)
+        if name is None:
+            name = names[key] = f"scale_{observer_key(op.index, slot)}"
+        return self._buffers[name]
+
+    def __getstate__(self) -> dict:
+        """deepcopy / pickle: without the runtime's caches (the plan is rebuilt against the copy's record)."""
+        state = super().__getstate__()
+        state.pop("_dbr_plan", None)
+        return state
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # scale buffers exist only after convert(); a freshly converted skeleton has them, but make
+        # loading robust to a skeleton whose scales were computed from different data.
+        for name, value in state_dict.items():
+            if name.startswith(prefix + "scale_") and "." not in name[len(prefix):]:
+                local = name[len(prefix):]
+                if local not in self._buffers:
+                    self.register_buffer(local, torch.empty_like(value))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _apply(self, fn, recurse=True):
+        """``model.to(dtype)`` / ``.half()`` move scales and observer state to the new device but keep their
+        dtype: an fp32 scale rounded to fp16 would change every FP8 value it produces (or overflow)."""
+        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
+            moved = fn(t)
+            return moved if moved.dtype == t.dtype else t.to(device=moved.device)
+
+        return super()._apply(keep_dtype, recurse)
+
+    # ----------------------------------------------------------------- display
+    def extra_repr(self) -> str:
+        head = f"fqn={self.fqn or '<root>'!r}, converted={self.converted}"
+        return "\n".join([head, "(seen_ops):"] + ["  " + op.describe() for op in self.seen_ops])
