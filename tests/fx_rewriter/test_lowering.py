@@ -192,7 +192,7 @@ def test_compiled_ops_are_inlined_and_close_to_eager(path, close_to_reference):
     upcast stays a call), and the result is close to the eager graph's. The GEMMs run in the CPU GEMM
     path's dtype: forcing fp32 leaves no bf16 tensor in the generated code."""
     x_q, x_s = _fp8((6, 64))
-    w1, w1_s = _fp8((128, 64), scale=0.01)  # weights above reference.SMALL_OPERAND: the CPU path's GEMM
+    w1, w1_s = _fp8((128, 64), scale=0.01)  # weights above cpu_backend.SMALL_OPERAND: the CPU path's GEMM
     w2, w2_s = _fp8((64, 128), scale=0.01)
     b1, mid_s = torch.randn(128), torch.tensor(0.05)
 
