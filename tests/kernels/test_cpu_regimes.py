@@ -88,7 +88,7 @@ def test_fp8_linear_equals_an_emulation_from_torch_casts(shape, gemm, epilogue, 
     backend, path = (R, "fp32") if gemm == "reference" else (C, gemm)
     with use_cpu_gemm(path):
         got = backend.fp8_linear(x_q, x_scale, w_q, w_scale, bias=b, activation=activation, residual=r,
-                           out_scale=out_scale, out_fmt=FP8Format.E4M3)
+                                 out_scale=out_scale, out_fmt=FP8Format.E4M3)
     # rounding allowed in the linear part: the bf16 GEMM's result rounded once to bf16 (2**-8 of itself), and
     # the accumulation's own rounding, of the size of |x_q·sx|·|w_q·sw|ᵀ (fp32 GEMMs: only that, ≈ k·2**-24);
     # an activation's slope is ≤ 1.2; a gated product scales the gate's error by |up| and the up's by |act(gate)|
