@@ -22,6 +22,7 @@ import functools
 import os
 import threading
 from collections.abc import Iterator
+from typing import TypedDict
 
 import torch
 
@@ -52,8 +53,17 @@ def _torch_check(name: str) -> bool:
     return bool(check()) if check is not None else False
 
 
+class CpuFeatures(TypedDict):
+    capability: str  # torch's ATen vector capability, e.g. "AVX512"
+    avx2: bool
+    avx512: bool
+    avx512_bf16: bool
+    amx: bool
+    cpuinfo_flags: list[str]  # the _SHOWN_FLAGS that /proc/cpuinfo lists
+
+
 @functools.cache
-def cpu_features() -> dict[str, object]:
+def cpu_features() -> CpuFeatures:
     """What this CPU offers, as torch sees it (its ATen vector capability and CPUID checks) plus the
     relevant ``/proc/cpuinfo`` flags where that file exists (Linux)."""
     flags: list[str] = []

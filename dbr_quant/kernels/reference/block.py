@@ -84,7 +84,7 @@ def block_amax(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> torch
     return a.reshape(a.shape[0] // bn, bn, a.shape[1] // bk, bk).amax(dim=(1, 3))
 
 
-def expand_block_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+def expand_block_scale(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int]) -> torch.Tensor:
     """One scale per element of an [N, K] weight from its [⌈N/bn⌉, ⌈K/bk⌉] block scales."""
     bn, bk = check_block(block)
     n, k = shape

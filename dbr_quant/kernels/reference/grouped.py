@@ -80,7 +80,7 @@ def fp8_grouped_linear(
         y_rows[lo:hi] = linear(
             x_q[src], xs, w_q[e], ws, bias=None if bias is None else bias[e], activation=activation,
             out_dtype=torch.float32 if scatter else out_dtype, out_scale=os, out_fmt=out_fmt)
-    if not scatter:
+    if topk_weights is None:
         return y_rows
     y_rows.mul_(routing.row_weights(topk_weights)[:, None])
     out = torch.zeros((routing.num_tokens, n), dtype=torch.float32, device=x_q.device)
@@ -131,7 +131,7 @@ def fp8_grouped_block_linear(
         y_rows[lo:hi] = block_linear(
             x_q[src], x_scale[src], w_q[e], w_scale[e], block=(bn, bk), bias=None if bias is None else bias[e],
             activation=activation, out_dtype=torch.float32 if scatter else out_dtype)
-    if not scatter:
+    if topk_weights is None:
         return y_rows
     y_rows.mul_(routing.row_weights(topk_weights)[:, None])
     out = torch.zeros((routing.num_tokens, n), dtype=torch.float32, device=x_q.device)
