@@ -16,14 +16,30 @@ call order and are not covered: they stay as traced (unreached ones high precisi
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol
 
-import torch
 from torch import nn
 
-from dbr_quant.moe.experts import has_data
+from dbr_quant.moe.experts import has_data, widest_scale
 from dbr_quant.ops.mappings import is_container
+from dbr_quant.qconfig import QConfig
 from dbr_quant.runtime.state import AutoQuantizationState, SeenOp, observer_key
+
+
+class TracedRecords(Protocol):
+    """The trace run's records by module (``runtime.tracer.TraceRun.states``)."""
+
+    states: dict[nn.Module, AutoQuantizationState]
+
+
+class ModelRecord(Protocol):
+    """The prepared model's record (``runtime.runs.ModelRecord``): the settings and the fused subgraphs."""
+
+    @property
+    def qconfig(self) -> QConfig: ...
+
+    @property
+    def subgraphs(self) -> dict[int, Any]: ...  # id → runtime.runs.Subgraph, a dataclass with an ``id``
 
 
 class ExpertGroup:
@@ -68,7 +84,7 @@ class ExpertState(AutoQuantizationState):
                 else:  # the widest range measured on the siblings clips least on inputs nobody measured
                     siblings = self._siblings_observers(key)
                     donors = [o for o in siblings if has_data(o)] or [o for o in siblings if o.calibrated]
-                    scale = torch.stack([o.scale().detach().float().reshape(()) for o in donors]).amax()
+                    scale = widest_scale(donors)
                     op.reason = (f"no calibration token reached this expert: its '{slot}' scale is the max over "
                                  f"the {len(donors)} calibrated sibling experts of {self.group.fqn}")
                 self.register_buffer(f"scale_{key}", scale)
@@ -94,7 +110,7 @@ def _path_types(model: nn.Module, fqn: str) -> tuple[type, ...]:
     return tuple(types)
 
 
-def adopt_untraced_experts(model: nn.Module, run: Any, record: Any) -> None:
+def adopt_untraced_experts(model: nn.Module, run: TracedRecords, record: ModelRecord) -> None:
     """After the trace: sibling experts the example did not reach get a copy of a reached sibling's record;
     the reached ones' records become ``ExpertState``s too (so their scales can fall back on siblings)."""
     states_by_fqn = {st.fqn: (mod, st) for mod, st in run.states.items()}
@@ -124,7 +140,7 @@ def adopt_untraced_experts(model: nn.Module, run: Any, record: Any) -> None:
         _order_group(run, group, [prefix + name for name, _ in children])
 
 
-def _order_group(run: Any, group: ExpertGroup, member_fqns: list[str]) -> None:
+def _order_group(run: TracedRecords, group: ExpertGroup, member_fqns: list[str]) -> None:
     """Put a group's records together in expert order where its first record was (the report's order)."""
     rank = {fqn: i for i, fqn in enumerate(member_fqns)}
 
@@ -153,7 +169,7 @@ def _member_states(states_by_fqn: dict, fqn: str) -> dict[str, AutoQuantizationS
     return out
 
 
-def _subgraph_states(run: Any) -> dict[int, set[int]]:
+def _subgraph_states(run: TracedRecords) -> dict[int, set[int]]:
     """Subgraph id → ids of the states holding its ops (a subgraph reaching outside an expert is not copied)."""
     out: dict[int, set[int]] = {}
     for st in run.states.values():
@@ -178,12 +194,10 @@ def _rename(fqn: str | None, old: str, new: str) -> str | None:
     return new + fqn[len(old):] if fqn.startswith(old + ".") else fqn
 
 
-def _clone_member(model: nn.Module, run: Any, record: Any, group: ExpertGroup,
+def _clone_member(model: nn.Module, run: TracedRecords, record: ModelRecord, group: ExpertGroup,
                   template: dict[str, AutoQuantizationState], tfqn: str, fqn: str,
                   groups_in: dict[int, set[int]]) -> None:
     """Records for the unreached expert ``fqn`` made from the reached expert ``tfqn``'s."""
-    from dbr_quant.runtime.runs import Subgraph
-
     member_ids = {id(st) for st in template.values()}
     new_ids: dict[int, int] = {}
     for rel, tst in template.items():
@@ -205,7 +219,7 @@ def _clone_member(model: nn.Module, run: Any, record: Any, group: ExpertGroup,
                     if op.group[0] not in new_ids:
                         sg = record.subgraphs[op.group[0]]
                         new_ids[op.group[0]] = gid = max(record.subgraphs, default=-1) + 1
-                        record.subgraphs[gid] = Subgraph(gid, sg.fusion, sg.kinds)
+                        record.subgraphs[gid] = dataclasses.replace(sg, id=gid)
                     group_id = (new_ids[op.group[0]], op.group[1])
                 else:
                     changed.update(group=None, fusion=None)  # the subgraph reaches outside the expert
