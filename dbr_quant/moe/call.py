@@ -105,14 +105,14 @@ def _calibrate_experts(module: nn.Module, st: MoeState, x: torch.Tensor, ids: to
     spec = st.spec
     x2, ids2, w2 = flat_inputs(x, ids, weights)
     routing = kernels.moe_route(ids2, spec.num_experts)
-    p1, p2 = (module._parameters[n] for n in spec.names)
-    b1, b2 = (module._parameters.get(f"{n}_bias") if spec.has_bias else None for n in spec.names)
+    p1, p2 = spec.weights(module)
+    b1, b2 = spec.biases(module)
     tokens, offsets = routing.tokens, routing.expert_offsets.tolist()
     row_w = routing.row_weights(w2)
     out = torch.zeros(x2.shape[0], p2.shape[1] if not spec.transposed else p2.shape[2], dtype=torch.float32,
                       device=x.device)
     st.rows += routing.counts.to(st.rows.device)
-    st.observe(x2)
+    st.observe_tokens(x2)
     for e in range(spec.num_experts):
         lo, hi = offsets[e], offsets[e + 1]
         if lo == hi:
@@ -120,7 +120,7 @@ def _calibrate_experts(module: nn.Module, st: MoeState, x: torch.Tensor, ids: to
         tok = tokens[lo:hi]
         xe = x2[tok]
         y = F.linear(xe, _expert_weight(p1, e, spec.transposed), None if b1 is None else b1[e])
-        h = module._apply_gate(y) if spec.gated else module.act_fn(y)
+        h = spec.activate(module, y)
         y = F.linear(h, _expert_weight(p2, e, spec.transposed), None if b2 is None else b2[e])
         st.observe_expert(e, h)
         out.index_add_(0, tok, y.float() * row_w[lo:hi, None])
@@ -133,27 +133,27 @@ def _fp8_experts(module: nn.Module, st: MoeState, x: torch.Tensor, ids: torch.Te
     ``dbr_quant::fp8_moe_experts`` node (the routing, whose row counts depend on the data, stays inside)."""
     spec = st.spec
     x2, ids2, w2 = flat_inputs(x, ids, weights)
-    p1, p2 = (module._parameters[n] for n in spec.names)
+    p1, p2 = spec.weights(module)
     if type(p1) is not FP8Weight or type(p2) is not FP8Weight:
         raise RuntimeError(f"dbr_quant: experts module '{st.fqn}' is converted but its weights are not FP8; "
                            "convert the prepared model with dbr_quant.convert()")
-    b1, b2 = (module._parameters.get(f"{n}_bias") if spec.has_bias else None for n in spec.names)
+    b1, b2 = spec.biases(module)
     gate_up, _ = st.seen_ops
     xs = hs = None
     if st.static:
         xs, hs = (st.frozen_scale(op, "input") for op in st.seen_ops)
         if xs.device != x.device:
             xs, hs = xs.to(x.device), hs.to(x.device)
-    kw = dict(activation=spec.activation, fmt=gate_up.qconfig.activation.format,
-              per_token=gate_up.qconfig.activation.granularity == "token", out_dtype=x.dtype)
-    if p1.block is not None:  # block-scaled weights (both: checked when the state was made)
-        kw.update(block=p1.block, group=gate_up.qconfig.activation.granularity == "group")
-    args = (x2, ids2, w2, p1.qdata, p1.scale, p2.qdata, p2.scale, xs, hs, b1, b2)
+    assert spec.activation is not None  # experts_spec gives every spec it does not reject an epilogue
+    cfg = gate_up.qconfig.activation
+    compute: Callable[..., torch.Tensor] | None = fp8_experts_compute
     ops = kernels.graph_ops()
     if ops is not None:
-        op = getattr(ops, "fp8_moe_experts", None)
-        if op is None:
-            raise NotImplementedError(f"dbr_quant: the graph op table {type(ops).__name__} has no fp8_moe_experts "
-                                      f"op for the MoE experts module '{st.fqn}'; run the converted model eagerly")
-        return op(*args, **kw).reshape(x.shape)
-    return fp8_experts_compute(*args, **kw).reshape(x.shape)
+        compute = getattr(ops, "fp8_moe_experts", None)
+    if compute is None:
+        raise NotImplementedError(f"dbr_quant: the graph op table {type(ops).__name__} has no fp8_moe_experts "
+                                  f"op for the MoE experts module '{st.fqn}'; run the converted model eagerly")
+    # p1.block: block-scaled weights, both (checked when the state was made)
+    return compute(x2, ids2, w2, p1.qdata, p1.scale, p2.qdata, p2.scale, xs, hs, b1, b2, activation=spec.activation,
+                   fmt=cfg.format, per_token=cfg.granularity == "token", out_dtype=x.dtype, block=p1.block,
+                   group=p1.block is not None and cfg.granularity == "group").reshape(x.shape)

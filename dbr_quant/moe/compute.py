@@ -19,7 +19,7 @@ def flat_inputs(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> tuple[to
 def fp8_experts_compute(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13_q: torch.Tensor,
                         w13_scale: torch.Tensor, w2_q: torch.Tensor, w2_scale: torch.Tensor,
                         x_scale: torch.Tensor | None, h_scale: torch.Tensor | None, bias13: torch.Tensor | None,
-                        bias2: torch.Tensor | None, *, activation: str | None, fmt: FP8Format, per_token: bool,
+                        bias2: torch.Tensor | None, *, activation: str, fmt: FP8Format, per_token: bool,
                         out_dtype: torch.dtype, block: tuple[int, int] | None = None,
                         group: bool = False) -> torch.Tensor:
     """An experts call on flat inputs (x [T, H], ids / weights [T, k]) → [T, H_out]: routing plan, then

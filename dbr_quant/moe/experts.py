@@ -35,19 +35,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dbr_quant.observers import AmaxObserver
 from dbr_quant.runtime.state import AutoQuantizationState, SeenOp, observer_key
 
 EXPERTS = "experts"  # the op kind of one 3-D expert tensor (a report row; not matched by the runtime)
 
 # the activation function of a module, identified by its values (class names vary between models)
 _PROBE = torch.linspace(-8.0, 8.0, 257)
-_ACTIVATIONS = {
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu,
 }
 _GATED_EPILOGUE = {"silu": "swiglu", "gelu": "geglu"}  # act(gate)·up epilogues of the grouped GEMM
@@ -68,6 +70,34 @@ class ExpertsSpec:
     @property
     def names(self) -> tuple[str, str]:
         return self.first, "down_proj"
+
+    def weights(self, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """The module's two 3-D expert weights (:attr:`names`; FP8Weight once converted)."""
+        w1, w2 = (module._parameters[n] for n in self.names)
+        if w1 is None or w2 is None:
+            raise RuntimeError(f"dbr_quant: the MoE experts module {type(module).__name__} has no {self.names} "
+                               "parameters any more; do not delete them from a prepared or converted model")
+        return w1, w2
+
+    def biases(self, module: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The two weights' biases (``<name>_bias``), or None."""
+        if not self.has_bias:
+            return None, None
+        b1, b2 = (module._parameters.get(f"{n}_bias") for n in self.names)
+        return b1, b2
+
+    def activate(self, module: nn.Module, y: torch.Tensor) -> torch.Tensor:
+        """The module's own ``act(gate)·up`` (gated) or ``act(y)`` on the first projection's output ``y``."""
+        m = cast(ExpertsModule, module)
+        return m._apply_gate(y) if self.gated else m.act_fn(y)
+
+
+class ExpertsModule(Protocol):
+    """What dbr_quant calls on a recognised experts module besides its parameters (:func:`experts_spec`)."""
+
+    act_fn: Callable[[torch.Tensor], torch.Tensor]
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
 
 def experts_spec(module: nn.Module) -> ExpertsSpec | None:
@@ -93,7 +123,7 @@ def experts_spec(module: nn.Module) -> ExpertsSpec | None:
         reason = "expert parallel (sentinel expert ids) is not supported"
     elif not all(w.dtype in (torch.float32, torch.bfloat16, torch.float16) for w in (w1, w2)):
         reason = f"expert weights have dtype {w1.dtype}"
-    epilogue = (_GATED_EPILOGUE.get(act) if gated else act) if not reason else None
+    epilogue = None if reason or act is None else _GATED_EPILOGUE[act] if gated else act
     return ExpertsSpec(int(w1.shape[0]), first, gated, transposed, has_bias, epilogue, reason)
 
 
@@ -148,6 +178,8 @@ class MoeState(AutoQuantizationState):
     pairs) each expert received. benchmarks/moe_calibration.py measures these choices against the others.
     """
 
+    rows: torch.Tensor
+
     def __init__(self, fqn: str, spec: ExpertsSpec, ops: list[SeenOp]) -> None:
         super().__init__(fqn)
         self.spec = spec
@@ -174,7 +206,7 @@ class MoeState(AutoQuantizationState):
         """Experts without calibration rows: their down-input scale is the max over the others'."""
         return (self.rows == 0).nonzero().flatten().tolist()
 
-    def observe(self, x: torch.Tensor) -> None:  # the gate_up input, all tokens
+    def observe_tokens(self, x: torch.Tensor) -> None:  # the gate_up input, all tokens
         self.observers[observer_key(0, "input")](x)
 
     def observe_expert(self, expert: int, h: torch.Tensor) -> None:  # the down input of one expert's rows
@@ -191,14 +223,14 @@ class MoeState(AutoQuantizationState):
         take the largest of the others'."""
         if self.static:
             self.register_buffer(f"scale_{observer_key(0, 'input')}",
-                                 self.observers[observer_key(0, "input")].scale().detach().clone())
+                                 observer_of(self, observer_key(0, "input")).scale().detach().clone())
             self.register_buffer(f"scale_{observer_key(1, 'input')}", self.down_scales()[0])
         self.converted = True
 
     def down_scales(self) -> tuple[torch.Tensor, list[int]]:
         """The down input's per-expert scales ([E]) from the observers now, as :meth:`freeze_scales` stores
         them, and the experts that took the fallback."""
-        obs = [self.observers[expert_key(1, e)] for e in range(self.spec.num_experts)]
+        obs = [observer_of(self, expert_key(1, e)) for e in range(self.spec.num_experts)]
         return expert_scales(obs, self.rows > 0)
 
 
@@ -207,12 +239,17 @@ def expert_key(op_index: int, expert: int) -> str:
     return f"{op_index}_input_e{expert}"
 
 
-def has_data(obs: nn.Module) -> bool:
+def observer_of(st: AutoQuantizationState, key: str) -> AmaxObserver:
+    """A record's activation observer (QConfig's observer configs make ``AmaxObserver``s)."""
+    return cast(AmaxObserver, st.observers[key])
+
+
+def has_data(obs: AmaxObserver) -> bool:
     """An observer that saw a non-zero finite value (an expert called with empty inputs has not)."""
     return bool(obs.calibrated) and bool(torch.isfinite(obs.amax).all() and (obs.amax > 0).any())
 
 
-def expert_scales(observers: list[nn.Module], seen: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
+def expert_scales(observers: list[AmaxObserver], seen: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
     """Per-expert scales from per-expert observers ([E]); an expert without data (``seen`` False, or an
     observer that saw nothing) gets the largest scale among the experts with data: its inputs are
     unknown, the widest range measured on its siblings clips least. Returns (scales, fallback experts)."""
@@ -225,13 +262,13 @@ def expert_scales(observers: list[nn.Module], seen: torch.Tensor | None = None) 
     return torch.stack([measured.get(e, fallback) for e in range(len(observers))]).clone(), missing
 
 
-def widest_scale(donors: list[nn.Module]) -> torch.Tensor:
+def widest_scale(donors: list[AmaxObserver]) -> torch.Tensor:
     """The input scale of an expert that received no calibration data: the largest among ``donors``, its
     sibling experts' observers that did. Its inputs are unknown; the widest range measured clips least."""
     return torch.stack([_scalar_scale(o) for o in donors]).amax()
 
 
-def _scalar_scale(obs: nn.Module) -> torch.Tensor:
+def _scalar_scale(obs: AmaxObserver) -> torch.Tensor:
     return obs.scale().detach().float().reshape(())
 
 

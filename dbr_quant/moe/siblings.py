@@ -20,7 +20,8 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from dbr_quant.moe.experts import has_data, widest_scale
+from dbr_quant.moe.experts import has_data, observer_of, widest_scale
+from dbr_quant.observers import AmaxObserver
 from dbr_quant.ops.mappings import is_container
 from dbr_quant.qconfig import QConfig
 from dbr_quant.runtime.state import AutoQuantizationState, SeenOp, observer_key
@@ -60,8 +61,8 @@ class ExpertState(AutoQuantizationState):
         self.traced = True  # False: a copy of a reached sibling's record (its shapes are the sibling's)
         group.members.append(self)
 
-    def _siblings_observers(self, key: str) -> list[nn.Module]:
-        return [m.observers[key] for m in self.group.members if m.rel == self.rel and key in m.observers]
+    def _siblings_observers(self, key: str) -> list[AmaxObserver]:
+        return [observer_of(m, key) for m in self.group.members if m.rel == self.rel and key in m.observers]
 
     def uncalibrated(self) -> list[str]:
         """Only activations that no sibling expert saw either."""
@@ -78,7 +79,7 @@ class ExpertState(AutoQuantizationState):
                 continue
             for slot in op.slots:
                 key = observer_key(op.index, slot)
-                own = self.observers[key]
+                own = observer_of(self, key)
                 if has_data(own):
                     scale = own.scale().detach().clone()
                 else:  # the widest range measured on the siblings clips least on inputs nobody measured
@@ -148,9 +149,9 @@ def _order_group(run: TracedRecords, group: ExpertGroup, member_fqns: list[str])
         top = st.fqn[:len(st.fqn) - len(st.rel) - 1] if st.rel else st.fqn
         return rank[top], st.rel
 
-    ours = {id(st) for st in group.members}
+    ours = {id(st): st for st in group.members}
     items = list(run.states.items())
-    members = sorted(((mod, st) for mod, st in items if id(st) in ours), key=lambda item: key(item[1]))
+    members = sorted(((mod, st) for mod, st in items if id(st) in ours), key=lambda item: key(ours[id(item[1])]))
     run.states.clear()
     for mod, st in items:
         if id(st) not in ours:
@@ -186,9 +187,7 @@ def _adopt(st: AutoQuantizationState, group: ExpertGroup, rel: str) -> ExpertSta
     return new
 
 
-def _rename(fqn: str | None, old: str, new: str) -> str | None:
-    if fqn is None:
-        return None
+def _rename(fqn: str, old: str, new: str) -> str:
     if fqn == old:
         return new
     return new + fqn[len(old):] if fqn.startswith(old + ".") else fqn
@@ -207,8 +206,9 @@ def _clone_member(model: nn.Module, run: TracedRecords, record: ModelRecord, gro
         ops = []
         for op in tst.seen_ops:
             new_fqn = _rename(op.fqn, tfqn, fqn)
-            qc = record.qconfig.for_op(new_fqn, _path_types(model, _rename(op.weight_owner, tfqn, fqn) or sfqn))
-            changed = {}
+            owner = None if op.weight_owner is None else _rename(op.weight_owner, tfqn, fqn)
+            qc = record.qconfig.for_op(new_fqn, _path_types(model, owner or sfqn))
+            changed: dict[str, Any] = {}
             if qc != op.qconfig:
                 changed = {"qconfig": qc, "group": None, "fusion": None}  # an override: no fusion, own settings
                 if qc.skip and op.quantize:
@@ -224,8 +224,7 @@ def _clone_member(model: nn.Module, run: TracedRecords, record: ModelRecord, gro
                 else:
                     changed.update(group=None, fusion=None)  # the subgraph reaches outside the expert
             changed.setdefault("group", group_id)
-            ops.append(dataclasses.replace(op, fqn=new_fqn, weight_owner=_rename(op.weight_owner, tfqn, fqn),
-                                           **changed))
+            ops.append(dataclasses.replace(op, fqn=new_fqn, weight_owner=owner, **changed))
         for op in ops:
             st.add_op(op, _make_observer)
         run.states[model.get_submodule(sfqn)] = st

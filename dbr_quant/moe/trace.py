@@ -121,8 +121,7 @@ def _new_state(run: TracedRun, module: nn.Module, bound: Bound) -> MoeState:
     if not reason:
         reason = _block_reason(module, spec, qcs)
     ops = []
-    for i, (name, qc) in enumerate(zip(spec.names, qcs)):
-        w = module._parameters[name]
+    for i, (name, qc, w) in enumerate(zip(spec.names, qcs, spec.weights(module))):
         io = _routed_rows(bound, w, spec.transposed)
         ops.append(SeenOp(index=i, kind=EXPERTS, fqn=f"{fqn}.{name}", target=type(module).__name__, inputs=io[:1],
                           outputs=io[1:], qconfig=qc, quantize=not reason, reason=reason,
@@ -133,17 +132,17 @@ def _new_state(run: TracedRun, module: nn.Module, bound: Bound) -> MoeState:
 
 def _block_reason(module: nn.Module, spec: ExpertsSpec, qcs: list[OpQConfig]) -> str:
     """Why block-scaled weights cannot run this experts module ("" when they can, or are not asked for)."""
-    blocks = [qc.weight.block if qc.weight.granularity == "block" else None for qc in qcs]
-    if blocks[0] is None and blocks[1] is None:
+    first, second = (qc.weight.block if qc.weight.granularity == "block" else None for qc in qcs)
+    if first is None and second is None:
         return ""
-    if blocks[0] != blocks[1]:
-        return (f"the two expert projections resolve to different weight granularities ({blocks[0] or 'not block'} "
-                f"vs {blocks[1] or 'not block'}); the MoE block takes one: give both the same block")
-    w1 = module._parameters[spec.first]
+    if first is None or first != second:
+        return (f"the two expert projections resolve to different weight granularities ({first or 'not block'} "
+                f"vs {second or 'not block'}); the MoE block takes one: give both the same block")
+    w1, _ = spec.weights(module)
     inter = (w1.shape[2] if spec.transposed else w1.shape[1]) // (2 if spec.gated else 1)
-    if spec.gated and inter % blocks[0][0]:
+    if spec.gated and inter % first[0]:
         return (f"block-scaled experts need the intermediate size ({inter}) to be a multiple of the block's rows "
-                f"({blocks[0][0]}): gate and up are blocked on their own in [gate; up]; pick a block that divides it")
+                f"({first[0]}): gate and up are blocked on their own in [gate; up]; pick a block that divides it")
     return ""
 
 
