@@ -24,7 +24,7 @@ from dbr_quant import kernels
 from dbr_quant.inspect.features import Feature, Quantized, TensorContext
 from dbr_quant.inspect.inspector import feature_pass
 from dbr_quant.moe.compute import flat_inputs
-from dbr_quant.moe.experts import MoeState
+from dbr_quant.moe.experts import MoeState, observer_of
 from dbr_quant.moe.siblings import ExpertState
 from dbr_quant.quantize.weight_quantization import quantize_experts
 from dbr_quant.quantize.weights import FP8Weight
@@ -75,7 +75,7 @@ def run_experts(inspector: Any, module: nn.Module, st: MoeState, x: torch.Tensor
     offsets = routing.expert_offsets.tolist()
     gate_up, down = st.seen_ops
     y = _projection(inspector, module, st, gate_up, x2[tokens], routing, offsets)
-    h = module._apply_gate(y) if spec.gated else module.act_fn(y)
+    h = spec.activate(module, y)
     y = _projection(inspector, module, st, down, h, routing, offsets)
     out = torch.zeros(x2.shape[0], y.shape[-1], dtype=torch.float32, device=x.device)
     out.index_add_(0, tokens, y.float() * row_w[:, None])
@@ -154,7 +154,7 @@ def _static_scale(st: MoeState, op: Any, index: int) -> torch.Tensor:
     if st.converted:
         return st.frozen_scale(op, "input")
     if index == 0:
-        return st.observers[observer_key(0, "input")].scale().detach()
+        return observer_of(st, observer_key(0, "input")).scale().detach()
     return st.down_scales()[0]  # what freeze_scales will store
 
 
