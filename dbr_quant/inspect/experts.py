@@ -44,7 +44,7 @@ def experts_flops(op: Any) -> int:
 
 def sibling_expert_flops(model: nn.Module, flops: dict[str, int]) -> dict[str, int]:
     """``flops`` (layer name → FLOPs at the traced shapes) with the layers of ``ModuleList`` / ``ModuleDict``
-    experts (moe_siblings.py) evened out: the trace ran only the experts the example reached, and an unreached
+    experts (moe/siblings.py) evened out: the trace ran only the experts the example reached, and an unreached
     expert's record is a copy of a reached one's, shapes included. Each layer of a sibling group gets the
     group's traced FLOPs (over the reached experts: the rows really routed, top_k per token) divided by the
     number of experts — its share under uniform routing; the group's total stays what the trace computed."""
