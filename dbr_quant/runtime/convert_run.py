@@ -15,7 +15,6 @@ from torch.nn.modules import module as _module_globals
 from torch.utils._pytree import tree_map
 
 from dbr_quant.integrations import accelerate as offload
-from dbr_quant.moe import experts as moe
 from dbr_quant.ops.basic import Call, run_basic
 from dbr_quant.ops.mappings import (
     ACT,
@@ -302,8 +301,11 @@ class ConvertRun(Run):
                 return self._hooked_linear_call(module, args, kwargs)
             with suspended(self):  # our own torch calls below are not the model's
                 return self._linear_call(module, args, kwargs)
-        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe.py
-            return moe.experts_call(self, module, args, kwargs, "convert")
+        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe/
+            if self.placeholders or self.resolved:  # a pending subgraph's output feeds it: finish that first
+                with suspended(self):
+                    args, kwargs = self._resolve_all(*self._scan(args, kwargs))
+            return self.experts_call(module, args, kwargs, "convert")
         act = ACTIVATION_MODULES.get(type(module))
         if act is not None and len(args) == 1 and not kwargs and not has_hooks(module):
             # an activation module's forward is one F.relu / F.gelu / F.silu: take the step it would take

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten
 
 from dbr_quant import kernels
 from dbr_quant.integrations import accelerate as offload
-from dbr_quant.moe import experts as moe
+from dbr_quant.moe.call import ExpertsInspector, call_with_hooks, experts_forward
 from dbr_quant.ops.basic import PER_TOKEN_SLOTS, Call, linear_hp_weight, stored_fp8_weight
 from dbr_quant.ops.fusions import Fusion
 from dbr_quant.ops.mappings import FUNC_KINDS, INDEXED, LINEAR, MATMUL, SDPA, call_kind, is_linear_module
@@ -178,6 +178,16 @@ class Run:
             if owns:
                 self.owners.pop()
 
+    def experts_call(self, module: nn.Module, args: tuple, kwargs: dict, phase: str,
+                     inspector: ExpertsInspector | None = None) -> Any:
+        """A marked MoE experts module's call, as one op (moe/call.py): its body in ``phase`` with the module's
+        hooks around it, or the module as written."""
+        with suspended(self):
+            body = experts_forward(module, args, kwargs, phase, inspector)
+            if body is None:
+                return original_call(module, *args, **kwargs)
+            return call_with_hooks(module, body, args, kwargs) if has_hooks(module) else body(args, kwargs)
+
     def _direct_forward(self, module: nn.Module, d: dict) -> Any:
         """The forward that ``Module._call_impl`` would call, when calling it directly is all ``_call_impl``
         would do (no hooks anywhere, no TorchScript tracing), else None. For a module of this model that
@@ -240,8 +250,8 @@ class CalibrateRun(Run):
             with suspended(self):
                 self._observe(LINEAR, args, kwargs, module)
                 return original_call(module, *args, **kwargs)
-        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe.py
-            return moe.experts_call(self, module, args, kwargs, "calibrate")
+        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe/
+            return self.experts_call(module, args, kwargs, "calibrate")
         return self.call_module(module, args, kwargs)
 
 
@@ -299,9 +309,9 @@ class InspectRun(Run):
         return func(*args, **kwargs)
 
     def module_call(self, module, args, kwargs):
-        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe.py
-            return moe.experts_call(self, module, args, kwargs,
-                                    "convert" if self.record.phase == "converted" else "hp")
+        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe/
+            return self.experts_call(module, args, kwargs, "convert" if self.record.phase == "converted" else "hp",
+                                     self.inspector)
         if not is_linear_module(module):
             return self.call_module(module, args, kwargs)
         with suspended(self):

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from dbr_quant.integrations.accelerate import onloaded
-from dbr_quant.moe import experts as moe
+from dbr_quant.moe.trace import trace_experts
 from dbr_quant.ops.fusions import Event, TraceGraph, find_subgraphs
 from dbr_quant.ops.mappings import (
     ACT,
@@ -70,7 +70,7 @@ class TraceRun(Run):
         self.param_ids = {id(t) for t in (*root.parameters(), *root.buffers())}
         self.activations: set[int] = set()
         self.data_ints: set[int] = set()
-        self.producers: dict[int, int] = {}  # tensor id → index of the event that wrote it (moe.py walks it)
+        self.producers: dict[int, int] = {}  # tensor id → index of the event that wrote it (moe/trace.py walks it)
         self.param_uses = ParamUses(root)  # parameters read by functional linears, and what else reads them
         self.param_reads = ParamReads(root)  # which calls read each parameter: the report's reasons (precision.py)
         self.tied = tied_names(root)
@@ -186,21 +186,20 @@ class TraceRun(Run):
     def module_call(self, module, args, kwargs):
         if is_linear_module(module):
             with suspended(self):  # the bookkeeping's own torch calls must not be recorded
-                self.stack.append(module)  # so an error inside names this module
-                try:
-                    out = original_call(module, *args, **kwargs)
-                except BaseException:
-                    self.failed_stack = self.failed_stack or list(self.stack)
-                    raise
-                finally:
-                    self.stack.pop()
+                out = self._call_unrecorded(module, args, kwargs)
                 x = args[0] if args else kwargs.get("input")
                 self._record(LINEAR, module, (x,), {}, out, module)
                 if has_hooks(module):
                     self._escape((x, out))
             return out
-        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe.py
-            return moe.experts_call(self, module, args, kwargs, "trace")
+        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe/
+            with suspended(self):
+                out = self._call_unrecorded(module, args, kwargs)
+                self._record(None, module, args, kwargs, out)  # an opaque op: its inputs have a consumer
+                if has_hooks(module):
+                    self._escape((args, kwargs, out))
+                trace_experts(self, module, args, kwargs)  # its record; its router stays high precision
+            return out
         if rms_norm_module_eps(module) is not None and not has_hooks(module) and len(args) == 1 and not kwargs:
             return self._norm_module_call(module, args[0])
         hooked = has_hooks(module)
@@ -212,6 +211,17 @@ class TraceRun(Run):
             with suspended(self):
                 self._escape(out)
         return out
+
+    def _call_unrecorded(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """The module as written, nothing inside recorded (the run is suspended), named in errors inside."""
+        self.stack.append(module)
+        try:
+            return original_call(module, *args, **kwargs)
+        except BaseException:
+            self.failed_stack = self.failed_stack or list(self.stack)
+            raise
+        finally:
+            self.stack.pop()
 
     def _norm_module_call(self, module: nn.Module, x: Any) -> Any:
         """An RMSNorm module written as elementwise ops: one NORM op if it computes F.rms_norm (so it can
