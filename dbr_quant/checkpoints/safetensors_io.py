@@ -52,6 +52,14 @@ class Entry:
         return n * self.dtype.itemsize
 
 
+def tensor_entry(name: str, t: torch.Tensor, dtype: torch.dtype | None = None,
+                 shape: tuple[int, ...] | None = None) -> Entry:
+    """An entry that writes ``t`` (detached), reshaped to ``shape`` and cast to ``dtype`` when given."""
+    out_dtype = t.dtype if dtype is None else dtype
+    out_shape = tuple(t.shape) if shape is None else shape
+    return Entry(name, out_dtype, out_shape, lambda: t.detach().reshape(out_shape).to(out_dtype))
+
+
 def parse_size(size: int | str) -> int:
     """``max_shard_size``: bytes, or a string such as "5GB" (10⁹) / "5GiB" (2³⁰) / "500MB" / "100kB"."""
     if isinstance(size, int) and not isinstance(size, bool):
