@@ -103,9 +103,12 @@ class Skeleton:
         if slot.filled:
             return
         ph, v = slot.placeholder, value.to(slot.device)
-        new = nn.Parameter(v, requires_grad=ph.requires_grad) if isinstance(ph, nn.Parameter) else v
         for mod, attr in slot.sites:
-            (mod._parameters if isinstance(ph, nn.Parameter) else mod._buffers)[attr] = new
+            if isinstance(ph, nn.Parameter):
+                v = v if isinstance(v, nn.Parameter) else nn.Parameter(v, requires_grad=ph.requires_grad)
+                mod._parameters[attr] = v  # one Parameter for every tied site
+            else:
+                mod._buffers[attr] = v
         slot.filled = True
 
     def put_fp8(self, name: str, qdata: torch.Tensor, scale: torch.Tensor, transposed: bool,

@@ -89,9 +89,12 @@ def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, Scheme]
     its ``dbr_quant.json`` record; adds each projection's compressed-tensors scheme to ``schemes``."""
     module = model.get_submodule(st.fqn)
     spec = st.spec
-    params = [module._parameters[n] for n in spec.names]
-    if not all(type(p) is FP8Weight for p in params):
-        raise CheckpointError(f"'{st.fqn}': converted experts module without FP8 weights (a dbr_quant bug)")
+    params: list[FP8Weight] = []
+    for n in spec.names:
+        p = module._parameters[n]
+        if not isinstance(p, FP8Weight):
+            raise CheckpointError(f"'{st.fqn}': converted experts module without FP8 weights (a dbr_quant bug)")
+        params.append(p)
     w1, w2 = params
     names = projection_names(model, spec.gated)
     # per 3-D weight: (weight strategy, activation strategy, dynamic, block, group) — _scheme refuses what the
@@ -100,9 +103,7 @@ def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, Scheme]
     _, act, dynamic, block, _ = proj_schemes[0]
     granularity = "block" if block is not None else \
         "channel" if st.seen_ops[0].qconfig.weight.granularity == "channel" else "tensor"
-    xs = hs = None
-    if not dynamic:
-        xs, hs = (st.scale(op, "input").detach().float() for op in st.seen_ops)
+    inputs = [] if dynamic else [st.scale(op, "input").detach().float() for op in st.seen_ops]  # gate_up, down
     biases = [module._parameters.get(f"{n}_bias") if spec.has_bias else None for n in spec.names]
     inter = w1.qdata.shape[1] // 2 if spec.gated else w1.qdata.shape[1]
     # (projection name, which 3-D weight, its rows, its bias, which input scale)
@@ -114,19 +115,19 @@ def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, Scheme]
             w, b = params[which], biases[which]
             prefix = f"{st.fqn}.{e}.{pname}"
             q = w.qdata[e] if rows is None else w.qdata[e, rows]
-            if granularity == "block":  # gate / up: their own row blocks (moe.py takes I a multiple of bn)
+            if block is not None:  # gate / up: their own row blocks (moe.py takes I a multiple of bn)
                 s = (w.scale[e] if rows is None else
                      w.scale[e, rows.start // block[0]:-(-rows.stop // block[0])]).float()
             else:
                 s = w.scale[e] if rows is None or granularity == "tensor" else w.scale[e, rows]
                 s = s.float().reshape(-1, 1) if granularity == "channel" else s.float().reshape(1)
-            entries.append(Entry(f"{prefix}.weight", q.dtype, tuple(q.shape), lambda q=q: q.contiguous()))
+            entries.append(Entry(f"{prefix}.weight", q.dtype, tuple(q.shape), q.contiguous))
             entries.append(tensor_entry(f"{prefix}.weight_scale", s, scale_dtype(s, w.dtype)))
             if b is not None:
                 bb = b[e] if rows is None else b[e, rows]
                 entries.append(tensor_entry(f"{prefix}.bias", bb, bb.dtype))
             if not dynamic:
-                a = (xs if which == 0 else (hs[e] if hs.numel() > 1 else hs)).reshape(1)
+                a = (inputs[0] if which == 0 else inputs[1][e] if inputs[1].numel() > 1 else inputs[1]).reshape(1)
                 entries.append(tensor_entry(f"{prefix}.input_scale", a, scale_dtype(a, w.dtype)))
             schemes[prefix] = proj_schemes[which] if granularity == "block" else (granularity, act, dynamic, None,
                                                                                  None)

@@ -38,7 +38,7 @@ from dbr_quant.checkpoints.errors import CheckpointError
 from dbr_quant.checkpoints.layout import model_modules, own_tensors
 from dbr_quant.checkpoints.safetensors_io import read_tensor
 from dbr_quant.ops.mappings import LINEAR
-from dbr_quant.qconfig import Override, QConfig, TensorQConfig
+from dbr_quant.qconfig import Granularity, Override, QConfig, TensorQConfig
 from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -51,7 +51,7 @@ class ForeignLayout:
     tool: str  # for messages
     block: tuple[int, int]
     scale_name: str  # weight_scale (compressed-tensors) / weight_scale_inv (FineGrainedFP8)
-    activation: str  # "group", "token" or "tensor"
+    activation: Granularity  # "group", "token" or "tensor"
     dynamic: bool
     input_scale_name: str | None  # static activations: input_scale / activation_scale
 
@@ -145,7 +145,9 @@ def expected_scale_shape(shape: tuple[int, int], block: tuple[int, int]) -> tupl
 
 def _model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """name → tensor of everything a state_dict holds, and name → first name of a tied (same object) tensor."""
-    tensors, first, tied = {}, {}, {}
+    tensors: dict[str, torch.Tensor] = {}
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
     for fqn, mod in model_modules(model):
         for pname, t in own_tensors(mod):
             name = f"{fqn}.{pname}" if fqn else pname
@@ -174,9 +176,9 @@ def check_folder(model: nn.Module, layout: ForeignLayout, stored: dict[str, Any]
         if mod is None or t is None or t.dim() != 2 or not isinstance(mod, nn.Linear):
             raise CheckpointError(f"{name}: an FP8 weight in the checkpoint, but the model has no nn.Linear "
                                   f"'{fqn}'; build the architecture the checkpoint was made from")
-        shape = tuple(t.shape)
-        expected[name] = ((torch.float8_e4m3fn,), shape)
-        expected[f"{fqn}.{layout.scale_name}"] = (_FLOATS, expected_scale_shape(shape, layout.block))
+        wshape = (t.shape[0], t.shape[1])
+        expected[name] = ((torch.float8_e4m3fn,), wshape)
+        expected[f"{fqn}.{layout.scale_name}"] = (_FLOATS, expected_scale_shape(wshape, layout.block))
         if layout.input_scale_name is not None:
             expected[f"{fqn}.{layout.input_scale_name}"] = (_FLOATS, ())
     for name, t in tensors.items():

@@ -103,7 +103,7 @@ def model_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def own_tensors(mod: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Parameters and persistent buffers a state_dict would hold for this module itself."""
-    out = [(n, p) for n, p in mod._parameters.items() if p is not None]
+    out: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in mod._parameters.items() if p is not None]
     out += [(n, b) for n, b in mod._buffers.items() if b is not None and n not in mod._non_persistent_buffers_set]
     return out
 

@@ -203,12 +203,12 @@ def _read_and_check(model: nn.Module, meta: dict[str, Any], stored: dict[str, St
         raise CheckpointError(f"{unexpected[0]}: in the checkpoint but not in the model ({len(unexpected)} such "
                               "tensor(s)); build the architecture the checkpoint was saved from")
     linears = meta["linears"]
-    values = {name: _as_stored(read_tensor(stored[name]), linears.get(name.removesuffix(".weight")))
-              if name.endswith(".weight") else read_tensor(stored[name]) for name in expected}
-    for name, t in values.items():
+    values = {name: _as_stored(read_tensor(stored[name]), linears.get(name.removesuffix(".weight"))
+                               if name.endswith(".weight") else None) for name in expected}
+    for name, value in values.items():
         if expected[name][0] == _FLOATS:
-            check_scale(name, t)
-        elif t.dtype == torch.float8_e4m3fn and bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any()):
+            check_scale(name, value)
+        elif value.dtype == torch.float8_e4m3fn and bool(((value.view(torch.uint8) & 0x7F) == 0x7F).any()):
             raise CheckpointError(f"{name}: the FP8 weight holds NaN bytes (0x7f/0xff)")
     for st in meta["states"]:
         for op in st["ops"]:
@@ -239,7 +239,7 @@ def _as_stored(t: torch.Tensor, info: dict[str, Any] | None) -> torch.Tensor:
     hp = t.t()
     s = torch.tensor(info["scale"], dtype=torch.float32)
     block = _block(info)
-    elementwise = (kernels.reference_block.expand_block_scale(s, tuple(hp.shape), block) if block
+    elementwise = (kernels.reference_block.expand_block_scale(s, (hp.shape[0], hp.shape[1]), block) if block
                    else s.unsqueeze(1) if info["granularity"] == "channel" else s)
     return kernels.quantize(hp, elementwise, FP8Format.E4M3)
 

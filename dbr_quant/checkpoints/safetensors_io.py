@@ -110,7 +110,7 @@ def write_file(path: str | os.PathLike, entries: list[Entry], metadata: dict[str
                 t = t.cpu()
             t = t.contiguous()
             if t.numel():
-                f.write(memoryview(t.view(torch.uint8).numpy()))
+                f.write(t.view(torch.uint8).numpy().data)
             del t
         size = f.tell()
     expected = 8 + len(header) + sum(e.nbytes for e in entries)
@@ -181,7 +181,7 @@ def read_tensor(t: StoredTensor) -> torch.Tensor:
     buf = torch.empty(t.nbytes, dtype=torch.uint8)
     with open(t.path, "rb") as f:
         f.seek(t.begin)
-        got = f.readinto(buf.numpy()) if t.nbytes else 0
+        got = f.readinto(buf.numpy().data) if t.nbytes else 0
     if got != t.nbytes:
         raise CheckpointError(f"{t.name} in {t.path}: read {got} of {t.nbytes} bytes (file changed or truncated)")
     return buf.view(t.dtype).reshape(t.shape)

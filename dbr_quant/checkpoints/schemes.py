@@ -81,7 +81,8 @@ def quantization_config(schemes: dict[str, Scheme], ignore: list[str], kv: bool)
     for i, ((wstrat, astrat, dynamic, block, group), names) in enumerate(ordered):
         groups[f"group_{i}"] = {
             "targets": ["Linear"] if i == 0 else sorted(names), "format": "float-quantized",
-            "weights": _args(wstrat, False, block), "input_activations": _args(astrat, dynamic, group and (group,)),
+            "weights": _args(wstrat, False, block),
+            "input_activations": _args(astrat, dynamic, (group,) if group else None),
             "output_activations": None,
         }
     return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
