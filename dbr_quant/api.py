@@ -18,11 +18,12 @@ from dbr_quant.integrations.distributed import sync_observers
 from dbr_quant.moe import experts as moe
 from dbr_quant.moe import siblings as moe_siblings
 from dbr_quant.moe import weights as moe_weights
+from dbr_quant.ops.gate_up import stack_gate_up_weights
 from dbr_quant.ops.mappings import LINEAR, QUANTIZEABLE, is_container, is_transposed_linear, linear_weight
 from dbr_quant.qconfig import QConfig
 from dbr_quant.quantize.rounding import collect
 from dbr_quant.quantize.weight_quantization import all_finite, quantize_fp8_weight
-from dbr_quant.quantize.weights import attach_fp8_weight, fp8_weight_of
+from dbr_quant.quantize.weights import attach_fp8_weight
 from dbr_quant.runtime import precision
 from dbr_quant.runtime.convert_run import ConvertRun
 from dbr_quant.runtime.interception import FAST_PATH_MODULES, current_run, disabled, intercepting, is_disabled
@@ -269,61 +270,11 @@ def convert(prepared: nn.Module, *, inplace: bool = False, sync: Any = True) -> 
     _quantize_linear_weights(m, record)
     quantize_param_weights(m, [op for st in record.states for op in st.seen_ops])  # F.linear(x, self.w), in_proj
     moe_weights.quantize_expert_weights(m, record)  # 3-D expert weights (moe_weights.py)
-    _stack_gate_up_weights(m, record)
+    stack_gate_up_weights(m, record.states)
     record.phase = "converted"
     precision.warn_high_precision(m, record, "convert")
     precision.warn_untied(m, ties)
     return m
-
-
-def _same_input_quantization(record: ModelRecord, a, b) -> bool:
-    """Both ops quantize their (shared) input identically: same config, and equal frozen scales."""
-    if a.qconfig.activation != b.qconfig.activation or a.qconfig.dynamic != b.qconfig.dynamic:
-        return False
-    if a.qconfig.dynamic:
-        return True
-    owner = {id(op): st for st in record.states for op in st.seen_ops}
-    return bool(torch.equal(owner[id(a)].scale(a, "input"), owner[id(b)].scale(b, "input")))
-
-
-def _stack_gate_up_weights(m: nn.Module, record: ModelRecord) -> None:
-    """Store each gated MLP's gate and up FP8 weights as adjacent rows of one [gate; up] buffer (each
-    module's ``weight`` is a view of its rows), so the fused GEMM (both halves, activation·up in the
-    epilogue) reads them without a per-call copy."""
-    groups: dict[int, list] = {}
-    for st in record.states:
-        for op in st.seen_ops:
-            if op.group is not None and op.kind == LINEAR and op.fusion in ("gated_mlp", "norm_gated_mlp"):
-                groups.setdefault(op.group[0], []).append(op)
-    owners = [op.weight_owner for ops in groups.values() for op in ops]
-    for ops in groups.values():
-        gate_op, up_op = sorted(ops, key=lambda op: op.group[1])[:2]
-        if None in (gate_op.weight_owner, up_op.weight_owner) or any(
-                owners.count(o) > 1 for o in (gate_op.weight_owner, up_op.weight_owner)):
-            continue  # a projection used elsewhere too keeps its own buffer
-        if not _same_input_quantization(record, gate_op, up_op):
-            continue  # the fused GEMM quantizes x once: both projections must use the same scale
-        gate, up = m.get_submodule(gate_op.weight_owner), m.get_submodule(up_op.weight_owner)
-        gw, uw = fp8_weight_of(gate), fp8_weight_of(up)
-        if gw is None or uw is None or gw.transposed or uw.transposed or gw.qdata.dtype != uw.qdata.dtype \
-                or gw.qdata.shape[1] != uw.qdata.shape[1] or gw.block != uw.block:
-            continue
-        if gw.qdata.is_meta or uw.qdata.is_meta:  # offloaded (offload.py): accelerate loads each separately,
-            if gw.scale.dim() == uw.scale.dim() == 1:  # the fused GEMM concatenates the pair per call
-                up.__dict__["_dbr_stacked_after"] = gate
-            continue
-        n_gate, n_up = gw.qdata.shape[0], uw.qdata.shape[0]
-        if gw.block is not None and n_gate != n_up:
-            continue  # the block GEMM splits [gate; up] into equal halves, each blocked on its own
-        q = torch.cat([gw.qdata, uw.qdata])
-        if gw.block is None:
-            s = torch.cat([sc.expand(n) if sc.dim() == 0 else sc for sc, n in ((gw.scale, n_gate), (uw.scale, n_up))])
-            s_gate = n_gate
-        else:  # [gate blocks; up blocks]: each half keeps its own block rows (a ragged last one included)
-            s, s_gate = torch.cat([gw.scale, uw.scale]), gw.scale.shape[0]
-        attach_fp8_weight(gate, q[:n_gate], s[:s_gate], gw.dtype, block=gw.block, qconfig=gw.qconfig)
-        attach_fp8_weight(up, q[n_gate:], s[s_gate:], uw.dtype, block=uw.block, qconfig=uw.qconfig)
-        up.__dict__["_dbr_stacked_after"] = gate
 
 
 def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:

@@ -55,7 +55,10 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tens
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return (q.float() * scale.float()).to(dtype)
+    # scaled in place on the one float32 copy of q: a weight-sized temporary less when an FP8 weight is used as a
+    # tensor (load_pretrained's trace runs every FP8 linear so: its peak memory, benchmarks/checkpoint_memory.py)
+    s, y = scale.float(), q.to(torch.float32, copy=True)
+    return (y.mul_(s) if torch.broadcast_shapes(y.shape, s.shape) == y.shape else y * s).to(dtype)
 
 
 def amax(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
