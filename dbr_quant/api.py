@@ -19,6 +19,7 @@ from dbr_quant.moe import experts as moe
 from dbr_quant.moe import siblings as moe_siblings
 from dbr_quant.moe import weights as moe_weights
 from dbr_quant.ops.mappings import LINEAR, QUANTIZEABLE, is_container, is_transposed_linear, linear_weight
+from dbr_quant.ops.tags import TAG, ModuleTag, fqn_of
 from dbr_quant.qconfig import QConfig
 from dbr_quant.quantize.rounding import collect
 from dbr_quant.quantize.weight_quantization import all_finite, quantize_fp8_weight
@@ -50,7 +51,7 @@ def _entry_forward(root: nn.Module, m: nn.Module, *args: Any, **kwargs: Any) -> 
     """
     record: ModelRecord = root.__dict__["_dbr_record"]
     # an instance forward that was there before prepare (accelerate's device/offload wrapper) keeps running
-    forward = m.__dict__.get("_dbr_inner_forward") or type(m).forward.__get__(m)
+    forward = m.__dict__[TAG].inner_forward or type(m).forward.__get__(m)
     if m is not root:
         active = current_run()
         if record.phase == "tracing" or (active is not None and active.record is record):
@@ -78,10 +79,10 @@ def _entry_forward(root: nn.Module, m: nn.Module, *args: Any, **kwargs: Any) -> 
 
 
 def _install_entry_forward(root: nn.Module, m: nn.Module) -> None:
+    tag: ModuleTag = m.__dict__[TAG]
     if "forward" in m.__dict__:
-        m.__dict__["_dbr_inner_forward"] = m.__dict__["forward"]
-    wrapper = functools.partial(_entry_forward, root, m)
-    wrapper._dbr_root = root  # runs.Run.call_module skips the wrapper inside a run of this model
+        tag.inner_forward = m.__dict__["forward"]
+    tag.entry_forward = wrapper = functools.partial(_entry_forward, root, m)  # runs.Run.call_module skips it
     wrapper.__signature__ = inspect.signature(type(m).forward.__get__(m))  # what users and HF introspect
     m.__dict__["forward"] = wrapper
 
@@ -130,8 +131,7 @@ def prepare(
     args, kwargs = _as_args(example_inputs), dict(example_kwargs or {})
     m = model if inplace else copy.deepcopy(model)
     for name, mod in m.named_modules():
-        mod.__dict__["_dbr_fqn"] = name
-        mod.__dict__["_dbr_owner"] = mod is m or bool(mod._modules)
+        mod.__dict__[TAG] = ModuleTag(name, owner=mod is m or bool(mod._modules))
     moe.mark_experts(m)  # MoE experts modules with 3-D weights run as one op (moe.py)
     record = ModelRecord(qconfig, example=(args, kwargs))
     record.trace_run = run = TraceRun(m, record)
@@ -144,7 +144,7 @@ def prepare(
             m(*args, **kwargs)
     except Exception as e:
         failed = (run.failed_stack or run.stack)[1:]
-        where = " > ".join(mod.__dict__.get("_dbr_fqn") or type(mod).__name__ for mod in failed)
+        where = " > ".join(fqn_of(mod) or type(mod).__name__ for mod in failed)
         op = getattr(run.current, "__name__", None)
         _undo_prepare(m)
         raise PrepareError(
@@ -179,12 +179,12 @@ def prepare(
 
 def _undo_prepare(m: nn.Module) -> None:
     for mod in m.modules():
-        for key in ("_dbr_fqn", "_dbr_owner", "_dbr_record", "_dbr_experts", "forward"):
-            if key == "forward" and not _is_entry_forward(mod.__dict__.get("forward")):
-                continue
-            mod.__dict__.pop(key, None)
-        if "_dbr_inner_forward" in mod.__dict__:
-            mod.__dict__["forward"] = mod.__dict__.pop("_dbr_inner_forward")
+        tag: ModuleTag | None = mod.__dict__.pop(TAG, None)
+        mod.__dict__.pop("_dbr_record", None)
+        if _is_entry_forward(mod.__dict__.get("forward")):
+            del mod.__dict__["forward"]
+        if tag is not None and tag.inner_forward is not None:
+            mod.__dict__["forward"] = tag.inner_forward
 
 
 # ---------------------------------------------------------------------- state attachment
@@ -310,7 +310,7 @@ def _stack_gate_up_weights(m: nn.Module, record: ModelRecord) -> None:
             continue
         if gw.qdata.is_meta or uw.qdata.is_meta:  # offloaded (offload.py): accelerate loads each separately,
             if gw.scale.dim() == uw.scale.dim() == 1:  # the fused GEMM concatenates the pair per call
-                up.__dict__["_dbr_stacked_after"] = gate
+                up.__dict__[TAG].stacked_after = gate
             continue
         n_gate, n_up = gw.qdata.shape[0], uw.qdata.shape[0]
         if gw.block is not None and n_gate != n_up:
@@ -323,7 +323,7 @@ def _stack_gate_up_weights(m: nn.Module, record: ModelRecord) -> None:
             s, s_gate = torch.cat([gw.scale, uw.scale]), gw.scale.shape[0]
         attach_fp8_weight(gate, q[:n_gate], s[:s_gate], gw.dtype, block=gw.block, qconfig=gw.qconfig)
         attach_fp8_weight(up, q[n_gate:], s[s_gate:], uw.dtype, block=uw.block, qconfig=uw.qconfig)
-        up.__dict__["_dbr_stacked_after"] = gate
+        up.__dict__[TAG].stacked_after = gate
 
 
 def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
@@ -332,11 +332,12 @@ def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
         for op in st.seen_ops:
             if op.kind == LINEAR and op.weight_owner is not None:
                 ops_by_module.setdefault(op.weight_owner, []).append(op)
+    token = offload.new_token()
     for fqn, ops in ops_by_module.items():
         if not all(op.quantize for op in ops):
             continue  # some call runs in high precision: it needs the original weight
         module = m.get_submodule(fqn)
-        home = offload.weight_home(m, fqn)  # accelerate keeps an offloaded weight in its weights map (meta here)
+        home = offload.weight_home(m, fqn, token)  # accelerate keeps an offloaded weight in its weights map (meta here)
         w = linear_weight(module).detach() if home is None else _loaded_weight(module, home)
         if not all_finite(w):
             raise ValueError(f"convert(): the weight of '{fqn}' ({type(module).__name__}) has NaN/inf values; "

@@ -38,6 +38,7 @@ from dbr_quant.api import _stack_gate_up_weights, convert, prepare
 from dbr_quant.checkpoints.errors import CheckpointError
 from dbr_quant.checkpoints.layout import model_modules, own_tensors
 from dbr_quant.ops.mappings import LINEAR
+from dbr_quant.ops.tags import unstack
 from dbr_quant.qconfig import Override, QConfig, TensorQConfig
 from dbr_quant.quantize.weights import attach_fp8_weight, fp8_weight_of
 
@@ -268,8 +269,8 @@ def load_foreign(folder: Path, model: nn.Module, qc: dict[str, Any], stored: dic
             attach_fp8_weight(mod, values[f"{fqn}.weight"].contiguous().to(w.qdata.device),
                               values[f"{fqn}.{layout.scale_name}"].float().to(w.scale.device), w.dtype,
                               block=layout.block)
-        for mod in converted.modules():
-            mod.__dict__.pop("_dbr_stacked_after", None)
+        for mod in converted.modules():  # the loaded weights are separate tensors: no stacked [gate; up] pair
+            unstack(mod)
         if layout.input_scale_name is not None:
             for st in record.states:
                 for op in st.seen_ops:

@@ -32,6 +32,7 @@ from dbr_quant.checkpoints.safetensors_io import StoredTensor, read_header, read
 from dbr_quant.checkpoints.save import INDEX
 from dbr_quant.formats import FP8Format
 from dbr_quant.ops.mappings import SDPA
+from dbr_quant.ops.tags import tag_of, unstack
 from dbr_quant.quantize.weights import attach_fp8_weight, fp8_weight_of
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -305,10 +306,10 @@ def _load_fp8(converted: nn.Module, meta: dict[str, Any], values: dict[str, torc
             raise CheckpointError(f"'{fqn}': saved with weight block {block}, converted here with {w.block}")
         attach_fp8_weight(mod, q.contiguous().to(w.qdata.device), s.to(w.scale.device), w.dtype, w.transposed,
                           block)
-        mod.__dict__.pop("_dbr_stacked_after", None)
+        unstack(mod)
     experts.load_experts_fp8(converted, meta, values)
     for mod in converted.modules():
-        mod.__dict__.pop("_dbr_stacked_after", None)
+        unstack(mod)
     for st, saved in zip(record.states, meta["states"]):
         for op, rec in zip(st.seen_ops, saved["ops"]):
             for slot, v in rec.get("scales", {}).items():
@@ -316,8 +317,8 @@ def _load_fp8(converted: nn.Module, meta: dict[str, Any], values: dict[str, torc
                 buf.copy_(torch.tensor(v, dtype=torch.float32).reshape(buf.shape).to(buf.device))
     _stack_gate_up_weights(converted, record)
     names = {id(m): fqn for fqn, m in model_modules(converted)}
-    stacked = sorted([names[id(m.__dict__["_dbr_stacked_after"])], fqn] for fqn, m in model_modules(converted)
-                     if "_dbr_stacked_after" in m.__dict__)
+    stacked = sorted([names[id(tag.stacked_after)], fqn] for fqn, m in model_modules(converted)
+                     if (tag := tag_of(m)) is not None and tag.stacked_after is not None)
     if stacked != sorted(meta["stacked"]):
         raise CheckpointError(f"gate/up stacking differs from the saved model: saved {meta['stacked'][:3]}, now "
                               f"{stacked[:3]} (a dbr_quant version difference?)")

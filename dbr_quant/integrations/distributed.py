@@ -77,7 +77,7 @@ def _summary(problem: str, observers: list[tuple[str, AmaxObserver]]) -> dict[st
         "updates": [int(obs.num_updates.item()) for _, obs in observers],
         "channels": [obs.num_channels for _, obs in observers],
         "digest": hashlib.sha256(_flat(observers).numpy().tobytes()).hexdigest(),
-        "synced": any("_dbr_synced" in obs.__dict__ for _, obs in observers),
+        "synced": any(obs.synced for _, obs in observers),
     }
 
 
@@ -167,5 +167,5 @@ def sync_observers(prepared: nn.Module, group: Any = None, *, allow_missing: boo
                 state[buf_name] = g[offset: offset + buf.numel()].reshape(buf.shape)
             offset += buf.numel()
         obs.merge(states)
-        obs.__dict__["_dbr_synced"] = True
+        obs.synced = True
     return prepared

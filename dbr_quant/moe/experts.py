@@ -38,6 +38,7 @@ from torch import nn
 
 from dbr_quant import kernels
 from dbr_quant.ops.straight_through import run_straight_through, substitute, wants_gradient
+from dbr_quant.ops.tags import TAG, ModuleTag
 from dbr_quant.quantize.weights import FP8Weight
 from dbr_quant.runtime.interception import has_hooks, original_call, suspended
 from dbr_quant.runtime.state import AutoQuantizationState, SeenOp, TensorInfo, observer_key
@@ -119,7 +120,7 @@ def mark_experts(model: nn.Module) -> None:
     for mod in model.modules():
         spec = experts_spec(mod)
         if spec is not None:
-            mod.__dict__["_dbr_experts"] = spec
+            mod.__dict__[TAG].experts = spec
 
 
 # ------------------------------------------------------------------------------------------- state
@@ -348,8 +349,9 @@ def _keep_high_precision(run: Any, op: SeenOp) -> None:
 
 
 def _new_state(run: Any, module: nn.Module, bound: tuple | None) -> MoeState:
-    spec: ExpertsSpec = module.__dict__["_dbr_experts"]
-    fqn = module.__dict__.get("_dbr_fqn", "")
+    tag: ModuleTag = module.__dict__[TAG]
+    spec, fqn = tag.experts, tag.fqn or ""
+    assert spec is not None, "only a marked experts module (mark_experts) is called as one op"
     types = tuple(type(m) for m in run.stack) + (type(module),)
     qconfig = run.record.qconfig
     reason = spec.reason

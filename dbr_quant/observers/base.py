@@ -75,6 +75,7 @@ class AmaxObserver(nn.Module):
         self.fmt = FP8Format.parse(fmt)
         self.axis = _check_axis(axis)
         self.margin = 0
+        self.synced = False  # merged across ranks (integrations.distributed.sync_observers): merging again is refused
         # name -> leading (non-channel) shape of buffers whose last dim is the channel dim when per-channel
         self._channel_buffers: dict[str, tuple[int, ...]] = {}
         self._register_stat("amax")

@@ -22,6 +22,7 @@ from dbr_quant.moe import experts as moe
 from dbr_quant.ops.basic import PER_TOKEN_SLOTS, Call, linear_hp_weight, stored_fp8_weight
 from dbr_quant.ops.fusions import Fusion
 from dbr_quant.ops.mappings import FUNC_KINDS, INDEXED, LINEAR, MATMUL, SDPA, call_kind, is_linear_module
+from dbr_quant.ops.tags import TAG, experts_of, fqn_of, tag_of
 from dbr_quant.runtime.interception import has_hooks, has_pre_hooks, original_call, routing_functions, suspended
 from dbr_quant.runtime.state import AutoQuantizationState, SeenOp, observer_key
 
@@ -65,10 +66,6 @@ class ModelRecord:
 def state_of(module: nn.Module) -> AutoQuantizationState | None:
     st = module.__dict__.get("_auto_quant_state")
     return st if st is not None else module._modules.get("_auto_quant_state")
-
-
-def fqn_of(module: nn.Module) -> str | None:
-    return module.__dict__.get("_dbr_fqn")
 
 
 class Run:
@@ -125,7 +122,8 @@ class Run:
     def owner(self) -> nn.Module:
         """The innermost module on the stack that owns records (a non-leaf module of the model, or root)."""
         for m in reversed(self.stack):
-            if m.__dict__.get("_dbr_owner"):
+            tag = tag_of(m)
+            if tag is not None and tag.owner:
                 return m
         return self.root
 
@@ -165,7 +163,8 @@ class Run:
     def call_module(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         self.stack.append(module)
         d = module.__dict__
-        owns = d.get("_dbr_owner", False)
+        tag = d.get(TAG)
+        owns = tag is not None and tag.owner
         if owns:
             self.owners.append(state_of(module))
         try:
@@ -188,10 +187,10 @@ class Run:
         forward = d.get("forward")
         if forward is None:
             return type(module).forward.__get__(module)
-        root = getattr(forward, "_dbr_root", None)
-        if root is None or root.__dict__.get("_dbr_record") is not self.record:
-            return None
-        return d.get("_dbr_inner_forward") or type(module).forward.__get__(module)
+        tag = d.get(TAG)
+        if tag is None or forward is not tag.entry_forward or forward.args[0] is not self.root:
+            return None  # another wrapper (accelerate's, added after prepare), or the entry of another model
+        return tag.inner_forward or type(module).forward.__get__(module)
 
     def begin(self) -> None:
         pass
@@ -240,7 +239,7 @@ class CalibrateRun(Run):
             with suspended(self):
                 self._observe(LINEAR, args, kwargs, module)
                 return original_call(module, *args, **kwargs)
-        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe.py
+        if experts_of(module) is not None:  # MoE experts module, called as one op: moe.py
             return moe.experts_call(self, module, args, kwargs, "calibrate")
         return self.call_module(module, args, kwargs)
 
@@ -299,7 +298,7 @@ class InspectRun(Run):
         return func(*args, **kwargs)
 
     def module_call(self, module, args, kwargs):
-        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe.py
+        if experts_of(module) is not None:  # MoE experts module, called as one op: moe.py
             return moe.experts_call(self, module, args, kwargs,
                                     "convert" if self.record.phase == "converted" else "hp")
         if not is_linear_module(module):
