@@ -14,7 +14,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from dbr_quant.integrations import accelerate as offload
-from dbr_quant.integrations.distributed import sync_observers
+from dbr_quant.integrations.distributed import sync_hessians, sync_observers
 from dbr_quant.moe import experts as moe
 from dbr_quant.moe import siblings as moe_siblings
 from dbr_quant.moe import weights as moe_weights
@@ -252,7 +252,7 @@ def convert(prepared: nn.Module, *, inplace: bool = False, sync: Any = True) -> 
     """
     if sync is not False:  # data-parallel calibration; a no-op without torch.distributed
         sync_observers(prepared, None if sync is True else sync)
-        collect.sync_hessians(prepared, None if sync is True else sync)  # GPTQ: sum Hessians across ranks
+        sync_hessians(prepared, None if sync is True else sync)  # GPTQ: sum Hessians across ranks
     record = _record(prepared, "prepared", "convert")
     missing = [entry for st in record.states for entry in st.uncalibrated()]
     if missing:
