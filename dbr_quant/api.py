@@ -6,7 +6,7 @@ import copy
 import functools
 import inspect
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sized
 from typing import Any
 
 import torch
@@ -56,7 +56,9 @@ def _entry_forward(root: nn.Module, m: nn.Module, *args: Any, **kwargs: Any) -> 
         active = current_run()
         if record.phase == "tracing" or (active is not None and active.record is record):
             return forward(*args, **kwargs)
+    run: TraceRun | HighPrecisionRun | InspectRun | CalibrateRun | ConvertRun
     if record.phase == "tracing":
+        assert isinstance(record.trace_run, TraceRun), "prepare() sets the trace run before its traced forward"
         run = record.trace_run
     elif is_disabled():
         if record.phase == "prepared":
@@ -83,7 +85,8 @@ def _install_entry_forward(root: nn.Module, m: nn.Module) -> None:
     if "forward" in m.__dict__:
         tag.inner_forward = m.__dict__["forward"]
     tag.entry_forward = wrapper = functools.partial(_entry_forward, root, m)  # runs.Run.call_module skips it
-    wrapper.__signature__ = inspect.signature(type(m).forward.__get__(m))  # what users and HF introspect
+    # what users and HF introspect (inspect.signature reads it; typeshed's partial does not declare it)
+    wrapper.__signature__ = inspect.signature(type(m).forward.__get__(m))  # type: ignore[attr-defined]
     m.__dict__["forward"] = wrapper
 
 
@@ -166,7 +169,7 @@ def prepare(
     record.observes_functions = any(op.quantize and op.slots and not (op.kind == LINEAR and op.weight_owner)
                                     for st in record.states for op in st.seen_ops) or any(
         isinstance(mod, FAST_PATH_MODULES) for mod in m.modules())  # so torch declines its fast path (auto_trace)
-    del record.trace_run
+    record.trace_run = None
     record.hessians = collect.collector_for(qconfig, record.states)  # None unless some linear asks for GPTQ
     record.phase = "prepared"
     if not any(op.kind in QUANTIZEABLE for st in record.states for op in st.seen_ops):
@@ -225,7 +228,7 @@ def calibrate(prepared: nn.Module, batches: Iterable[Any], *, num_batches: int |
     A batch is a tensor (one positional argument), a tuple/list (positional) or a mapping (keyword).
     """
     _record(prepared, "prepared", "calibrate")
-    total = num_batches if num_batches is not None else (len(batches) if hasattr(batches, "__len__") else None)
+    total = num_batches if num_batches is not None else (len(batches) if isinstance(batches, Sized) else None)
     with torch.no_grad():
         for i, batch in enumerate(tqdm(batches, total=total, disable=not progress, desc="calibrate")):
             if num_batches is not None and i >= num_batches:
@@ -355,7 +358,7 @@ def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
 
 
 def _loaded_weight(module: nn.Module, home: offload.WeightHome) -> torch.Tensor:
-    w = home.load().to(module._parameters["weight"].dtype)
+    w = home.load().to(module.get_parameter("weight").dtype)
     return w.t() if is_transposed_linear(module) else w
 
 

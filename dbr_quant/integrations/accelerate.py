@@ -159,8 +159,8 @@ class FP8WeightsMap(Mapping):
         return len(self.inner)
 
 
-def _root_store(mapping: Mapping, key: str) -> tuple[Any, str]:
-    """The storage behind accelerate's (possibly prefixed) weights map, and the key there."""
+def _root_store(mapping: Any, key: str) -> tuple[Any, str]:
+    """The storage behind accelerate's (possibly prefixed: ``PrefixedDataset``) weights map, and the key there."""
     while type(mapping).__name__ == "PrefixedDataset":
         key, mapping = mapping.prefix + key, mapping.dataset
     return mapping, key

@@ -65,8 +65,13 @@ def _describe(name: str, obs: AmaxObserver) -> str:
     return f"{name}: {type(obs).__name__}({obs.fmt.value}, axis={obs.axis}{settings})"
 
 
+def _state(obs: AmaxObserver) -> list[tuple[str, torch.Tensor]]:
+    """An observer's buffers in registration order (an observer registers no None buffer)."""
+    return [(name, buf) for name, buf in obs._buffers.items() if buf is not None]
+
+
 def _flat(observers: list[tuple[str, AmaxObserver]]) -> torch.Tensor:
-    parts = [buf.detach().reshape(-1).to("cpu", torch.float64) for _, obs in observers for buf in obs._buffers.values()]
+    parts = [buf.detach().reshape(-1).to("cpu", torch.float64) for _, obs in observers for _, buf in _state(obs)]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
@@ -163,8 +168,8 @@ def sync_observers(prepared: nn.Module, group: Any = None, *, allow_missing: boo
     gathered = [g.cpu() for g in gathered]
     offset = 0
     for _, obs in observers:
-        states = [{} for _ in gathered]
-        for buf_name, buf in obs._buffers.items():
+        states: list[dict[str, torch.Tensor]] = [{} for _ in gathered]
+        for buf_name, buf in _state(obs):
             for state, g in zip(states, gathered, strict=True):
                 state[buf_name] = g[offset: offset + buf.numel()].reshape(buf.shape)
             offset += buf.numel()

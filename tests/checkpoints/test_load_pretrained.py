@@ -44,7 +44,8 @@ def assert_same_converted(a, b, inputs) -> None:
         assert wa[n].transposed == wb[n].transposed
     sa, sb = _scale_buffers(a), _scale_buffers(b)
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-    stacked = lambda m: sorted(n for n, mod in m.named_modules() if tag_of(mod).stacked_after is not None)  # noqa: E731
+    stacked = lambda m: sorted(n for n, mod in m.named_modules()  # noqa: E731
+                               if getattr(tag_of(mod), "stacked_after", None) is not None)
     assert stacked(a) == stacked(b)
     hp_a = {k: v for k, v in a.state_dict().items() if "_auto_quant_state" not in k and v.dtype.is_floating_point
             and not k.endswith(("weight_scale",)) and v.dtype.itemsize > 1}
