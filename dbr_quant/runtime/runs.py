@@ -48,7 +48,7 @@ class ModelRecord:
     subgraphs: dict[int, Subgraph] = field(default_factory=dict)
     example: tuple[tuple, dict] | None = None  # prepare()'s example inputs: the default for the rewriter
     inspector: Any = None  # set by dbr_quant.inspect while a session runs: then forwards are InspectRuns
-    trace_run: Run | None = None  # prepare()'s TraceRun while it traces (api.py)
+    trace_run: Run | None = field(default=None, repr=False, compare=False)  # prepare()'s TraceRun while it traces
     calibration_lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
     observes_functions: bool = True  # whether calibration must see torch function calls (set by prepare)
     hessians: Any = None  # rounding.collect.HessianCollector when some op asks for GPTQ rounding (set by prepare)
