@@ -28,6 +28,7 @@ from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.cpu import backend as cpu_backend
 from dbr_quant.moe.experts import EXPERTS, MoeState
 from dbr_quant.ops.basic import stored_fp8_weight
+from dbr_quant.ops.tags import experts_of
 from dbr_quant.quantize.weights import FP8Weight
 
 hf_logging.set_verbosity_error()
@@ -235,7 +236,7 @@ def test_the_router_stays_high_precision(pipelines, name):
 
 
 def _experts_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if "_dbr_experts" in m.__dict__]
+    return [m for m in model.modules() if experts_of(m) is not None]
 
 
 @contextlib.contextmanager

@@ -50,6 +50,7 @@ from dbr_quant.checkpoints.safetensors_io import Entry, tensor_entry
 from dbr_quant.checkpoints.schemes import Scheme, quantization_config, scale_dtype, scheme
 from dbr_quant.formats import FP8Format
 from dbr_quant.ops.mappings import LINEAR, MATMUL, SDPA
+from dbr_quant.ops.tags import tag_of
 from dbr_quant.qconfig import QConfig
 from dbr_quant.quantize.weights import FP8Weight, fp8_weight_of
 from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
@@ -234,7 +235,7 @@ def build_plan(model: nn.Module) -> Plan:
             k, v = kv[fqn]
             entries += [tensor_entry(_join(fqn, "k_scale"), k, scale_dtype(k, _module_dtype(mod))),
                         tensor_entry(_join(fqn, "v_scale"), v, scale_dtype(v, _module_dtype(mod)))]
-        stacked_after = mod.__dict__.get("_dbr_stacked_after")
+        stacked_after = tag.stacked_after if (tag := tag_of(mod)) is not None else None
         if stacked_after is not None and w is not None:
             plan.stacked.append([names[id(stacked_after)], fqn])
         if entries:

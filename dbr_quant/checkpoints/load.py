@@ -31,6 +31,7 @@ from dbr_quant.checkpoints.safetensors_io import StoredTensor, read_header, read
 from dbr_quant.checkpoints.save import INDEX
 from dbr_quant.formats import FP8Format
 from dbr_quant.ops.mappings import LINEAR, SDPA, is_transposed_linear
+from dbr_quant.ops.tags import tag_of
 from dbr_quant.quantize.weights import fp8_weight_of
 from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
 
@@ -308,8 +309,8 @@ def _check_fp8_as_saved(converted: nn.Module, meta: dict[str, Any], states: list
             raise CheckpointError(f"'{fqn}': saved with weight block {_block(info)}, traced here with {traced}")
     experts.check_experts_as_saved(meta, states)
     names = {id(m): fqn for fqn, m in model_modules(converted)}
-    stacked = sorted([names[id(m.__dict__["_dbr_stacked_after"])], fqn] for fqn, m in model_modules(converted)
-                     if "_dbr_stacked_after" in m.__dict__)
+    stacked = sorted([names[id(tag.stacked_after)], fqn] for fqn, m in model_modules(converted)
+                     if (tag := tag_of(m)) is not None and tag.stacked_after is not None)
     if stacked != sorted(meta["stacked"]):
         raise CheckpointError(f"gate/up stacking differs from the saved model: saved {meta['stacked'][:3]}, now "
                               f"{stacked[:3]} (a dbr_quant version difference?)")

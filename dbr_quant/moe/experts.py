@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dbr_quant.observers import AmaxObserver
+from dbr_quant.ops.tags import TAG
 from dbr_quant.runtime.state import AutoQuantizationState, SeenOp, observer_key
 
 EXPERTS = "experts"  # the op kind of one 3-D expert tensor (a report row; not matched by the runtime)
@@ -150,7 +151,7 @@ def mark_experts(model: nn.Module) -> None:
     for mod in model.modules():
         spec = experts_spec(mod)
         if spec is not None:
-            mod.__dict__["_dbr_experts"] = spec
+            mod.__dict__[TAG].experts = spec
 
 
 def bind_call(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

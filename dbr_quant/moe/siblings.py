@@ -23,6 +23,7 @@ from torch import nn
 from dbr_quant.moe.experts import has_data, observer_of, widest_scale
 from dbr_quant.observers import AmaxObserver
 from dbr_quant.ops.mappings import is_container
+from dbr_quant.ops.tags import TAG, tag_of
 from dbr_quant.qconfig import QConfig
 from dbr_quant.runtime.state import AutoQuantizationState, SeenOp, observer_key
 
@@ -230,9 +231,10 @@ def _clone_member(model: nn.Module, run: TracedRecords, record: ModelRecord, gro
         run.states[model.get_submodule(sfqn)] = st
     # norm modules recognised by value in the reached expert: the same verdict for the sibling's
     for name, mod in model.get_submodule(tfqn).named_modules():
-        if "_dbr_norm" in mod.__dict__:
+        tag = tag_of(mod)
+        if tag is not None and tag.norm is not None:
             target = model.get_submodule(f"{fqn}.{name}" if name else fqn)
-            target.__dict__["_dbr_norm"] = mod.__dict__["_dbr_norm"]
+            target.__dict__[TAG].norm = tag.norm
 
 
 def _make_observer(op: SeenOp) -> nn.Module:

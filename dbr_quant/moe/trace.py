@@ -20,6 +20,7 @@ from torch import nn
 
 from dbr_quant.moe.experts import EXPERTS, ExpertsSpec, MoeState, bind_call
 from dbr_quant.ops.fusions import Event
+from dbr_quant.ops.tags import TAG, ModuleTag
 from dbr_quant.qconfig import OpQConfig, QConfig
 from dbr_quant.runtime.state import AutoQuantizationState, SeenOp, TensorInfo, observer_key
 
@@ -104,8 +105,10 @@ def _keep_high_precision(run: TracedRun, op: SeenOp) -> None:
 
 
 def _new_state(run: TracedRun, module: nn.Module, bound: Bound) -> MoeState:
-    spec: ExpertsSpec = module.__dict__["_dbr_experts"]
-    fqn = module.__dict__.get("_dbr_fqn", "")
+    tag: ModuleTag = module.__dict__[TAG]
+    spec = tag.experts
+    assert spec is not None, "trace_experts is called for recognised experts modules only"
+    fqn = tag.fqn or ""
     types = tuple(type(m) for m in run.stack) + (type(module),)
     qconfig = run.record.qconfig
     reason = spec.reason

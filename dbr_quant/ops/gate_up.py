@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from dbr_quant.ops.mappings import LINEAR
+from dbr_quant.ops.tags import TAG
 from dbr_quant.quantize.weights import attach_fp8_weight, fp8_weight_of
 from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
 
@@ -54,7 +55,7 @@ def stack_gate_up_weights(m: nn.Module, states: Sequence[AutoQuantizationState])
             continue
         if gw.qdata.is_meta or uw.qdata.is_meta:  # offloaded (integrations/accelerate.py): accelerate loads each
             if gw.scale.dim() == uw.scale.dim() == 1:  # separately, the fused GEMM concatenates the pair per call
-                up.__dict__["_dbr_stacked_after"] = gate
+                up.__dict__[TAG].stacked_after = gate
             continue
         n_gate, n_up = gw.qdata.shape[0], uw.qdata.shape[0]
         if gw.block is not None and n_gate != n_up:
@@ -67,4 +68,4 @@ def stack_gate_up_weights(m: nn.Module, states: Sequence[AutoQuantizationState])
             s, s_gate = torch.cat([gw.scale, uw.scale]), gw.scale.shape[0]
         attach_fp8_weight(gate, q[:n_gate], s[:s_gate], gw.dtype, block=gw.block, qconfig=gw.qconfig)
         attach_fp8_weight(up, q[n_gate:], s[s_gate:], uw.dtype, block=uw.block, qconfig=uw.qconfig)
-        up.__dict__["_dbr_stacked_after"] = gate
+        up.__dict__[TAG].stacked_after = gate

@@ -29,6 +29,7 @@ from dbr_quant.ops.mappings import (
     is_linear_module,
     is_passthrough,
 )
+from dbr_quant.ops.tags import TAG, mark_placeholder, tag_of
 from dbr_quant.runtime.interception import current_run, has_global_hooks, has_hooks, suspended
 from dbr_quant.runtime.plan import plan_of
 from dbr_quant.runtime.runs import HOOKED_BODY_FUNCS, Run, Subgraph
@@ -206,10 +207,11 @@ class ConvertRun(Run):
             out = self._linear_fast(module, d, args[0]) if role is _LINEAR else self._act_fast(module, args[0])
             if out is not NotImplemented:
                 return out
-        if role is _PLAIN and "_hf_hook" not in d and d.get("_dbr_experts") is None \
-                and not d.get("_dbr_norm") and not ((self.placeholders or self.resolved) and has_hooks(module)):
+        tag = d.get(TAG)
+        if role is _PLAIN and "_hf_hook" not in d and (tag is None or (tag.experts is None and not tag.norm)) \
+                and not ((self.placeholders or self.resolved) and has_hooks(module)):
             return self.call_module(module, args, kwargs)  # the common case, decided by a few dict lookups
-        if "_hf_hook" in d and (is_linear_module(module) or d.get("_dbr_norm")) and not has_hooks(module):
+        if "_hf_hook" in d and (is_linear_module(module) or (tag is not None and tag.norm)) and not has_hooks(module):
             # accelerate (offload.py) loads weights in the forward wrapper that the FP8 path bypasses: load
             # them here and keep them until no pending fused subgraph can still read them
             args, kwargs = offload.onload(module, args, kwargs)
@@ -229,7 +231,7 @@ class ConvertRun(Run):
         st = self.owners[-1]
         if st is None:
             return NotImplemented
-        plan = st.__dict__.get("_dbr_plan")
+        plan = st.plan
         if plan is None or plan.subgraphs is not self.subgraphs:
             plan = plan_of(st, self.subgraphs)
         key = id(st)
@@ -238,7 +240,8 @@ class ConvertRun(Run):
         if i >= len(steps):
             return NotImplemented
         step = steps[i]
-        if step.kind != LINEAR or step.fqn != d.get("_dbr_fqn"):  # == on the same str object is an identity check
+        tag = d.get(TAG)
+        if step.kind != LINEAR or tag is None or step.fqn != tag.fqn:  # == on the same str is an identity check
             return NotImplemented
         hit = None
         if self.placeholders or self.resolved:
@@ -301,7 +304,8 @@ class ConvertRun(Run):
                 return self._hooked_linear_call(module, args, kwargs)
             with suspended(self):  # our own torch calls below are not the model's
                 return self._linear_call(module, args, kwargs)
-        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe/
+        tag = tag_of(module)
+        if tag is not None and tag.experts is not None:  # MoE experts module, called as one op: moe/
             if self.placeholders or self.resolved:  # a pending subgraph's output feeds it: finish that first
                 with suspended(self):
                     args, kwargs = self._resolve_all(*self._scan(args, kwargs))
@@ -319,7 +323,7 @@ class ConvertRun(Run):
             if p is not None and len(p.calls) < len(kinds) and kinds[len(p.calls)] == ACT:
                 with suspended(self):
                     return self._step(p, Call(ACT, func, args, kw))
-        if module.__dict__.get("_dbr_norm") and not has_hooks(module) and len(args) == 1 and not kwargs:
+        if tag is not None and tag.norm and not has_hooks(module) and len(args) == 1 and not kwargs:
             with suspended(self):
                 return self._norm_module_call(module, args)
         if (self.placeholders or self.resolved) and has_hooks(module):
@@ -416,9 +420,7 @@ def _placeholder_tensor(i: int) -> torch.Tensor:
     if len(tensors) <= i:
         with _DisableTorchFunction():  # not a call of the model's
             while len(tensors) <= i:
-                ph = torch.empty(0, device="meta")
-                ph._dbr_placeholder = True
-                tensors.append(ph)
+                tensors.append(mark_placeholder(torch.empty(0, device="meta")))
     return tensors[i]
 
 

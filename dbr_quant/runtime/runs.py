@@ -22,6 +22,7 @@ from dbr_quant.moe.call import ExpertsInspector, call_with_hooks, experts_forwar
 from dbr_quant.ops.basic import PER_TOKEN_SLOTS, Call, linear_hp_weight, stored_fp8_weight
 from dbr_quant.ops.fusions import Fusion
 from dbr_quant.ops.mappings import FUNC_KINDS, INDEXED, LINEAR, MATMUL, SDPA, call_kind, is_linear_module
+from dbr_quant.ops.tags import TAG, experts_of, fqn_of, tag_of
 from dbr_quant.runtime.interception import has_hooks, has_pre_hooks, original_call, routing_functions, suspended
 from dbr_quant.runtime.state import AutoQuantizationState, SeenOp, observer_key
 
@@ -47,6 +48,7 @@ class ModelRecord:
     subgraphs: dict[int, Subgraph] = field(default_factory=dict)
     example: tuple[tuple, dict] | None = None  # prepare()'s example inputs: the default for the rewriter
     inspector: Any = None  # set by dbr_quant.inspect while a session runs: then forwards are InspectRuns
+    trace_run: Run | None = field(default=None, repr=False, compare=False)  # prepare()'s TraceRun while it traces
     calibration_lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
     observes_functions: bool = True  # whether calibration must see torch function calls (set by prepare)
     hessians: Any = None  # rounding.collect.HessianCollector when some op asks for GPTQ rounding (set by prepare)
@@ -65,10 +67,6 @@ class ModelRecord:
 def state_of(module: nn.Module) -> AutoQuantizationState | None:
     st = module.__dict__.get("_auto_quant_state")
     return st if st is not None else module._modules.get("_auto_quant_state")
-
-
-def fqn_of(module: nn.Module) -> str | None:
-    return module.__dict__.get("_dbr_fqn")
 
 
 class Run:
@@ -125,7 +123,8 @@ class Run:
     def owner(self) -> nn.Module:
         """The innermost module on the stack that owns records (a non-leaf module of the model, or root)."""
         for m in reversed(self.stack):
-            if m.__dict__.get("_dbr_owner"):
+            tag = tag_of(m)
+            if tag is not None and tag.owner:
                 return m
         return self.root
 
@@ -165,7 +164,8 @@ class Run:
     def call_module(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         self.stack.append(module)
         d = module.__dict__
-        owns = d.get("_dbr_owner", False)
+        tag = d.get(TAG)
+        owns = tag is not None and tag.owner
         if owns:
             self.owners.append(state_of(module))
         try:
@@ -198,10 +198,10 @@ class Run:
         forward = d.get("forward")
         if forward is None:
             return type(module).forward.__get__(module)
-        root = getattr(forward, "_dbr_root", None)
-        if root is None or root.__dict__.get("_dbr_record") is not self.record:
-            return None
-        return d.get("_dbr_inner_forward") or type(module).forward.__get__(module)
+        tag = d.get(TAG)
+        if tag is None or forward is not tag.entry_forward or forward.args[0] is not self.root:
+            return None  # another wrapper (accelerate's, added after prepare), or the entry of another model
+        return tag.inner_forward or type(module).forward.__get__(module)
 
     def begin(self) -> None:
         pass
@@ -250,7 +250,7 @@ class CalibrateRun(Run):
             with suspended(self):
                 self._observe(LINEAR, args, kwargs, module)
                 return original_call(module, *args, **kwargs)
-        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe/
+        if experts_of(module) is not None:  # MoE experts module, called as one op: moe/
             return self.experts_call(module, args, kwargs, "calibrate")
         return self.call_module(module, args, kwargs)
 
@@ -309,7 +309,7 @@ class InspectRun(Run):
         return func(*args, **kwargs)
 
     def module_call(self, module, args, kwargs):
-        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe/
+        if experts_of(module) is not None:  # MoE experts module, called as one op: moe/
             return self.experts_call(module, args, kwargs, "convert" if self.record.phase == "converted" else "hp",
                                      self.inspector)
         if not is_linear_module(module):

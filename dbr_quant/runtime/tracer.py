@@ -43,6 +43,7 @@ from dbr_quant.ops.mappings import (
     linear_weight,
     rms_norm_module_eps,
 )
+from dbr_quant.ops.tags import TAG, ModuleTag, experts_of, fqn_of, tag_of
 from dbr_quant.runtime.interception import has_hooks, original_call, suspended
 from dbr_quant.runtime.param_weights import ParamUses, param_ref, weight_operand
 from dbr_quant.runtime.precision import ParamReads, skip_reason, tie_reason, tied_names
@@ -102,7 +103,7 @@ class TraceRun(Run):
         owner = self.owner()
         st = self.states.get(owner)
         if st is None:
-            st = self.states[owner] = AutoQuantizationState(owner.__dict__.get("_dbr_fqn", ""))
+            st = self.states[owner] = AutoQuantizationState(fqn_of(owner) or "")
         return st
 
     def _record(self, kind: str | None, func: Any, args: tuple, kwargs: dict, out: Any,
@@ -163,7 +164,7 @@ class TraceRun(Run):
             target=type(module).__name__ if module is not None else getattr(func, "__name__", str(func)),
             inputs=inputs, outputs=tuple(self.info(t) for t in tensor_leaves(out)),
             qconfig=qc, quantize=quantize, reason=reason, slots=SLOTS.get(kind, ()) if quantize else (),
-            weight_owner=fqn if module is not None and module.__dict__.get("_dbr_fqn") is not None else None,
+            weight_owner=fqn if module is not None and fqn_of(module) is not None else None,
             weight_param=ref,
         )
 
@@ -192,7 +193,7 @@ class TraceRun(Run):
                 if has_hooks(module):
                     self._escape((x, out))
             return out
-        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe/
+        if experts_of(module) is not None:  # MoE experts module, called as one op: moe/
             with suspended(self):
                 out = self._call_unrecorded(module, args, kwargs)
                 self._record(None, module, args, kwargs, out)  # an opaque op: its inputs have a consumer
@@ -237,7 +238,10 @@ class TraceRun(Run):
                 with onloaded(module):  # accelerate-offloaded: the weight is on meta outside the forward
                     ref = F.rms_norm(x.float(), x.shape[-1:], module.weight.float(), rms_norm_module_eps(module))
                 ok = torch.allclose(out.float(), ref.to(out.device), rtol=1e-4, atol=1e-5)
-            module.__dict__["_dbr_norm"] = ok
+            tag = tag_of(module)
+            if tag is None:  # a module outside the model's tree (e.g. in a plain list): it keeps the verdict too
+                tag = module.__dict__[TAG] = ModuleTag(None, owner=False)
+            tag.norm = ok
             self._record(NORM if ok else None, module, (x,), {}, out, module if ok else None)
         return out
 

@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import dbr_quant as dq
 from dbr_quant.checkpoints import CheckpointError
+from dbr_quant.ops.tags import tag_of
 from dbr_quant.quantize.weights import fp8_weight_of
 
 
@@ -43,7 +44,8 @@ def assert_same_converted(a, b, inputs) -> None:
         assert wa[n].transposed == wb[n].transposed
     sa, sb = _scale_buffers(a), _scale_buffers(b)
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-    stacked = lambda m: sorted(n for n, mod in m.named_modules() if "_dbr_stacked_after" in mod.__dict__)  # noqa: E731
+    stacked = lambda m: sorted(n for n, mod in m.named_modules()  # noqa: E731
+                               if getattr(tag_of(mod), "stacked_after", None) is not None)
     assert stacked(a) == stacked(b)
     hp_a = {k: v for k, v in a.state_dict().items() if "_auto_quant_state" not in k and v.dtype.is_floating_point
             and not k.endswith(("weight_scale",)) and v.dtype.itemsize > 1}
