@@ -1,6 +1,6 @@
 """``dbr_quant::fp8_moe_experts``: a converted MoE experts module's whole computation as one graph node.
 
-An experts call (``moe.py``) routes tokens to experts: how many rows each expert gets depends on the
+An experts call (``moe/experts.py``) routes tokens to experts: how many rows each expert gets depends on the
 data. In a graph that would mean data-dependent shapes (``nonzero``, a Python loop over the experts hit),
 which ``torch.export`` and ``torch.compile(fullgraph=True)`` cannot take without unbacked sizes. So the
 routing plan (``kernels.moe_route``) is built *inside* the op: its inputs and output have static shapes
@@ -17,7 +17,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dbr_quant.formats import FP8Format
+from dbr_quant.fx_rewriter.lowering import ensure_lowerings
 from dbr_quant.fx_rewriter.oplib import define
+from dbr_quant.moe.experts import fp8_experts_compute
 
 
 @define("fp8_moe_experts")
@@ -28,9 +31,6 @@ def fp8_moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13_q: Te
     """x [T, H], topk_ids / topk_weights [T, k], w13_q [E, N1, H], w2_q [E, H_out, I] → [T, H_out].
     Static activation scales when ``x_scale`` and ``h_scale`` are given, else dynamic (``per_token``, or per
     token-group with ``group``). ``block``: block-scaled weights (scales [E, ⌈N/bn⌉, ⌈K/bk⌉])."""
-    from dbr_quant.formats import FP8Format
-    from dbr_quant.moe.experts import fp8_experts_compute
-
     return fp8_experts_compute(x, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale, x_scale, h_scale,
                                bias13, bias2, activation=activation, fmt=FP8Format.parse(fmt),
                                per_token=per_token, out_dtype=out_dtype,
@@ -40,9 +40,7 @@ def fp8_moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13_q: Te
 @fp8_moe_experts.register_fake
 def _(x, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale, x_scale, h_scale, bias13, bias2, activation,
       fmt, per_token, out_dtype, block=None, group=False):
-    from dbr_quant.fx_rewriter.ops import _ensure_lowerings
-
-    _ensure_lowerings()
+    ensure_lowerings()
     torch._check(topk_ids.shape[0] == x.shape[0], lambda: "fp8_moe_experts: topk_ids must have one row per token")
     return x.new_empty((x.shape[0], w2_q.shape[1]), dtype=out_dtype)
 
