@@ -81,7 +81,8 @@ def _entry_point(op: KernelOp[F]) -> F:
     """``op``'s public function, with its declaration's signature and docstring: while a graph is captured the
     graph op; else count the launches and run the backend's implementation (``op.launch`` on it, for an op
     that is several calls), or the reference everywhere for an op without a Triton kernel (an error on the
-    other backends where ``op.without_triton`` says why)."""
+    other backends where ``op.without_triton`` says why). The body reads this module's ``_settings``,
+    ``_graph_op``, ``_impl`` and ``record_launch`` at call time, as a hand-written entry point would."""
     args = call_arguments(op.parameters)
     body = ["if (ops := _settings.graph_ops) is not None:",
             f"    return _graph_op(ops, {op.name!r})({args})"]
@@ -89,17 +90,20 @@ def _entry_point(op: KernelOp[F]) -> F:
         body += [f"if _impl({op.device}, _reference) is not _reference:",
                  "    raise NotImplementedError(_without_triton)"]
     body += ["if _settings.counters:", *(f"    record_launch({name!r})" for name in op.launches)]
+    backend = f"_impl({op.device}, _reference)"
+    if op.more_launches is not None:
+        body += [f"_backend = {backend}", "if _settings.counters:",
+                 f"    _more_launches(_backend, {', '.join(op.hook_arguments(op.more_launches))})"]
+        backend = "_backend"
     if op.launch is not None:
-        body.append(f"return _launch(_impl({op.device}, _reference), {call_arguments(op.parameters, positional=True)})")
+        body.append(f"return _launch({backend}, {', '.join(op.hook_arguments(op.launch))})")
     elif op.triton is not None:
-        body.append(f"return _impl({op.device}, _reference).{op.name}({args})")
+        body.append(f"return {backend}.{op.name}({args})")
     else:
         body.append(f"return _reference.{op.name}({args})")
-    bound: dict[str, Any] = {"_reference": op.reference}
-    if op.launch is not None:
-        bound["_launch"] = op.launch
-    if op.without_triton:
-        bound["_without_triton"] = op.without_triton
+    bound = {"_reference": op.reference, "_launch": op.launch, "_more_launches": op.more_launches,
+             "_without_triton": op.without_triton or None}
+    bound = {name: value for name, value in bound.items() if value is not None}  # only what the body reads
     return cast(F, build_function(op.name, op.parameters, body, module_globals=globals(), bound=bound, doc=op.doc,
                                   annotations=op.declaration.__annotations__))
 

@@ -49,7 +49,9 @@ class KernelOp(Generic[F]):
     backends cannot run the op (an error raised on them), or is empty: the reference runs on every backend.
     ``device``: the parameter whose tensor's device picks the backend (default: the first).
     ``launch``: for an op that is more than one call of the backend's function of its name (``fp8_mlp``: two
-    GEMMs), ``launch(backend_module, *arguments)`` in the declaration's parameter order runs it.
+    GEMMs), runs it. ``more_launches``: for an op whose launch count depends on its arguments, records the
+    launches beyond ``launches`` (called only while launches are counted). Both are called with the backend
+    module, then the op's arguments that their further parameters name (:meth:`hook_arguments`).
     """
 
     declaration: F
@@ -59,12 +61,25 @@ class KernelOp(Generic[F]):
     without_triton: str = ""
     device: str = ""
     launch: Callable[..., Any] | None = None
+    more_launches: Callable[..., None] | None = None
 
     def __post_init__(self) -> None:
         if not self.device:
             object.__setattr__(self, "device", self.parameters[0].name)
         if self.device not in self.signature.parameters:
             raise TypeError(f"dbr_quant.kernels.{self.name}: device={self.device!r} is not one of its parameters")
+        for hook in (self.launch, self.more_launches):
+            if hook is not None:
+                self.hook_arguments(hook)
+
+    def hook_arguments(self, hook: Callable[..., Any]) -> list[str]:
+        """The op's arguments that ``hook``'s parameters after the first (the backend module) name."""
+        names = list(inspect.signature(hook).parameters)[1:]
+        unknown = [n for n in names if n not in self.signature.parameters]
+        if unknown:
+            raise TypeError(f"dbr_quant.kernels.{self.name}: {hook.__name__} takes {unknown}, which are not "
+                            f"parameters of {self.name}; name its parameters after the op's")
+        return names
 
     @property
     def name(self) -> str:
@@ -85,13 +100,14 @@ class KernelOp(Generic[F]):
 
 def kernel_op(*, launches: str | tuple[str, ...], reference: ModuleType, triton: TritonKernel | None = None,
               without_triton: str = "", device: str = "",
-              launch: Callable[..., Any] | None = None) -> Callable[[F], KernelOp[F]]:
+              launch: Callable[..., Any] | None = None,
+              more_launches: Callable[..., None] | None = None) -> Callable[[F], KernelOp[F]]:
     """``@kernel_op(launches="quantize", reference=dense, triton=TritonKernel("quantize"))`` over a kernel's
     declaration (see the module docstring): the :class:`KernelOp`."""
     counters = (launches,) if isinstance(launches, str) else launches
 
     def declare(declaration: F) -> KernelOp[F]:
-        return KernelOp(declaration, counters, reference, triton, without_triton, device, launch)
+        return KernelOp(declaration, counters, reference, triton, without_triton, device, launch, more_launches)
 
     return declare
 

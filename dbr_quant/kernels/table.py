@@ -14,6 +14,7 @@ that has no graph form (``MoeRouting``) has no graph op.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -94,7 +95,7 @@ def fp8_linear(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, *, bi
     return _linear_output(x_q, w_q, activation, out_dtype, out_scale, out_fmt)
 
 
-def _two_linears(impl: Any, x_q: Tensor, x_scale: Tensor, w1_q: Tensor, w1_scale: Tensor, b1: Tensor | None,
+def _two_linears(impl: ModuleType, x_q: Tensor, x_scale: Tensor, w1_q: Tensor, w1_scale: Tensor, b1: Tensor | None,
                  activation: str | None, h_scale: Tensor, h_fmt: FP8Format, w2_q: Tensor, w2_scale: Tensor,
                  b2: Tensor | None, residual: Tensor | None, out_dtype: torch.dtype) -> Tensor:
     """fp8_mlp's launches: both GEMMs on one backend (``h`` lives where ``x_q`` does)."""
@@ -147,21 +148,14 @@ def moe_quantize(x: Tensor, x_scale: Tensor, routing: MoeRouting, fmt: FP8Format
     return x.new_empty((routing.num_rows, x.shape[-1]), dtype=fmt.dtype)
 
 
-def _grouped_linear_and_combine(impl: Any, x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor,
-                                routing: MoeRouting, x_sorted: bool, bias: Tensor | None, activation: str | None,
-                                out_dtype: torch.dtype, out_scale: Tensor | None, out_fmt: FP8Format,
-                                topk_weights: Tensor | None, deterministic: bool) -> Tensor:
-    """fp8_grouped_linear's launches: the Triton path's fixed-order combine is a launch of its own (the
-    reference's is part of its loop)."""
+def _combine_launch(impl: ModuleType, routing: MoeRouting, topk_weights: Tensor | None, deterministic: bool) -> None:
+    """The Triton path's fixed-order combine is a launch of its own (the reference's is part of its loop)."""
     if impl is not reference_grouped and deterministic and topk_weights is not None and routing.top_k > 1:
         record_launch("moe_sum")
-    return impl.fp8_grouped_linear(x_q, x_scale, w_q, w_scale, routing, x_sorted=x_sorted, bias=bias,
-                                   activation=activation, out_dtype=out_dtype, out_scale=out_scale, out_fmt=out_fmt,
-                                   topk_weights=topk_weights, deterministic=deterministic)
 
 
 @kernel_op(launches="fp8_grouped_linear", reference=reference_grouped, triton=TritonKernel("grouped_gemm"),
-           launch=_grouped_linear_and_combine)
+           more_launches=_combine_launch)
 def fp8_grouped_linear(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, routing: MoeRouting, *,
                        x_sorted: bool = False, bias: Tensor | None = None, activation: str | None = None,
                        out_dtype: torch.dtype = torch.float32, out_scale: Tensor | None = None,
