@@ -35,7 +35,8 @@ def test_blocks_equal_the_whole_weight(observer, granularity, fmt, n, k, block, 
     if transposed:  # Hugging Face Conv1D: the [out, in] weight is a transposed view
         w = w.t().contiguous().t()
     cfg = dq.TensorQConfig(format=fmt, observer=observer, granularity=granularity)
-    q, scale = quantize_weight(w, cfg, block_elements=block)
+    quantized = quantize_weight(w, cfg, block_elements=block)
+    q, scale = quantized.qdata, quantized.scale
     q_ref, scale_ref = _whole(w, cfg)
     assert torch.equal(scale, scale_ref)
     assert q.dtype == fmt.dtype and q.is_contiguous() and q.shape == w.shape
@@ -46,6 +47,7 @@ def test_blocks_equal_the_whole_weight(observer, granularity, fmt, n, k, block, 
 def test_default_block_size_on_a_large_weight(granularity):
     w = torch.randn(600, 1000) * 3
     cfg = dq.TensorQConfig(observer=dq.RunningMax(), granularity=granularity)
-    q, scale = quantize_weight(w, cfg)  # 3 blocks of 262 rows
+    quantized = quantize_weight(w, cfg)  # 3 blocks of 262 rows
+    q, scale = quantized.qdata, quantized.scale
     q_ref, scale_ref = _whole(w, cfg)
     assert torch.equal(scale, scale_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))

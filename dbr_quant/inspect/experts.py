@@ -14,19 +14,23 @@ is not supported for expert tensors.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dbr_quant import kernels
-from dbr_quant.inspect.features import Feature, Quantized, TensorContext
-from dbr_quant.inspect.inspector import feature_pass
+from dbr_quant.inspect.features import Feature, Quantized, TensorContext, feature_pass
+from dbr_quant.inspect.layers import model_record, named_ops
 from dbr_quant.moe.experts import MoeState, _expert_key, _flat, expert_scales
-from dbr_quant.quantize.weight_quantization import quantize_experts
+from dbr_quant.moe.siblings import ExpertState
+from dbr_quant.quantize.weight_quantization import quantize_weight
 from dbr_quant.quantize.weights import FP8Weight
 from dbr_quant.runtime.state import observer_key
+
+if TYPE_CHECKING:  # the inspector calls run_experts with itself
+    from dbr_quant.inspect.inspector import Inspector
 
 
 def experts_flops(op: Any) -> int:
@@ -46,9 +50,6 @@ def sibling_expert_flops(model: nn.Module, flops: dict[str, int]) -> dict[str, i
     expert's record is a copy of a reached one's, shapes included. Each layer of a sibling group gets the
     group's traced FLOPs (over the reached experts: the rows really routed, top_k per token) divided by the
     number of experts — its share under uniform routing; the group's total stays what the trace computed."""
-    from dbr_quant.inspect.inspector import model_record, named_ops
-    from dbr_quant.moe.siblings import ExpertState
-
     names = {id(op): n for n, op in named_ops(model)}
     groups: dict[tuple, list[tuple[str, bool]]] = {}
     for st in model_record(model).states:
@@ -64,7 +65,7 @@ def sibling_expert_flops(model: nn.Module, flops: dict[str, int]) -> dict[str, i
     return out
 
 
-def run_experts(inspector: Any, module: nn.Module, st: MoeState, x: torch.Tensor, ids: torch.Tensor,
+def run_experts(inspector: Inspector, module: nn.Module, st: MoeState, x: torch.Tensor, ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
     """One experts call inside an inspect session (see the module docstring)."""
     spec = st.spec
@@ -81,7 +82,7 @@ def run_experts(inspector: Any, module: nn.Module, st: MoeState, x: torch.Tensor
     return out.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
-def _projection(inspector: Any, module: nn.Module, st: MoeState, op: Any, rows: torch.Tensor, routing: Any,
+def _projection(inspector: Inspector, module: nn.Module, st: MoeState, op: Any, rows: torch.Tensor, routing: Any,
                 offsets: list[int]) -> torch.Tensor:
     name = inspector.names.get(id(op))
     features: tuple[Feature, ...] = (inspector.plan.get(name) or ()) if name is not None else ()
@@ -161,16 +162,10 @@ def _static_scale(st: MoeState, op: Any, index: int) -> torch.Tensor:
 def _quantize_weight(st: MoeState, op: Any, param: torch.Tensor, w: torch.Tensor | None) -> Quantized:
     """The stored FP8 weight (converted, ``w`` None), or ``w`` [E, N, K] quantized as convert does."""
     cfg = op.qconfig.weight
-    if w is None and type(param) is FP8Weight and param.block is not None:
-        return Quantized(param.qdata, param.scale, cfg.format, block=param.block)
     if w is None and type(param) is FP8Weight:
-        return Quantized(param.qdata, param.scale.unsqueeze(-1), cfg.format)
-    if w is None:
-        w = _hp_weight(param, st.spec.transposed)
-    q, scale = quantize_experts(w, cfg)  # as convert stores it
-    if cfg.granularity == "block":
-        return Quantized(q, scale, cfg.format, block=cfg.block)
-    return Quantized(q, scale.unsqueeze(-1).to(w.device), cfg.format)
+        return Quantized.weight(param.qdata, param.scale, cfg.format, param.block)
+    quantized = quantize_weight(_hp_weight(param, st.spec.transposed) if w is None else w, cfg)
+    return Quantized.weight(quantized.qdata, quantized.scale, cfg.format, quantized.block)
 
 
 def _gemm(x: dict[str, torch.Tensor], q: dict[str, Quantized] | None, offsets: list[int],

@@ -1,6 +1,6 @@
 """The object dbr_quant's ``InspectRun`` calls for every recorded quantized op: ``execute(call, env)``.
 
-Layers without features run exactly as convert would (``basic_ops.run_basic``). Layers with features
+Layers without features run exactly as convert would (``ops.basic.run_basic``). Layers with features
 run through :meth:`Inspector._run`: hooks per tensor, then the GEMM in FP8 (same kernels) or in high
 precision. Weights are quantized once per layer and setting and cached for the inspector's lifetime
 (on a prepared model with the weight observer convert would use; on a converted model the stored FP8
@@ -9,9 +9,8 @@ weight is used unless ``Scaling`` changes it, then the dequantized weight is re-
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -20,99 +19,18 @@ from torch import nn
 
 from dbr_quant import kernels
 from dbr_quant.formats import safe_scale
-from dbr_quant.inspect.features import Feature, LayerInfo, Quantized, TensorContext
-from dbr_quant.moe.experts import EXPERTS
-from dbr_quant.ops.basic import Call, linear_hp_weight, linear_operands, run_basic, sdpa_arguments, stored_fp8_weight
-from dbr_quant.ops.mappings import LINEAR, MATMUL, QUANTIZEABLE
+from dbr_quant.inspect.experts import run_experts
+from dbr_quant.inspect.features import Feature, LayerInfo, Quantized, Quantizer, TensorContext, feature_pass
+from dbr_quant.inspect.layers import RecordedLayer
+from dbr_quant.moe.experts import MoeState
+from dbr_quant.ops.basic import Call, linear_hp_weight, linear_operands, run_basic, sdpa_arguments
+from dbr_quant.ops.mappings import LINEAR, MATMUL
 from dbr_quant.qconfig import TensorQConfig
+from dbr_quant.quantize.weight_quantization import quantize_weight
 from dbr_quant.quantize.weights import fp8_weight_of
-from dbr_quant.runtime.runs import ModelRecord, observed_inputs
-from dbr_quant.runtime.state import SeenOp
+from dbr_quant.runtime.runs import observed_inputs
 
 LogSink = Callable[[int, str, str, str, float], None]  # step, layer, tensor, stat, value
-
-
-def model_record(model: nn.Module) -> ModelRecord:
-    record = model.__dict__.get("_dbr_record") if isinstance(model, nn.Module) else None
-    if record is None or record.phase not in ("prepared", "converted"):
-        raise TypeError("dbr_quant.inspect needs a model returned by dbr_quant.prepare() (calibrated) or convert()")
-    return record
-
-
-def feature_pass(features: list, ctx: TensorContext | None, t: torch.Tensor, is_weight: bool, want_q: bool,
-                 fp8: bool, quantize) -> tuple[torch.Tensor, Quantized | None]:
-    """One input tensor of a layer through the features: log it, let them process it, and when asked
-    quantize it (what FP8 would compute: a high-precision layer is measured on what FP8 would do) and let
-    them process and log the quantized form. Returns (processed tensor, quantized or None). ``ctx`` may be
-    None only without features."""
-    for f in features:
-        f.log_tensor(ctx, t)
-    p = t
-    for f in features:
-        p = f.process_tensor(ctx, p)
-    if not want_q:
-        return p, None
-    src = p if fp8 else t
-    q = quantize(None) if (is_weight and src is t) else quantize(src)
-    if fp8:
-        for f in features:
-            q = f.process_quantized(ctx, q)
-    for f in features:
-        f.log_quantized(ctx, src, q)
-    return p, q
-
-
-@dataclass(frozen=True)
-class RecordedLayer:
-    """A recorded quantized op under its layer name: the op's fqn, with ``#k`` appended to the k-th repeat
-    of an fqn (e.g. two matmuls in one forward: ``attn.matmul``, ``attn.matmul#1``)."""
-
-    info: LayerInfo
-    module_types: tuple[str, ...]  # class names of its module and that module's bases (for module_type)
-    op: SeenOp
-
-
-def named_ops(model: nn.Module) -> list[tuple[str, SeenOp]]:
-    """Every recorded GEMM op (linear, matmul, sdpa, MoE experts; quantized or not) with its unique layer name."""
-    count: dict[str, int] = {}
-    out = []
-    for st in model_record(model).states:
-        for op in st.seen_ops:
-            if op.kind in QUANTIZEABLE or op.kind == EXPERTS:  # each 3-D expert tensor: a layer (experts.py)
-                k = count[op.fqn] = count.get(op.fqn, -1) + 1
-                out.append((op.fqn if k == 0 else f"{op.fqn}#{k}", op))
-    return out
-
-
-def recorded_layers(model: nn.Module) -> dict[str, RecordedLayer]:
-    """The recorded ops that run in FP8 (``op.quantize``), by layer name, in call order."""
-    record = model_record(model)
-    owners = {id(op): st.fqn for st in record.states for op in st.seen_ops}
-    out: dict[str, RecordedLayer] = {}
-    for name, op in named_ops(model):
-        if not op.quantize:
-            continue
-        owner = op.weight_owner if op.weight_owner is not None else owners[id(op)]
-        try:
-            mod = model.get_submodule(owner)
-        except AttributeError:
-            mod = model
-        names = tuple(c.__name__ for c in type(mod).__mro__ if c not in (object, nn.Module))
-        out[name] = RecordedLayer(LayerInfo(name, op.kind, type(mod).__name__, op.qconfig), names, op)
-    return out
-
-
-@contextmanager
-def attached(model: nn.Module, inspector: Any) -> Iterator[None]:
-    """Route the model's forwards through ``inspector`` inside the block (always detached after)."""
-    record = model_record(model)
-    if record.inspector is not None:
-        raise RuntimeError("this model is already being inspected (one session at a time)")
-    record.inspector = inspector
-    try:
-        yield
-    finally:
-        record.inspector = None
 
 
 class Inspector:
@@ -138,11 +56,9 @@ class Inspector:
             return run_basic(call, env)
         return self._run(call, env, features, self.layers[name])
 
-    def experts(self, module: nn.Module, st: Any, x: torch.Tensor, ids: torch.Tensor,
+    def experts(self, module: nn.Module, st: MoeState, x: torch.Tensor, ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
         """An MoE experts module's call (from ``moe.experts_call``): each expert tensor is a layer."""
-        from dbr_quant.inspect.experts import run_experts
-
         return run_experts(self, module, st, x, ids, weights)
 
     # ------------------------------------------------------------------ the per-layer pipeline
@@ -187,12 +103,14 @@ class Inspector:
         return cfg
 
     # ------------------------------------------------------------------ quantization
-    def _quantizer(self, call: Call, env: Any, name: str, cfg: TensorQConfig, t: torch.Tensor
-                   ) -> Callable[[torch.Tensor | None], Quantized]:
+    def _quantizer(self, call: Call, env: Any, name: str, cfg: TensorQConfig, t: torch.Tensor) -> Quantizer:
         """quantize(x) with this tensor's scale; quantize(None) on a weight gives the cached FP8 weight."""
         if name == "weight":
             def weight(x: torch.Tensor | None) -> Quantized:
-                return self._fp8_weight(call, cfg, env) if x is None or x is t else _quantize_weight(x, cfg)
+                if x is None or x is t:
+                    return self._fp8_weight(call, cfg, env)
+                quantized = quantize_weight(x.detach(), cfg)  # a feature's processed weight, as convert would
+                return Quantized.weight(quantized.qdata, quantized.scale, cfg.format, quantized.block)
             return weight
         op_cfg = call.op.qconfig.activation
 
@@ -217,23 +135,20 @@ class Inspector:
         key = (id(call.op), cfg) if m is not None else None
         if key is not None and key in self._weights:
             return self._weights[key]
-        stored = stored_fp8_weight(m) if m is not None else None
+        stored = fp8_weight_of(m) if m is not None else None
         if stored is not None and cfg == call.op.qconfig.weight:
-            w_q, s = stored  # a module's own rows also when convert stacked a gated pair
-            block = fp8_weight_of(m).block
-            q = (Quantized(w_q, s, cfg.format, block=block) if block is not None
-                 else Quantized(w_q, s.unsqueeze(-1) if s.dim() else s, cfg.format))
+            # a module's own rows also when convert stacked a gated pair
+            q = Quantized.weight(stored.qdata, stored.scale, cfg.format, stored.block)
         else:
             w = linear_hp_weight(m)[0] if m is not None else linear_operands(call)[1]
-            q = _quantize_weight(w.detach(), cfg)
             hessians = getattr(getattr(env, "record", None), "hessians", None)
+            rounding = None
             if stored is None and hessians is not None and cfg == call.op.qconfig.weight \
                     and hessians.wants(call.op) and hessians.has_data(call.op.weight_owner):
                 # a prepared model whose convert will round with GPTQ: measure that rounding, not nearest
-                scale = q.scale.reshape(-1) if q.scale.dim() else q.scale
-                data = hessians.round(call.op.weight_owner, type(m).__name__, w.detach(), cfg, scale, q.data,
-                                      keep=True)
-                q = Quantized(data, q.scale, cfg.format)
+                rounding = functools.partial(hessians.round, call.op.weight_owner, type(m).__name__, keep=True)
+            quantized = quantize_weight(w.detach(), cfg, rounding=rounding)
+            q = Quantized.weight(quantized.qdata, quantized.scale, cfg.format, quantized.block)
         if key is not None:
             self._weights[key] = q
         return q
@@ -281,20 +196,6 @@ def _group_scale(q: Quantized, group: int) -> torch.Tensor:
     s = q.scale.float()
     s = s.reshape(*q.data.shape[:-1], 1) if s.numel() > 1 else s.reshape([1] * q.data.dim())
     return s.expand(*q.data.shape[:-1], groups).contiguous()
-
-
-def _quantize_weight(w: torch.Tensor, cfg: TensorQConfig) -> Quantized:
-    """As convert() does it: the weight observer of ``cfg`` (per output channel or per tensor), or the block
-    scales (each block's amax / fmt.max)."""
-    if cfg.granularity == "block":
-        q, scale = kernels.block_quantize_weight(w.detach(), cfg.block, cfg.format)
-        return Quantized(q, scale, cfg.format, block=cfg.block)
-    per_channel = cfg.granularity == "channel"
-    observer = cfg.observer.create(cfg.format, 0 if per_channel else None)
-    observer(w.detach())
-    scale = observer.scale().to(w.device)
-    scale = scale.unsqueeze(1) if per_channel else scale
-    return Quantized(kernels.quantize(w, scale, cfg.format), scale, cfg.format)
 
 
 def _raise_no_quantizer() -> Quantized:

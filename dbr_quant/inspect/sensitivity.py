@@ -24,10 +24,12 @@ from torch import nn
 
 from dbr_quant.inspect.experts import experts_flops, sibling_expert_flops
 from dbr_quant.inspect.features import DisableFP8, Feature
-from dbr_quant.inspect.inspector import Inspector, attached, named_ops, recorded_layers
+from dbr_quant.inspect.inspector import Inspector
+from dbr_quant.inspect.layers import attached, named_ops, recorded_layers
 from dbr_quant.inspect.stats import sqnr_db
 from dbr_quant.moe.experts import EXPERTS
-from dbr_quant.ops.mappings import LINEAR, MATMUL, SDPA
+from dbr_quant.ops.mappings import LINEAR, MATMUL, SDPA, is_transposed_linear
+from dbr_quant.quantize.weights import FP8Weight, fp8_weight_of
 from dbr_quant.runtime.interception import disabled
 from dbr_quant.runtime.state import SeenOp
 
@@ -196,9 +198,6 @@ class _Evaluator:
 
 def _original_weights(model: nn.Module, reference: nn.Module) -> dict[int, torch.Tensor]:
     """id(linear module with an FP8 weight) → the weight of the same-named module of ``reference``, [N, K]."""
-    from dbr_quant.ops.mappings import is_transposed_linear
-    from dbr_quant.quantize.weights import FP8Weight, fp8_weight_of
-
     ref = dict(reference.named_modules())
     out = {}
     for name, mod in model.named_modules():

@@ -20,7 +20,7 @@ from torch import nn
 
 from dbr_quant.moe.experts import MoeState, experts_spec
 from dbr_quant.qconfig import TensorQConfig
-from dbr_quant.quantize.weight_quantization import quantize_experts
+from dbr_quant.quantize.weight_quantization import quantize_weight
 from dbr_quant.quantize.weights import FP8Weight, attach_fp8_weight
 
 
@@ -40,9 +40,9 @@ def quantize_expert_weights(model: nn.Module, record: Any) -> None:
                                  f"skip it with QConfig(overrides=(Override(pattern=..., skip=True),))")
             w3 = w.transpose(-2, -1).contiguous() if st.spec.transposed else w  # [E, N, K]
             cfg = op.qconfig.weight
-            q, scale = quantize_experts(w3, cfg)
-            attach_fp8_param(module, name, q, scale, w.dtype, st.spec.transposed,
-                             cfg.block if cfg.granularity == "block" else None, qconfig=cfg)
+            quantized = quantize_weight(w3, cfg)
+            attach_fp8_param(module, name, quantized.qdata, quantized.scale, w.dtype, st.spec.transposed,
+                             quantized.block, qconfig=cfg)
 
 
 def attach_fp8_param(module: nn.Module, name: str, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
