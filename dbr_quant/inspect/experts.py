@@ -14,7 +14,7 @@ is not supported for expert tensors.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,8 @@ from dbr_quant.inspect.features import Feature, Quantized, TensorContext, featur
 from dbr_quant.inspect.layers import model_record, named_ops
 from dbr_quant.moe.experts import MoeState, _expert_key, _flat, expert_scales
 from dbr_quant.moe.siblings import ExpertState
+from dbr_quant.moe.weights import expert_parameter
+from dbr_quant.observers import AmaxObserver
 from dbr_quant.quantize.weight_quantization import quantize_weight
 from dbr_quant.quantize.weights import FP8Weight
 from dbr_quant.runtime.state import observer_key
@@ -75,7 +77,8 @@ def run_experts(inspector: Inspector, module: nn.Module, st: MoeState, x: torch.
     offsets = routing.expert_offsets.tolist()
     gate_up, down = st.seen_ops
     y = _projection(inspector, module, st, gate_up, x2[tokens], routing, offsets)
-    h = module._apply_gate(y) if spec.gated else module.act_fn(y)
+    # the Hugging Face experts module's own gate (gated) or activation
+    h = getattr(module, "_apply_gate" if spec.gated else "act_fn")(y)
     y = _projection(inspector, module, st, down, h, routing, offsets)
     out = torch.zeros(x2.shape[0], y.shape[-1], dtype=torch.float32, device=x.device)
     out.index_add_(0, tokens, y.float() * row_w[:, None])
@@ -85,18 +88,18 @@ def run_experts(inspector: Inspector, module: nn.Module, st: MoeState, x: torch.
 def _projection(inspector: Inspector, module: nn.Module, st: MoeState, op: Any, rows: torch.Tensor, routing: Any,
                 offsets: list[int]) -> torch.Tensor:
     name = inspector.names.get(id(op))
-    features: tuple[Feature, ...] = (inspector.plan.get(name) or ()) if name is not None else ()
     layer = inspector.layers.get(name) if name is not None else None
-    fp8 = op.quantize and all(f.use_fp8(layer) is not False for f in features)
+    features: tuple[Feature, ...] = (inspector.plan.get(layer.name) or ()) if layer is not None else ()
+    fp8 = op.quantize and (layer is None or all(f.use_fp8(layer) is not False for f in features))
     index = st.seen_ops.index(op)
     pname = st.spec.names[index]
-    param = module._parameters[pname]
+    param = expert_parameter(module, pname)
     bias = module._parameters.get(f"{pname}_bias") if st.spec.has_bias else None
     w_hp = _hp_weight(param, st.spec.transposed)  # [E, N, K]
     for f in features:
         for tensor in ("input", "weight"):
             base = op.qconfig.weight if tensor == "weight" else op.qconfig.activation
-            if f.tensor_config(layer, tensor, base) != base:
+            if layer is not None and f.tensor_config(layer, tensor, base) != base:
                 raise NotImplementedError(f"dbr_quant.inspect: {type(f).name} changes the scaling of '{name}', an MoE "
                                           "expert tensor; expert tensors keep their format and granularity (select "
                                           "other layers for Scaling)")
@@ -108,7 +111,7 @@ def _projection(inspector: Inspector, module: nn.Module, st: MoeState, op: Any, 
     want_q = fp8 or any(f.overrides("log_quantized") for f in features)
     for tensor, t in inputs.items():
         quantize = quantizers[tensor]
-        ctx = TensorContext(layer, tensor, inspector.step, fp8, inspector._logger(name, tensor), quantize) \
+        ctx = TensorContext(layer, tensor, inspector.step, fp8, inspector._logger(layer.name, tensor), quantize) \
             if layer is not None else None
         processed[tensor], q = feature_pass(features, ctx, t, tensor == "weight", want_q, fp8, quantize)
         if q is not None:
@@ -117,7 +120,8 @@ def _projection(inspector: Inspector, module: nn.Module, st: MoeState, op: Any, 
     if bias is not None:
         y = y + bias[row_experts]
     if layer is not None:
-        ctx = TensorContext(layer, "output", inspector.step, fp8, inspector._logger(name, "output"), _no_quantizer)
+        ctx = TensorContext(layer, "output", inspector.step, fp8, inspector._logger(layer.name, "output"),
+                            _no_quantizer)
         for f in features:
             f.log_tensor(ctx, y)
         for f in features:
@@ -154,9 +158,9 @@ def _static_scale(st: MoeState, op: Any, index: int) -> torch.Tensor:
     if st.converted:
         return st.frozen_scale(op, "input")
     if index == 0:
-        return st.observers[observer_key(0, "input")].scale().detach()
+        return cast(AmaxObserver, st.observers[observer_key(0, "input")]).scale().detach()
     observers = [st.observers[_expert_key(1, e)] for e in range(st.spec.num_experts)]
-    return expert_scales(observers, st.rows > 0)[0]  # what freeze_scales will store
+    return expert_scales(observers, cast(torch.Tensor, st.rows) > 0)[0]  # what freeze_scales will store
 
 
 def _quantize_weight(st: MoeState, op: Any, param: torch.Tensor, w: torch.Tensor | None) -> Quantized:

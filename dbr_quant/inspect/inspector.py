@@ -29,6 +29,7 @@ from dbr_quant.qconfig import TensorQConfig
 from dbr_quant.quantize.weight_quantization import quantize_weight
 from dbr_quant.quantize.weights import fp8_weight_of
 from dbr_quant.runtime.runs import observed_inputs
+from dbr_quant.runtime.state import SeenOp
 
 LogSink = Callable[[int, str, str, str, float], None]  # step, layer, tensor, stat, value
 
@@ -50,11 +51,12 @@ class Inspector:
 
     # ------------------------------------------------------------------ entry point (InspectRun)
     def execute(self, call: Call, env: Any) -> torch.Tensor:
-        name = self.names.get(id(call.op))
+        op = call.op
+        name = self.names.get(id(op)) if op is not None else None
         features = self.plan.get(name) if name is not None else None
-        if not features:
+        if op is None or name is None or not features:
             return run_basic(call, env)
-        return self._run(call, env, features, self.layers[name])
+        return self._run(call, op, env, features, self.layers[name])
 
     def experts(self, module: nn.Module, st: MoeState, x: torch.Tensor, ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
@@ -62,12 +64,12 @@ class Inspector:
         return run_experts(self, module, st, x, ids, weights)
 
     # ------------------------------------------------------------------ the per-layer pipeline
-    def _run(self, call: Call, env: Any, features: tuple[Feature, ...], layer: LayerInfo) -> torch.Tensor:
+    def _run(self, call: Call, op: SeenOp, env: Any, features: tuple[Feature, ...], layer: LayerInfo) -> torch.Tensor:
         fp8 = all(f.use_fp8(layer) is not False for f in features)
         want_q = fp8 or any(f.overrides("log_quantized") for f in features)
         if call.kind == LINEAR:
-            x, _, bias = linear_operands(call)
-            w = linear_hp_weight(call.module)[0] if call.module is not None else linear_operands(call)[1]
+            x = linear_operands(call)[0]
+            w = _hp_weight(call)
             if not fp8 and call.module is not None:
                 w = self.hp_weights.get(id(call.module), w)
             inputs = {"input": x, "weight": w}
@@ -77,12 +79,12 @@ class Inspector:
         quantized: dict[str, Quantized] = {}
         for name, t in inputs.items():
             cfg = self._tensor_cfg(layer, name, features)
-            quantize = self._quantizer(call, env, name, cfg, t)
+            quantize = self._quantizer(call, op, env, name, cfg, t)
             ctx = TensorContext(layer, name, self.step, fp8, self._logger(layer.name, name), quantize)
             processed[name], q = feature_pass(features, ctx, t, name == "weight", want_q, fp8, quantize)
             if q is not None:
                 quantized[name] = q
-        y = self._gemm(call, processed, quantized if fp8 else None)
+        y = self._gemm(call, op, processed, quantized if fp8 else None)
         ctx = TensorContext(layer, "output", self.step, fp8, self._logger(layer.name, "output"),
                             lambda t: _raise_no_quantizer())
         for f in features:
@@ -103,16 +105,17 @@ class Inspector:
         return cfg
 
     # ------------------------------------------------------------------ quantization
-    def _quantizer(self, call: Call, env: Any, name: str, cfg: TensorQConfig, t: torch.Tensor) -> Quantizer:
+    def _quantizer(self, call: Call, op: SeenOp, env: Any, name: str, cfg: TensorQConfig, t: torch.Tensor
+                   ) -> Quantizer:
         """quantize(x) with this tensor's scale; quantize(None) on a weight gives the cached FP8 weight."""
         if name == "weight":
             def weight(x: torch.Tensor | None) -> Quantized:
                 if x is None or x is t:
-                    return self._fp8_weight(call, cfg, env)
+                    return self._fp8_weight(call, op, cfg, env)
                 quantized = quantize_weight(x.detach(), cfg)  # a feature's processed weight, as convert would
                 return Quantized.weight(quantized.qdata, quantized.scale, cfg.format, quantized.block)
             return weight
-        op_cfg = call.op.qconfig.activation
+        op_cfg = op.qconfig.activation
 
         def activation(x: torch.Tensor | None) -> Quantized:
             x = t if x is None else x
@@ -121,7 +124,7 @@ class Inspector:
                 return Quantized(data, scale, cfg.format, group=cfg.group_size)
             # matmul / attention operands of a "group" model: per token where the operand allows it (as run)
             token = cfg.granularity in ("token", "group") and name in ("input", "a", "q", "k")
-            if token or call.op.qconfig.dynamic:
+            if token or op.qconfig.dynamic:
                 scale = kernels.dynamic_scale(x, cfg.format, per_token=token)
             else:
                 scale = env.input_scale(call, name, t)
@@ -130,31 +133,31 @@ class Inspector:
             return Quantized(kernels.quantize(x, scale, cfg.format), scale, cfg.format)
         return activation
 
-    def _fp8_weight(self, call: Call, cfg: TensorQConfig, env: Any = None) -> Quantized:
+    def _fp8_weight(self, call: Call, op: SeenOp, cfg: TensorQConfig, env: Any = None) -> Quantized:
         m = call.module
-        key = (id(call.op), cfg) if m is not None else None
+        key = (id(op), cfg) if m is not None else None
         if key is not None and key in self._weights:
             return self._weights[key]
         stored = fp8_weight_of(m) if m is not None else None
-        if stored is not None and cfg == call.op.qconfig.weight:
+        if stored is not None and cfg == op.qconfig.weight:
             # a module's own rows also when convert stacked a gated pair
             q = Quantized.weight(stored.qdata, stored.scale, cfg.format, stored.block)
         else:
-            w = linear_hp_weight(m)[0] if m is not None else linear_operands(call)[1]
             hessians = getattr(getattr(env, "record", None), "hessians", None)
             rounding = None
-            if stored is None and hessians is not None and cfg == call.op.qconfig.weight \
-                    and hessians.wants(call.op) and hessians.has_data(call.op.weight_owner):
+            if stored is None and hessians is not None and cfg == op.qconfig.weight \
+                    and hessians.wants(op) and hessians.has_data(op.weight_owner):
                 # a prepared model whose convert will round with GPTQ: measure that rounding, not nearest
-                rounding = functools.partial(hessians.round, call.op.weight_owner, type(m).__name__, keep=True)
-            quantized = quantize_weight(w.detach(), cfg, rounding=rounding)
+                rounding = functools.partial(hessians.round, op.weight_owner, type(m).__name__, keep=True)
+            quantized = quantize_weight(_hp_weight(call).detach(), cfg, rounding=rounding)
             q = Quantized.weight(quantized.qdata, quantized.scale, cfg.format, quantized.block)
         if key is not None:
             self._weights[key] = q
         return q
 
     # ------------------------------------------------------------------ the GEMM
-    def _gemm(self, call: Call, x: dict[str, torch.Tensor], q: dict[str, Quantized] | None) -> torch.Tensor:
+    def _gemm(self, call: Call, op: SeenOp, x: dict[str, torch.Tensor], q: dict[str, Quantized] | None
+              ) -> torch.Tensor:
         if call.kind == LINEAR:
             _, _, bias = linear_operands(call)
             if q is None:
@@ -164,7 +167,7 @@ class Inspector:
                 return kernels.fp8_block_linear(qi.data, _group_scale(qi, qw.block[1]), qw.data, qw.scale,
                                                 block=qw.block, bias=bias, out_dtype=x["input"].dtype)
             if qi.group is not None:
-                raise ValueError(f"dbr_quant.inspect: layer {call.op.fqn!r} has group-scaled activations but "
+                raise ValueError(f"dbr_quant.inspect: layer {op.fqn!r} has group-scaled activations but "
                                  "per-channel / per-tensor weights (Scaling changed weight_granularity): only the "
                                  "block GEMM applies group scales; set Scaling(input_granularity=...) too")
             ws = qw.scale.reshape(-1) if qw.scale.dim() else qw.scale
@@ -183,6 +186,14 @@ class Inspector:
             attn_mask=a.get("attn_mask"), is_causal=bool(a.get("is_causal", False)),
             softmax_scale=a.get("scale"), fmt=q["q"].format)
         return out.to(x["q"].dtype)
+
+
+def _hp_weight(call: Call) -> torch.Tensor:
+    """A linear call's weight [N, K] in high precision: its module's (dequantized when stored in FP8), or the
+    functional call's weight operand."""
+    w = linear_hp_weight(call.module)[0] if call.module is not None else linear_operands(call)[1]
+    assert w is not None, "a functional linear call always has its weight operand"
+    return w
 
 
 def _group_scale(q: Quantized, group: int) -> torch.Tensor:

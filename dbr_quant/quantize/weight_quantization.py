@@ -29,10 +29,11 @@ from typing import Protocol
 import torch
 
 from dbr_quant import kernels
+from dbr_quant.kernels.reference.block import expand_block_scale
 from dbr_quant.observers import MSE, AmaxHistory, MovingAverage, ObserverConfig, RunningMax
 from dbr_quant.qconfig import TensorQConfig
 
-__all__ = ["QuantizedWeight", "WeightRounding", "quantize_weight", "all_finite"]
+__all__ = ["QuantizedWeight", "WeightRounding", "quantize_weight", "all_finite", "elementwise_block_scale"]
 
 BLOCK_ELEMENTS = 2**18  # 1 MiB of fp32 per block
 
@@ -88,6 +89,15 @@ def quantize_weight(w: torch.Tensor, cfg: TensorQConfig, *, rounding: WeightRoun
     if rounding is not None:
         q = rounding(w, cfg, scale, q)  # same scale, the rounding's grid points
     return QuantizedWeight(q, scale)
+
+
+def elementwise_block_scale(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int]) -> torch.Tensor:
+    """One scale per element of FP8 data ``shape`` [N, K] from its block scales [⌈N/bn⌉, ⌈K/bk⌉]; for stacked
+    experts [E, N, K] (scales [E, ⌈N/bn⌉, ⌈K/bk⌉]) each expert's own block grid."""
+    rows_cols = (shape[-2], shape[-1])
+    if len(shape) == 3:
+        return torch.stack([expand_block_scale(s, rows_cols, block) for s in scale])
+    return expand_block_scale(scale, rows_cols, block)
 
 
 def _scale_is_amax(observer: ObserverConfig) -> bool:

@@ -25,7 +25,7 @@ import copy
 import hashlib
 import pickle
 import weakref
-from typing import Any
+from typing import Any, SupportsIndex, cast
 
 import torch
 from torch import nn
@@ -33,9 +33,9 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map
 
 from dbr_quant import kernels
-from dbr_quant.kernels.reference.block import expand_block_scale
 from dbr_quant.qconfig import TensorQConfig
 from dbr_quant.quantize.edits import edit, requantize
+from dbr_quant.quantize.weight_quantization import elementwise_block_scale
 
 aten = torch.ops.aten
 
@@ -93,7 +93,9 @@ class FP8Weight(torch.Tensor):
 
     @property
     def data(self) -> FP8Weight:
-        return torch._C.TensorBase.data.__get__(self)  # an FP8Weight sharing qdata and scale (aten.detach below)
+        # an FP8Weight sharing qdata and scale (aten.detach below); ``data`` is a C getset descriptor, which the
+        # stubs type as a Tensor
+        return torch._C.TensorBase.data.__get__(self)  # type: ignore[attr-defined]
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
@@ -122,7 +124,8 @@ class FP8Weight(torch.Tensor):
         by ``data_ptr()``, and every wrapper would otherwise answer 0)."""
         return self.qdata.data_ptr()
 
-    def __repr__(self) -> str:
+    # Tensor.__repr__ takes tensor_contents=; mypy flags any typed override of it, even the identical signature
+    def __repr__(self) -> str:  # type: ignore[override]
         gran = ("per-tensor" if self.scale.dim() == 0 else "per-channel" if self.block is None
                 else f"{self.block[0]}x{self.block[1]} block")
         return (f"FP8Weight(shape={list(self.shape)}, dtype={self.dtype}, storage={self.qdata.dtype}, {gran} scale, "
@@ -140,11 +143,11 @@ class FP8Weight(torch.Tensor):
         out = FP8Weight(copy.deepcopy(self.qdata, memo), copy.deepcopy(self.scale, memo), self.dtype, self.transposed,
                         self.block, qconfig=self.qconfig)
         if isinstance(self, nn.Parameter):
-            out = nn.Parameter(out, requires_grad=False)
+            out = cast(FP8Weight, nn.Parameter(out, requires_grad=False))  # a parameter keeps the subclass
         memo[id(self)] = out
         return out
 
-    def __reduce_ex__(self, protocol: int):  # pickle (joblib, Ray, mlflow), copy, torch.save(model)
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, tuple]:  # pickle (joblib, Ray), copy, torch.save
         # qdata and scale travel as views of their storage's bytes: torch cannot pickle a float8 storage
         # (its legacy storage format has no float8 class), and one byte tensor per storage keeps a stacked
         # [gate; up] pair sharing one buffer after loading (pickle's memo and torch.save both store it once)
@@ -171,9 +174,7 @@ class FP8Weight(torch.Tensor):
     def elementwise_scale(self) -> torch.Tensor:
         """``scale`` broadcastable against ``qdata`` [out, in]: 0-d, [out, 1], or one per element for blocks."""
         if self.block is not None:
-            if self.qdata.dim() == 3:  # MoE experts: scale [E, ⌈N/bn⌉, ⌈K/bk⌉], each expert blocked on its own
-                return torch.stack([expand_block_scale(s, tuple(self.qdata.shape[1:]), self.block) for s in self.scale])
-            return expand_block_scale(self.scale, tuple(self.qdata.shape), self.block)
+            return elementwise_block_scale(self.scale, self.qdata.shape, self.block)
         return self.scale.unsqueeze(-1) if self.scale.dim() else self.scale
 
     def _like(self, qdata: torch.Tensor | None = None, scale: torch.Tensor | None = None,
@@ -181,7 +182,8 @@ class FP8Weight(torch.Tensor):
         return FP8Weight(self.qdata if qdata is None else qdata, self.scale if scale is None else scale,
                          self.dtype if dtype is None else dtype, self.transposed, self.block, qconfig=self.qconfig)
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # the stubs type Tensor.__torch_function__ as a classmethod; torch's own subclasses assign this function
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -388,7 +390,7 @@ def attach_fp8_weight(module: nn.Module, qdata: torch.Tensor, scale: torch.Tenso
 
 
 def _fp8_parameters(module: nn.Module) -> list[tuple[str, FP8Weight]]:
-    return [(name, w) for name, w in module._parameters.items() if type(w) is FP8Weight]
+    return [(name, cast(FP8Weight, w)) for name, w in module._parameters.items() if type(w) is FP8Weight]
 
 
 def _state_dict_hook(module, state_dict, prefix, local_metadata):
@@ -443,7 +445,7 @@ def fp8_weight_bytes(model: nn.Module) -> int:
     total = 0
     for m in model.modules():
         for t in (t for _, w in _fp8_parameters(m) for t in (w.qdata, w.scale)):
-            key = (t.untyped_storage().data_ptr(), t.storage_offset())
+            key = (t.untyped_storage().data_ptr(), int(t.storage_offset()))
             if key not in seen:
                 seen.add(key)
                 total += t.numel() * t.element_size()
