@@ -14,7 +14,7 @@ is not supported for expert tensors.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -23,27 +23,29 @@ from torch import nn
 from dbr_quant import kernels
 from dbr_quant.inspect.features import Feature, Quantized, TensorContext, feature_pass
 from dbr_quant.inspect.layers import model_record, named_ops
+from dbr_quant.kernels.routing import MoeRouting
 from dbr_quant.moe.experts import MoeState, _expert_key, _flat, expert_scales
 from dbr_quant.moe.siblings import ExpertState
 from dbr_quant.moe.weights import expert_parameter
 from dbr_quant.observers import AmaxObserver
 from dbr_quant.quantize.weight_quantization import quantize_weight
 from dbr_quant.quantize.weights import FP8Weight
-from dbr_quant.runtime.state import observer_key
+from dbr_quant.runtime.state import SeenOp, observer_key
 
 if TYPE_CHECKING:  # the inspector calls run_experts with itself
     from dbr_quant.inspect.inspector import Inspector
 
 
-def experts_flops(op: Any) -> int:
+def experts_flops(op: SeenOp) -> int:
     """FLOPs of one expert tensor (an op of kind ``experts``) per call at prepare()'s traced shapes:
     2 × routed rows × N × K, a routed row being one (token, top-k slot) pair — top_k × tokens rows over all
     experts, whichever experts they go to; the same count as an ``nn.Linear`` on those rows. 0 when the trace
     recorded no routing (the module was called with other arguments, moe.py)."""
-    if not op.inputs or not op.outputs:
+    rows = op.inputs[0] if op.inputs else None
+    if rows is None or not op.outputs:
         return 0
-    rows, k = op.inputs[0].shape
-    return 2 * rows * k * op.outputs[0].shape[-1]
+    n_rows, k = rows.shape
+    return 2 * n_rows * k * op.outputs[0].shape[-1]
 
 
 def sibling_expert_flops(model: nn.Module, flops: dict[str, int]) -> dict[str, int]:
@@ -85,8 +87,8 @@ def run_experts(inspector: Inspector, module: nn.Module, st: MoeState, x: torch.
     return out.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
-def _projection(inspector: Inspector, module: nn.Module, st: MoeState, op: Any, rows: torch.Tensor, routing: Any,
-                offsets: list[int]) -> torch.Tensor:
+def _projection(inspector: Inspector, module: nn.Module, st: MoeState, op: SeenOp, rows: torch.Tensor,
+                routing: MoeRouting, offsets: list[int]) -> torch.Tensor:
     name = inspector.names.get(id(op))
     layer = inspector.layers.get(name) if name is not None else None
     features: tuple[Feature, ...] = (inspector.plan.get(layer.name) or ()) if layer is not None else ()
@@ -136,7 +138,7 @@ def _hp_weight(param: torch.Tensor, transposed: bool) -> torch.Tensor:
     return w.transpose(-2, -1) if transposed else w
 
 
-def _quantize_rows(st: MoeState, op: Any, index: int, rows: torch.Tensor | None, row_experts: torch.Tensor
+def _quantize_rows(st: MoeState, op: SeenOp, index: int, rows: torch.Tensor | None, row_experts: torch.Tensor
                    ) -> Quantized:
     """The rows with the scale FP8 execution uses: dynamic (per token or tensor), or static — the gate_up
     input scale, or each row's expert's down-input scale."""
@@ -154,7 +156,7 @@ def _quantize_rows(st: MoeState, op: Any, index: int, rows: torch.Tensor | None,
     return Quantized(kernels.quantize(rows, scale, cfg.format), scale, cfg.format)
 
 
-def _static_scale(st: MoeState, op: Any, index: int) -> torch.Tensor:
+def _static_scale(st: MoeState, op: SeenOp, index: int) -> torch.Tensor:
     if st.converted:
         return st.frozen_scale(op, "input")
     if index == 0:
@@ -163,7 +165,7 @@ def _static_scale(st: MoeState, op: Any, index: int) -> torch.Tensor:
     return expert_scales(observers, cast(torch.Tensor, st.rows) > 0)[0]  # what freeze_scales will store
 
 
-def _quantize_weight(st: MoeState, op: Any, param: torch.Tensor, w: torch.Tensor | None) -> Quantized:
+def _quantize_weight(st: MoeState, op: SeenOp, param: torch.Tensor, w: torch.Tensor | None) -> Quantized:
     """The stored FP8 weight (converted, ``w`` None), or ``w`` [E, N, K] quantized as convert does."""
     cfg = op.qconfig.weight
     if w is None and type(param) is FP8Weight:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +22,7 @@ from dbr_quant.inspect.experts import run_experts
 from dbr_quant.inspect.features import Feature, LayerInfo, Quantized, Quantizer, TensorContext, feature_pass
 from dbr_quant.inspect.layers import RecordedLayer
 from dbr_quant.moe.experts import MoeState
-from dbr_quant.ops.basic import Call, linear_hp_weight, linear_operands, run_basic, sdpa_arguments
+from dbr_quant.ops.basic import Call, Env, linear_hp_weight, linear_operands, run_basic, sdpa_arguments
 from dbr_quant.ops.mappings import LINEAR, MATMUL
 from dbr_quant.qconfig import TensorQConfig
 from dbr_quant.quantize.weight_quantization import quantize_weight
@@ -50,7 +49,7 @@ class Inspector:
         self.hp_weights: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ entry point (InspectRun)
-    def execute(self, call: Call, env: Any) -> torch.Tensor:
+    def execute(self, call: Call, env: Env) -> torch.Tensor:
         op = call.op
         name = self.names.get(id(op)) if op is not None else None
         features = self.plan.get(name) if name is not None else None
@@ -64,7 +63,7 @@ class Inspector:
         return run_experts(self, module, st, x, ids, weights)
 
     # ------------------------------------------------------------------ the per-layer pipeline
-    def _run(self, call: Call, op: SeenOp, env: Any, features: tuple[Feature, ...], layer: LayerInfo) -> torch.Tensor:
+    def _run(self, call: Call, op: SeenOp, env: Env, features: tuple[Feature, ...], layer: LayerInfo) -> torch.Tensor:
         fp8 = all(f.use_fp8(layer) is not False for f in features)
         want_q = fp8 or any(f.overrides("log_quantized") for f in features)
         if call.kind == LINEAR:
@@ -105,7 +104,7 @@ class Inspector:
         return cfg
 
     # ------------------------------------------------------------------ quantization
-    def _quantizer(self, call: Call, op: SeenOp, env: Any, name: str, cfg: TensorQConfig, t: torch.Tensor
+    def _quantizer(self, call: Call, op: SeenOp, env: Env, name: str, cfg: TensorQConfig, t: torch.Tensor
                    ) -> Quantizer:
         """quantize(x) with this tensor's scale; quantize(None) on a weight gives the cached FP8 weight."""
         if name == "weight":
@@ -133,7 +132,7 @@ class Inspector:
             return Quantized(kernels.quantize(x, scale, cfg.format), scale, cfg.format)
         return activation
 
-    def _fp8_weight(self, call: Call, op: SeenOp, cfg: TensorQConfig, env: Any = None) -> Quantized:
+    def _fp8_weight(self, call: Call, op: SeenOp, cfg: TensorQConfig, env: Env) -> Quantized:
         m = call.module
         key = (id(op), cfg) if m is not None else None
         if key is not None and key in self._weights:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -15,6 +15,9 @@ from dbr_quant.moe.experts import EXPERTS
 from dbr_quant.ops.mappings import QUANTIZEABLE
 from dbr_quant.runtime.runs import ModelRecord
 from dbr_quant.runtime.state import SeenOp
+
+if TYPE_CHECKING:  # the inspector reads the layers; a session attaches it
+    from dbr_quant.inspect.inspector import Inspector
 
 
 def model_record(model: nn.Module) -> ModelRecord:
@@ -65,7 +68,7 @@ def recorded_layers(model: nn.Module) -> dict[str, RecordedLayer]:
 
 
 @contextmanager
-def attached(model: nn.Module, inspector: Any) -> Iterator[None]:
+def attached(model: nn.Module, inspector: Inspector) -> Iterator[None]:
     """Route the model's forwards through ``inspector`` inside the block (always detached after)."""
     record = model_record(model)
     if record.inspector is not None:
