@@ -15,6 +15,10 @@ What writes into ``module.weight`` after convert, and what it gets:
 * What raises: an edit that changes the shape, produces NaN/inf, or writes a weight that accelerate keeps
   offloaded (its bytes live in accelerate's weights map); ``FP8Weight(tensor)`` without scales (accelerate's
   ``set_module_tensor_to_device(..., value=tensor)``).
+
+``weights.FP8Weight`` routes each such write here (``__torch_dispatch__`` of a mutating op, ``.data =``,
+``w[i] = v``, ``copy_``); this module reads the weight through :class:`EditableWeight`, so it never imports the
+class and the two import one way.
 """
 
 from __future__ import annotations
