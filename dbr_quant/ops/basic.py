@@ -17,6 +17,7 @@ from dbr_quant import kernels
 from dbr_quant.ops.mappings import LINEAR, MATMUL, MATMUL_AS_LINEAR, SDPA, linear_weight
 from dbr_quant.ops.straight_through import run_straight_through, substitute, wants_gradient
 from dbr_quant.ops.tags import tag_of
+from dbr_quant.quantize.weight_quantization import quantize_weight
 from dbr_quant.quantize.weights import FP8Weight, adjacent_rows, fp8_weight_of
 from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
 
@@ -128,7 +129,8 @@ def weight_block(call: Call) -> tuple[int, int] | None:
 
 
 def fp8_weight(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
-    """The FP8 weight and its scale: stored on the module by convert, else quantized now (dynamic).
+    """The FP8 weight and its scale: stored on the module by convert, else quantized now as convert would store
+    it (the weight observer's scale: the cheap dynamic-scale kernel where the observer's scale is the amax).
     Block-scaled (see :func:`weight_block`): scale [⌈N/bn⌉, ⌈K/bk⌉]."""
     stored = stored_fp8_weight(call.module) if call.module is not None else None
     if stored is not None:
@@ -138,12 +140,8 @@ def fp8_weight(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
         if not w.transposed:
             return w.qdata, w.scale
         w = w.dequantize()  # stored in the other orientation: its scales run along this GEMM's reduction
-    wcfg = call.op.qconfig.weight
-    if wcfg.granularity == "block":
-        return kernels.block_quantize_weight(w, wcfg.block, wcfg.format)
-    per_channel = wcfg.granularity == "channel"
-    scale = kernels.dynamic_scale(w, wcfg.format, per_token=per_channel)
-    return kernels.quantize(w, scale, wcfg.format), scale.reshape(-1) if per_channel else scale
+    quantized = quantize_weight(w, call.op.qconfig.weight, per_call=True)
+    return quantized.qdata, quantized.scale
 
 
 def linear_parts(call: Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, int] | None]:
