@@ -22,9 +22,9 @@ from dbr_quant.ops.gate_up import stack_gate_up_weights
 from dbr_quant.ops.mappings import LINEAR, QUANTIZEABLE, is_container, is_transposed_linear, linear_weight
 from dbr_quant.ops.tags import TAG, ModuleTag, fqn_of
 from dbr_quant.qconfig import QConfig
-from dbr_quant.quantize.rounding import collect
 from dbr_quant.quantize.weight_quantization import all_finite, quantize_weight
 from dbr_quant.quantize.weights import attach_fp8_weight
+from dbr_quant.runtime import hessians as collect
 from dbr_quant.runtime import precision
 from dbr_quant.runtime.convert_run import ConvertRun
 from dbr_quant.runtime.interception import FAST_PATH_MODULES, current_run, disabled, intercepting, is_disabled

@@ -50,7 +50,7 @@ class QuantizedWeight:
 
 
 class WeightRounding(Protocol):
-    """Rounding other than to nearest (GPTQ: ``rounding.collect.HessianCollector``): the FP8 data of ``w`` on the
+    """Rounding other than to nearest (GPTQ: ``runtime.hessians.HessianCollector``): the FP8 data of ``w`` on the
     grid of ``scale``, given the nearest-rounded data ``nearest`` (what it returns where it has nothing to fit)."""
 
     def __call__(self, w: torch.Tensor, cfg: TensorQConfig, scale: torch.Tensor, nearest: torch.Tensor

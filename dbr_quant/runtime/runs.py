@@ -51,7 +51,7 @@ class ModelRecord:
     trace_run: Run | None = field(default=None, repr=False, compare=False)  # prepare()'s TraceRun while it traces
     calibration_lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
     observes_functions: bool = True  # whether calibration must see torch function calls (set by prepare)
-    hessians: Any = None  # rounding.collect.HessianCollector when some op asks for GPTQ rounding (set by prepare)
+    hessians: Any = None  # runtime.hessians.HessianCollector when some op asks for GPTQ rounding (set by prepare)
     param_uses: dict = field(default_factory=dict)  # parameter fqn → the trace's calls that read it (precision.py)
 
     def __getstate__(self) -> dict:  # deepcopy / pickle: a lock cannot be copied; the copy gets its own
@@ -219,7 +219,7 @@ class CalibrateRun(Run):
             return
         op = self.next_op(st, kind, self.op_fqn(kind, module), self.warns(kind))
         if op is not None and module is not None and self.record.hessians is not None:
-            self.record.hessians.observe(self, op, call_args, kwargs)  # GPTQ rounding (rounding/collect.py)
+            self.record.hessians.observe(self, op, call_args, kwargs)  # GPTQ rounding (runtime/hessians.py)
         if op is None or not op.quantize or op.qconfig.dynamic:
             return
         values = observed_inputs(kind, call_args, kwargs)
