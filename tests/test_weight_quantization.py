@@ -116,3 +116,25 @@ def test_per_call_equals_convert(observer, granularity):
     a, b = quantize_weight(w, cfg), quantize_weight(w, cfg, per_call=True, block_elements=64)
     assert torch.equal(a.scale, b.scale) and a.block == b.block
     assert torch.equal(a.qdata.view(torch.uint8), b.qdata.view(torch.uint8))
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("transposed", [False, True])
+@settings(max_examples=6, deadline=None)
+@given(n=st.integers(1, 300), k=st.integers(1, 70), seed=st.integers(0, 2**16))
+def test_dequantize_in_row_chunks_equals_whole(granularity, transposed, n, k, seed):
+    """A large weight's dequantize runs in row chunks (bounded fp32 temporaries): the same bits as one pass,
+    ragged last chunk and ragged last block row included."""
+    torch.manual_seed(seed)
+    cfg = dq.TensorQConfig(granularity=granularity, block=(16, 32))
+    q = quantize_weight(torch.randn(n, k) * 3, cfg)
+    w = FP8Weight(q.qdata, q.scale, torch.bfloat16, transposed=transposed, block=q.block)
+    whole = kernels.dequantize(w.qdata, w.elementwise_scale(), torch.bfloat16)
+    whole = whole.t() if transposed else whole
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("dbr_quant.quantize.weights.DEQUANTIZE_CHUNK", 40)  # many chunks of a few rows
+        with kernels.count_launches() as launches:
+            chunked = w.dequantize()
+    if n >= 64 and n * k > 40:  # more rows than one chunk takes (at most 40 // k rows, or two 16-row blocks)
+        assert launches["dequantize"] > 1
+    assert chunked.dtype == torch.bfloat16 and torch.equal(chunked.view(torch.int16), whole.view(torch.int16))

@@ -37,6 +37,8 @@ from dbr_quant.qconfig import TensorQConfig
 from dbr_quant.quantize.edits import edit, requantize
 from dbr_quant.quantize.weight_quantization import elementwise_block_scale
 
+DEQUANTIZE_CHUNK = 1 << 22  # elements per chunk of a large weight's dequantize (fp32 temporaries: 16 MiB)
+
 aten = torch.ops.aten
 
 __all__ = ["FP8Weight", "attach_fp8_weight", "fp8_weight_of", "adjacent_rows", "fp8_weight_bytes"]
@@ -167,9 +169,31 @@ class FP8Weight(torch.Tensor):
         return hashlib.blake2b(pickle.dumps(payload), digest_size=16).hexdigest()
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The high-precision values ``qdata × scale`` in ``dtype`` (default: the reported dtype)."""
-        w = kernels.dequantize(self.qdata, self.elementwise_scale(), dtype or self.dtype)
+        """The high-precision values ``qdata × scale`` in ``dtype`` (default: the reported dtype). A large 2-D
+        weight is dequantized in row chunks into its output: the kernel's fp32 temporaries (and a block weight's
+        per-element scales) then take at most ``DEQUANTIZE_CHUNK`` elements instead of 4 bytes per weight
+        element (load_pretrained's trace dequantizes each linear once; its peak is the FP8 model + one layer)."""
+        dtype = dtype or self.dtype
+        q = self.qdata
+        if q.dim() != 2 or q.numel() <= DEQUANTIZE_CHUNK or kernels.graph_ops() is not None or is_fake(q):
+            w = kernels.dequantize(q, self.elementwise_scale(), dtype)
+        else:
+            step = max(1, DEQUANTIZE_CHUNK // q.shape[1])
+            if self.block is not None:  # whole block rows per chunk
+                step = max(1, step // self.block[0]) * self.block[0]
+            w = torch.empty(q.shape, dtype=dtype, device=q.device)
+            for start in range(0, q.shape[0], step):
+                rows = q[start:start + step]
+                w[start:start + step] = kernels.dequantize(rows, self._rows_scale(start, rows.shape), dtype)
         return w.transpose(-2, -1) if self.transposed else w
+
+    def _rows_scale(self, start: int, shape: torch.Size) -> torch.Tensor:
+        """:meth:`elementwise_scale` for the rows ``start:start + shape[0]`` of a 2-D ``qdata``."""
+        if self.block is not None:
+            first = start // self.block[0]
+            count = -(-shape[0] // self.block[0])
+            return elementwise_block_scale(self.scale[first:first + count], tuple(shape), self.block)
+        return self.scale[start:start + shape[0]].unsqueeze(-1) if self.scale.dim() else self.scale
 
     def elementwise_scale(self) -> torch.Tensor:
         """``scale`` broadcastable against ``qdata`` [out, in]: 0-d, [out, 1], or one per element for blocks."""
