@@ -27,11 +27,10 @@ import triton.language as tl
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.block import DEFAULT_BLOCK, check_block, check_block_linear_operands
 from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
-from dbr_quant.kernels.triton.common import check_device
+from dbr_quant.kernels.triton.common import AotEntry, check_device
 from dbr_quant.kernels.triton.gemm_core import (
     LINEAR_OUTS,
     RESIDUAL_DTYPES,
-    AotEntry,
     GemmConfig,
     GemmKernel,
     aligned_attrs,

@@ -9,6 +9,7 @@ The result matches ``torch.Tensor.to(torch.float8_e4m3fn / e5m2)`` after clampin
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import triton
@@ -82,10 +83,6 @@ def fp8_constants(fmt: FP8Format) -> dict[str, float | int]:
     return {"FP8_MAX": 57344.0, "MANTISSA_BITS": 2, "MIN_NORMAL": 2.0**-14, "EXP_BIAS": 15}
 
 
-def triton_dtype(fmt: FP8Format):
-    return tl.float8e4nv if fmt is FP8Format.E4M3 else tl.float8e5
-
-
 class Kernel:
     """One Triton kernel, launchable compiled (``triton``) or in the CPU interpreter (``triton-interpret``).
 
@@ -93,7 +90,7 @@ class Kernel:
     environment variable TRITON_INTERPRET is not needed).
     """
 
-    def __init__(self, fn) -> None:
+    def __init__(self, fn: Callable[..., None]) -> None:
         self.fn = fn
         self.jit = triton.jit(fn)
 
@@ -101,16 +98,21 @@ class Kernel:
     def interpreted(self) -> InterpretedFunction:
         return InterpretedFunction(self.fn)
 
-    def __getitem__(self, grid):
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., object]:
         handle = self.interpreted if current_backend() == "triton-interpret" else self.jit
         return handle[grid]
+
+
+# one row of a kernel module's AOT_CONFIGS (read by kernels.triton.aot): (kernel name, description, kernel,
+# ASTSource signature, constexprs)
+AotEntry = tuple[str, str, Kernel, dict[str, str], dict[str, object]]
 
 
 def on_interpreter() -> bool:
     return current_backend() == "triton-interpret"
 
 
-def check_device(*tensors: torch.Tensor) -> None:
+def check_device(*tensors: torch.Tensor | None) -> None:
     """The interpreter runs on CPU tensors, the compiled kernels on CUDA ones."""
     want = "cpu" if on_interpreter() else "cuda"
     for t in tensors:

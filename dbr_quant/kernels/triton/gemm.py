@@ -25,12 +25,11 @@ import triton.language as tl
 
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
-from dbr_quant.kernels.triton.common import check_device
+from dbr_quant.kernels.triton.common import AotEntry, check_device
 from dbr_quant.kernels.triton.gemm_core import (
     LINEAR_OUTS,
     PTR,
     RESIDUAL_DTYPES,
-    AotEntry,
     GemmConfig,
     GemmKernel,
     aligned_attrs,

@@ -24,10 +24,7 @@ import triton.language as tl
 
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.dense import GATED, GATED_ACTIVATIONS
-from dbr_quant.kernels.triton.common import Kernel, device_function, fp8_bits, fp8_constants, round_to_fp8
-
-# one row of a kernel module's AOT_CONFIGS: (kernel name, description, kernel, signature, constexprs)
-AotEntry = tuple[str, str, Kernel, dict[str, str], dict[str, object]]
+from dbr_quant.kernels.triton.common import AotEntry, Kernel, device_function, fp8_bits, fp8_constants, round_to_fp8
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """Triton grouped FP8 GEMM for mixture-of-experts blocks: every expert's rows in one launch.
 
-Matches :mod:`reference_grouped` (``exact=True``): per expert, the dense kernel's math (FP8 operands
+Matches :mod:`reference.grouped` (``exact=True``): per expert, the dense kernel's math (FP8 operands
 into ``tl.dot``, fp32 accumulator, ``acc·(sx·sw[e]) + b[e]``, activation or gated ``act(gate)·up``, then
 fp32/bf16/fp16, FP8 with the next projection's input scale, or the routing-weighted scatter-add).
 
-Tile schedule (ragged rows per expert, no padding). :func:`moe_routing.moe_route` sorts rows by expert
+Tile schedule (ragged rows per expert, no padding). :func:`kernels.routing.moe_route` sorts rows by expert
 and gives ``expert_offsets``; expert ``e`` needs ``ceil(rows_e / BLOCK_M)`` row tiles. Each program
 derives the schedule from the offsets itself (:func:`_tile_of`: a prefix sum of tiles per expert over
 chunks of 64 experts, then "how many experts end at or before my tile"), so a launch needs no host-side
@@ -41,13 +41,12 @@ from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
 from dbr_quant.kernels.reference.grouped import check_grouped_args
 from dbr_quant.kernels.routing import MoeRouting, expert_out_scale, expert_weight_scale, input_scale_kind
-from dbr_quant.kernels.triton.common import check_device, device_function, fp8_constants
+from dbr_quant.kernels.triton.common import AotEntry, check_device, device_function, fp8_constants
 from dbr_quant.kernels.triton.gemm import CONFIGS, pick_config
 from dbr_quant.kernels.triton.gemm_core import (
     OUT_KINDS,
     OUT_PTR,
     PTR,
-    AotEntry,
     GemmConfig,
     GemmKernel,
     aligned_attrs,
@@ -187,7 +186,7 @@ def fp8_grouped_linear(
     deterministic: bool = False,
     config: GemmConfig | None = None,
 ) -> torch.Tensor:
-    """:func:`reference_grouped.fp8_grouped_linear` in one launch (two with ``deterministic`` scatter).
+    """:func:`reference.grouped.fp8_grouped_linear` in one launch (two with ``deterministic`` scatter).
 
     ``config`` overrides the block config (tests use small tiles to get many ragged tiles per expert).
     """
@@ -266,7 +265,7 @@ def fp8_grouped_linear(
 
 
 def moe_quantize(x: torch.Tensor, x_scale: torch.Tensor, routing: MoeRouting, fmt: FP8Format) -> torch.Tensor:
-    """:func:`reference_grouped.moe_quantize` (per-expert scales, sorted rows out) in one launch."""
+    """:func:`reference.grouped.moe_quantize` (per-expert scales, sorted rows out) in one launch."""
     check_device(x, x_scale, routing.slots)
     if x_scale.dim() != 1 or x_scale.numel() != routing.num_experts:
         raise ValueError(f"moe_quantize: x_scale must hold one scale per expert ([{routing.num_experts}]), "
