@@ -27,23 +27,8 @@ import triton.language as tl
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.block import DEFAULT_BLOCK, check_block, check_block_linear_operands
 from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
-from dbr_quant.kernels.triton.common import AotEntry, check_device
-from dbr_quant.kernels.triton.gemm_core import (
-    LINEAR_OUTS,
-    RESIDUAL_DTYPES,
-    GemmConfig,
-    GemmKernel,
-    aligned_attrs,
-    check_size,
-    config_options,
-    epilogue_operands,
-    fp8_format,
-    linear_aot_entry,
-    linear_epilogue,
-    output_tile,
-    scaled_dot,
-    unit_stride,
-)
+from dbr_quant.kernels.triton import gemm_core as core
+from dbr_quant.kernels.triton.common import AotEntry
 
 __all__ = ["AOT_CONFIGS", "BLOCK_CONFIGS", "aot_attrs", "aot_options", "fp8_block_linear", "pick_block_config"]
 
@@ -53,17 +38,17 @@ __all__ = ["AOT_CONFIGS", "BLOCK_CONFIGS", "aot_attrs", "aot_options", "fp8_bloc
 # registers and a 16-byte spill on sm_89).
 # smem per stage = (BLOCK_M + BLOCK_N)·128 B: decode 4 × 16 KB, medium 3 × 24 KB, large 4 × 16 KB = 64 KB
 # (under Ada's 99 KB per block).
-BLOCK_CONFIGS: dict[str, GemmConfig] = {
-    "decode": GemmConfig("decode", 64, 64, 128, GROUP_M=8, num_warps=4, num_stages=4),
-    "medium": GemmConfig("medium", 64, 128, 128, GROUP_M=8, num_warps=8, num_stages=3),
+BLOCK_CONFIGS: dict[str, core.GemmConfig] = {
+    "decode": core.GemmConfig("decode", 64, 64, 128, GROUP_M=8, num_warps=4, num_stages=4),
+    "medium": core.GemmConfig("medium", 64, 128, 128, GROUP_M=8, num_warps=8, num_stages=3),
     # BLOCK_K 64 (two K steps per 128-wide scale block): at 128 the relu+bias+fp32-residual epilogue needed
     # 255 registers and spilled 4 B on sm_89 under triton 3.9
-    "large": GemmConfig("large", 128, 128, 64, GROUP_M=8, num_warps=8, num_stages=4),
+    "large": core.GemmConfig("large", 128, 128, 64, GROUP_M=8, num_warps=8, num_stages=4),
 }
 MIN_BLOCK_K = 32  # an FP8 MMA consumes K in steps of 32
 
 
-def pick_block_config(m: int) -> GemmConfig:
+def pick_block_config(m: int) -> core.GemmConfig:
     """The tile config for an output of ``m`` rows (no autotuning: must also run in the interpreter)."""
     return BLOCK_CONFIGS["decode"] if m <= 16 else BLOCK_CONFIGS["medium"] if m <= 128 else BLOCK_CONFIGS["large"]
 
@@ -80,20 +65,21 @@ def _fp8_block_linear_kernel(
 ):
     """out[M, N] = epilogue(Σ_kb (A[:, kb] · W[:, kb]ᵀ) · sx[m, kb] · sw[n // SCALE_N, kb]). Scales are
     contiguous fp32: sx [M, KB], sw [rows, KB]. GATED: W is [gate; up] (2N × K), both tiles in one CTA."""
-    rm, rn, mask_m, mask_n = output_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    y, up = scaled_dot(a_ptr, w_ptr, x_scale_ptr, w_scale_ptr, rm, rn, mask_m, mask_n, N, K, UP_SCALE_ROW,
-                       stride_am, stride_ak, stride_wn, stride_wk, KB, KB,
-                       BLOCK_M, BLOCK_N, BLOCK_K, GATED, SCALE_N, SCALE_K)
-    linear_epilogue(y, up, bias_ptr, res_ptr, out_ptr, inv_out_scale_ptr, rm, rn, mask_m, mask_n, N,
-                    stride_rm, stride_rn, stride_om, stride_on, ACTIVATION, GATED, HAS_BIAS, HAS_RESIDUAL, OUT_KIND,
-                    FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
+    rm, rn, mask_m, mask_n = core.output_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    y, up = core.scaled_dot(a_ptr, w_ptr, x_scale_ptr, w_scale_ptr, rm, rn, mask_m, mask_n, N, K, UP_SCALE_ROW,
+                            stride_am, stride_ak, stride_wn, stride_wk, KB, KB,
+                            BLOCK_M, BLOCK_N, BLOCK_K, GATED, SCALE_N, SCALE_K)
+    core.linear_epilogue(y, up, bias_ptr, res_ptr, out_ptr, inv_out_scale_ptr, rm, rn, mask_m, mask_n, N,
+                         stride_rm, stride_rn, stride_om, stride_on,
+                         ACTIVATION, GATED, HAS_BIAS, HAS_RESIDUAL, OUT_KIND,
+                         FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
 
 
 # M (1 when decoding), KB (1 for K ≤ 128) and UP_SCALE_ROW (1 for N ≤ 128) would each double the variants
-BLOCK_LINEAR_KERNEL = GemmKernel(_fp8_block_linear_kernel, ("M", "KB", "UP_SCALE_ROW"))
+BLOCK_LINEAR_KERNEL = core.GemmKernel(_fp8_block_linear_kernel, ("M", "KB", "UP_SCALE_ROW"))
 
 
-def _tile_for_block(cfg: GemmConfig, bk: int, explicit: bool) -> GemmConfig:
+def _tile_for_block(cfg: core.GemmConfig, bk: int, explicit: bool) -> core.GemmConfig:
     """``cfg`` with a BLOCK_K dividing the scale block's K: a config given by the caller must already have
     one; a picked one is narrowed to gcd(BLOCK_K, bk) (a variant outside AOT_CONFIGS)."""
     if bk % cfg.BLOCK_K == 0:
@@ -119,28 +105,20 @@ def fp8_block_linear(
     out_dtype: torch.dtype = torch.float32,
     out_scale: torch.Tensor | None = None,
     out_fmt: FP8Format | str = FP8Format.E4M3,
-    config: GemmConfig | None = None,
+    config: core.GemmConfig | None = None,
 ) -> torch.Tensor:
     """Block-scaled ``act(x·Wᵀ + bias) + residual`` in one kernel (see reference.block.fp8_block_linear
     for the layouts). ``out_scale`` (0-d) gives FP8 out. ``config`` overrides the tile config picked by M."""
-    check_device(x_q, x_scale, w_q, w_scale, bias, residual, out_scale)
-    fp8_format(x_q, "x_q")
-    fp8_format(w_q, "w_q")
-    if activation is not None and activation not in ACTIVATIONS + GATED:
-        raise ValueError(f"fp8_block_linear: unknown activation {activation!r}; use one of {ACTIVATIONS + GATED}")
+    gated = core.check_linear("fp8_block_linear", x_q, w_q, activation, x_scale, w_scale, bias, residual, out_scale)
     bn, bk = check_block(block)
-    gated = activation in GATED
     k, n, rows = check_block_linear_operands(x_q, x_scale, w_q, w_scale, (bn, bk), gated)
     lead = x_q.shape[:-1]
-    a = unit_stride(x_q.reshape(-1, k), 1)
-    w_q = unit_stride(w_q, 1)
-    m = a.shape[0]
-    check_size(a, w_q, residual)
+    a, w_q, m = core.linear_rows(x_q, w_q, k, residual)
     kb = math.ceil(k / bk)
     xs = x_scale.detach().float().reshape(m, kb).contiguous()
     ws = w_scale.detach().float().contiguous()
     b = None if bias is None else bias.detach().float().reshape(w_q.shape[0])
-    ep = epilogue_operands(lead, m, n, residual, out_dtype, out_scale, out_fmt, a.device)
+    ep = core.epilogue_operands(lead, m, n, residual, out_dtype, out_scale, out_fmt, a.device)
     cfg = config or pick_block_config(m)
     if gated and config is None:
         cfg = cfg.gated()
@@ -163,17 +141,17 @@ def fp8_block_linear(
 AOT_BLOCKS = ((128, 128),)
 
 
-def _entry(cfg: GemmConfig, block: tuple[int, int], fmt_a: FP8Format, fmt_w: FP8Format, activation: str | None,
+def _entry(cfg: core.GemmConfig, block: tuple[int, int], fmt_a: FP8Format, fmt_w: FP8Format, activation: str | None,
            has_bias: bool, res_dtype: str | None, out: str | FP8Format) -> AotEntry:
-    return linear_aot_entry("_fp8_block_linear_kernel", BLOCK_LINEAR_KERNEL, cfg, fmt_a, fmt_w, activation, has_bias,
-                            res_dtype, out, scales={"SCALE_N": block[0], "SCALE_K": block[1]},
-                            scales_desc=f"block={block[0]}x{block[1]} ")
+    return core.linear_aot_entry("_fp8_block_linear_kernel", BLOCK_LINEAR_KERNEL, cfg, fmt_a, fmt_w, activation,
+                                 has_bias, res_dtype, out, scales={"SCALE_N": block[0], "SCALE_K": block[1]},
+                                 scales_desc=f"block={block[0]}x{block[1]} ")
 
 
 def _aot_configs() -> list[AotEntry]:
     fmts = list(FP8Format)
     rows = itertools.product(BLOCK_CONFIGS.values(), AOT_BLOCKS, fmts, fmts, (None,) + ACTIVATIONS + GATED,
-                             (False, True), RESIDUAL_DTYPES, LINEAR_OUTS)
+                             (False, True), core.RESIDUAL_DTYPES, core.LINEAR_OUTS)
     return [_entry(*args) for args in rows]
 
 
@@ -182,10 +160,10 @@ AOT_CONFIGS: list[AotEntry] = _aot_configs()
 
 def aot_options(entry: AotEntry) -> dict[str, int]:
     """``num_warps``/``num_stages`` of an AOT_CONFIGS entry (launch options, not constexprs)."""
-    return config_options(BLOCK_CONFIGS, entry)
+    return core.config_options(BLOCK_CONFIGS, entry)
 
 
 def aot_attrs(entry: AotEntry) -> dict:
     """Divisibility by 16 of pointers, N, K and leading strides, as the JIT finds for aligned shapes
     (vectorized, cp.async-pipelined loads); KB and UP_SCALE_ROW are small and unaligned."""
-    return aligned_attrs(entry, ("N", "K", "stride_am", "stride_wn", "stride_om", "stride_rm"))
+    return core.aligned_attrs(entry, ("N", "K", "stride_am", "stride_wn", "stride_om", "stride_rm"))

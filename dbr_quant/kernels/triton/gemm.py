@@ -25,26 +25,9 @@ import triton.language as tl
 
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
-from dbr_quant.kernels.triton.common import AotEntry, check_device
-from dbr_quant.kernels.triton.gemm_core import (
-    LINEAR_OUTS,
-    PTR,
-    RESIDUAL_DTYPES,
-    GemmConfig,
-    GemmKernel,
-    aligned_attrs,
-    check_size,
-    config_options,
-    describe,
-    epilogue_operands,
-    fp8_format,
-    linear_aot_entry,
-    linear_epilogue,
-    output_tile,
-    scaled_dot,
-    signature,
-    unit_stride,
-)
+from dbr_quant.kernels.triton import gemm_core as core
+from dbr_quant.kernels.triton.common import AotEntry
+from dbr_quant.kernels.triton.gemm_core import GemmConfig
 
 __all__ = [
     "AOT_CONFIGS", "CONFIGS", "GemmConfig", "aot_attrs", "aot_options", "fp8_linear", "fp8_matmul", "pick_config",
@@ -86,13 +69,14 @@ def _fp8_linear_kernel(
     """out[M, N] = epilogue(A[M, K] · W[N, K]ᵀ · (sx·sw)). GATED: W is [gate; up] (2N × K); the same CTA
     computes the gate and up tiles of its output columns (two accumulators sharing each A tile) so
     act(gate)·up is formed in registers and the 2N-wide intermediate never reaches memory."""
-    rm, rn, mask_m, mask_n = output_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    y, up = scaled_dot(a_ptr, w_ptr, x_scale_ptr, w_scale_ptr, rm, rn, mask_m, mask_n, N, K, N,
-                       stride_am, stride_ak, stride_wn, stride_wk, stride_xs, stride_ws,
-                       BLOCK_M, BLOCK_N, BLOCK_K, GATED, 1, 0)
-    linear_epilogue(y, up, bias_ptr, res_ptr, out_ptr, inv_out_scale_ptr, rm, rn, mask_m, mask_n, N,
-                    stride_rm, stride_rn, stride_om, stride_on, ACTIVATION, GATED, HAS_BIAS, HAS_RESIDUAL, OUT_KIND,
-                    FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
+    rm, rn, mask_m, mask_n = core.output_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    y, up = core.scaled_dot(a_ptr, w_ptr, x_scale_ptr, w_scale_ptr, rm, rn, mask_m, mask_n, N, K, N,
+                            stride_am, stride_ak, stride_wn, stride_wk, stride_xs, stride_ws,
+                            BLOCK_M, BLOCK_N, BLOCK_K, GATED, 1, 0)
+    core.linear_epilogue(y, up, bias_ptr, res_ptr, out_ptr, inv_out_scale_ptr, rm, rn, mask_m, mask_n, N,
+                         stride_rm, stride_rn, stride_om, stride_on,
+                         ACTIVATION, GATED, HAS_BIAS, HAS_RESIDUAL, OUT_KIND,
+                         FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
 
 
 def _fp8_matmul_kernel(
@@ -112,17 +96,17 @@ def _fp8_matmul_kernel(
     a_ptr += z0 * stride_a0 + z1 * stride_a1
     b_ptr += z0 * stride_b0 + z1 * stride_b1
     c_ptr += z0 * stride_c0 + z1 * stride_c1
-    rm, rn, mask_m, mask_n = output_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm, rn, mask_m, mask_n = core.output_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     sa_z = sa_ptr + z0 * stride_sa0 + z1 * stride_sa1
     sb_z = sb_ptr + z0 * stride_sb0 + z1 * stride_sb1
-    c, _ = scaled_dot(a_ptr, b_ptr, sa_z, sb_z, rm, rn, mask_m, mask_n, N, K, N,
-                      stride_am, stride_ak, stride_bn, stride_bk, stride_sam, stride_sbn,
-                      BLOCK_M, BLOCK_N, BLOCK_K, False, 1, 0)
+    c, _ = core.scaled_dot(a_ptr, b_ptr, sa_z, sb_z, rm, rn, mask_m, mask_n, N, K, N,
+                           stride_am, stride_ak, stride_bn, stride_bk, stride_sam, stride_sbn,
+                           BLOCK_M, BLOCK_N, BLOCK_K, False, 1, 0)
     tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, c, mask=mask_m[:, None] & mask_n[None, :])
 
 
-LINEAR_KERNEL = GemmKernel(_fp8_linear_kernel, ("M", "stride_xs", "stride_ws"))
-MATMUL_KERNEL = GemmKernel(_fp8_matmul_kernel, ("M", "B1", "stride_sa0", "stride_sa1", "stride_sam", "stride_sb0",
+LINEAR_KERNEL = core.GemmKernel(_fp8_linear_kernel, ("M", "stride_xs", "stride_ws"))
+MATMUL_KERNEL = core.GemmKernel(_fp8_matmul_kernel, ("M", "B1", "stride_sa0", "stride_sa1", "stride_sam", "stride_sb0",
                                                 "stride_sb1", "stride_sbn"))
 
 _MAX_GRID_Z = 65535
@@ -149,12 +133,7 @@ def fp8_linear(
     fc1 → act → fc2 chains pass FP8 without a high-precision round trip; ``out_dtype`` is then ignored.
     ``config`` overrides the block config picked by M (tests use small tiles to get many ragged edges).
     """
-    check_device(x_q, x_scale, w_q, w_scale, bias, residual, out_scale)
-    fp8_format(x_q, "x_q")  # any pair of FP8 formats: tl.dot takes mixed E4M3/E5M2 operands
-    fp8_format(w_q, "w_q")
-    if activation is not None and activation not in ACTIVATIONS + GATED:
-        raise ValueError(f"unknown activation {activation!r}; use one of {ACTIVATIONS + GATED}")
-    gated = activation in GATED
+    gated = core.check_linear("fp8_linear", x_q, w_q, activation, x_scale, w_scale, bias, residual, out_scale)
     lead, k = x_q.shape[:-1], x_q.shape[-1]
     n_w = w_q.shape[0]
     if w_q.dim() != 2 or w_q.shape[1] != k:
@@ -162,10 +141,7 @@ def fp8_linear(
     if gated and n_w % 2:
         raise ValueError(f"gated activation {activation!r} needs W stacked as [gate; up], got {n_w} rows")
     n = n_w // 2 if gated else n_w
-    a = unit_stride(x_q.reshape(-1, k), 1)
-    w_q = unit_stride(w_q, 1)
-    m = a.shape[0]
-    check_size(a, w_q, residual)
+    a, w_q, m = core.linear_rows(x_q, w_q, k, residual)
     dev = a.device
     xs = x_scale.detach().float()
     xs = xs.reshape(1) if xs.numel() == 1 else torch.broadcast_to(xs, (*lead, 1)).reshape(m)
@@ -173,7 +149,7 @@ def fp8_linear(
     if ws.numel() not in (1, n_w):
         raise ValueError(f"w_scale must be a scalar or have {n_w} values, got {tuple(w_scale.shape)}")
     b = None if bias is None else bias.detach().float().reshape(n_w)
-    ep = epilogue_operands(lead, m, n, residual, out_dtype, out_scale, out_fmt, dev)
+    ep = core.epilogue_operands(lead, m, n, residual, out_dtype, out_scale, out_fmt, dev)
     cfg = config or pick_config(m)
     if gated and config is None:
         cfg = cfg.gated()
@@ -199,9 +175,7 @@ def fp8_matmul(
     Batch dims broadcast like torch.matmul (through strides, no copies of the operands). Scales may be
     per-tensor (0-d), per row of a (…×M×1) or per column of b (…×1×N, as fp8_attention's per-token K).
     """
-    check_device(a_q, a_scale, b_q, b_scale)
-    fp8_format(a_q, "a_q")
-    fp8_format(b_q, "b_q")
+    core.check_linear("fp8_matmul", a_q, b_q, None, a_scale, b_scale)
     if a_q.dim() < 2 or b_q.dim() < 2 or a_q.shape[-1] != b_q.shape[-2]:
         raise ValueError(f"fp8_matmul needs …×M×K @ …×K×N operands, got {tuple(a_q.shape)} @ {tuple(b_q.shape)}")
     m, k, n = a_q.shape[-2], a_q.shape[-1], b_q.shape[-1]
@@ -216,11 +190,11 @@ def fp8_matmul(
         return t.reshape(-1, batch[-1], rows, cols)
 
     # unit stride along K for a, along K or N for b (Q·Kᵀ passes a transposed view: no copy needed)
-    a_q = unit_stride(a_q, -1)
-    b_q = b_q if b_q.stride(-2) == 1 else unit_stride(b_q, -1)
+    a_q = core.unit_stride(a_q, -1)
+    b_q = b_q if b_q.stride(-2) == 1 else core.unit_stride(b_q, -1)
     a, b, c = as_4d(a_q, m, k), as_4d(b_q, k, n), as_4d(out, m, n)
     sa, sb = as_4d(a_scale.detach().float(), m, 1), as_4d(b_scale.detach().float(), 1, n)
-    check_size(a[0, 0], b[0, 0], c[0, 0])
+    core.check_size(a[0, 0], b[0, 0], c[0, 0])
     b0, b1 = c.shape[0], c.shape[1]
     if b1 > _MAX_GRID_Z:
         raise ValueError(f"the innermost batch dim ({b1}) exceeds the CUDA grid limit {_MAX_GRID_Z}")
@@ -244,24 +218,24 @@ def fp8_matmul(
 
 def _linear_entry(cfg: GemmConfig, fmt_a: FP8Format, fmt_w: FP8Format, activation: str | None, has_bias: bool,
                   res_dtype: str | None, out: str | FP8Format) -> AotEntry:
-    return linear_aot_entry("_fp8_linear_kernel", LINEAR_KERNEL, cfg, fmt_a, fmt_w, activation, has_bias, res_dtype,
-                            out, scales={})
+    return core.linear_aot_entry("_fp8_linear_kernel", LINEAR_KERNEL, cfg, fmt_a, fmt_w, activation, has_bias,
+                                 res_dtype, out, scales={})
 
 
 def _matmul_entry(cfg: GemmConfig, fmt_a: FP8Format, fmt_b: FP8Format, b_layout: str) -> AotEntry:
     """``b_layout`` "kn": b row-major (P·V); "nk": b is a transposed row-major tensor (Q·Kᵀ)."""
-    ptrs = {"a_ptr": PTR[fmt_a], "b_ptr": PTR[fmt_b], "c_ptr": "*fp32", "sa_ptr": "*fp32", "sb_ptr": "*fp32"}
+    ptrs = {"a_ptr": core.PTR[fmt_a], "b_ptr": core.PTR[fmt_b], "c_ptr": "*fp32", "sa_ptr": "*fp32", "sb_ptr": "*fp32"}
     units = ("stride_ak", "stride_bn" if b_layout == "kn" else "stride_bk", "stride_cn")
-    sig, consts = signature(MATMUL_KERNEL, ptrs, units)
+    sig, consts = core.signature(MATMUL_KERNEL, ptrs, units)
     consts.update(cfg.constexprs())
-    desc = f"{describe(cfg)} | {fmt_a.value}x{fmt_b.value} b={b_layout}"
+    desc = f"{core.describe(cfg)} | {fmt_a.value}x{fmt_b.value} b={b_layout}"
     return ("_fp8_matmul_kernel", desc, MATMUL_KERNEL, sig, consts)
 
 
 def _aot_configs() -> list[AotEntry]:
     fmts = list(FP8Format)
     linear = itertools.product(CONFIGS.values(), fmts, fmts, (None,) + ACTIVATIONS + GATED, (False, True),
-                               RESIDUAL_DTYPES, LINEAR_OUTS)
+                               core.RESIDUAL_DTYPES, core.LINEAR_OUTS)
     matmul = itertools.product(CONFIGS.values(), fmts, fmts, ("kn", "nk"))
     return [_linear_entry(*args) for args in linear] + [_matmul_entry(*args) for args in matmul]
 
@@ -271,12 +245,12 @@ AOT_CONFIGS: list[AotEntry] = _aot_configs()
 
 def aot_options(entry: AotEntry) -> dict[str, int]:
     """``num_warps``/``num_stages`` of an AOT_CONFIGS entry (launch options: pass as triton.compile options)."""
-    return config_options(CONFIGS, entry)
+    return core.config_options(CONFIGS, entry)
 
 
 def aot_attrs(entry: AotEntry) -> dict:
     """ASTSource ``attrs`` for the common aligned case (the JIT adds them when pointers, K, N and the
     leading strides are multiples of 16): without them loads are not vectorized nor cp.async-pipelined."""
-    return aligned_attrs(entry, ("N", "K", "stride_am", "stride_wn", "stride_om", "stride_rm", "stride_bk",
+    return core.aligned_attrs(entry, ("N", "K", "stride_am", "stride_wn", "stride_om", "stride_rm", "stride_bk",
                                  "stride_bn", "stride_cm", "stride_a0", "stride_a1", "stride_b0", "stride_b1",
                                  "stride_c0", "stride_c1"))

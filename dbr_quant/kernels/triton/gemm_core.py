@@ -23,8 +23,16 @@ import triton
 import triton.language as tl
 
 from dbr_quant.formats import FP8Format
-from dbr_quant.kernels.reference.dense import GATED, GATED_ACTIVATIONS
-from dbr_quant.kernels.triton.common import AotEntry, Kernel, device_function, fp8_bits, fp8_constants, round_to_fp8
+from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED, GATED_ACTIVATIONS
+from dbr_quant.kernels.triton.common import (
+    AotEntry,
+    Kernel,
+    check_device,
+    device_function,
+    fp8_bits,
+    fp8_constants,
+    round_to_fp8,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,6 +265,27 @@ def unit_stride(t: torch.Tensor, dim: int) -> torch.Tensor:
 def check_size(*tensors: torch.Tensor | None) -> None:
     if any(t is not None and t.numel() >= 2**31 for t in tensors):  # offsets in the tile loops are 32-bit
         raise ValueError("tensor too large for 32-bit offsets")
+
+
+def check_linear(op: str, x_q: torch.Tensor, w_q: torch.Tensor, activation: str | None,
+                 *others: torch.Tensor | None) -> bool:
+    """The checks every GEMM wrapper starts with (device, FP8 operands, activation name); whether the
+    activation is gated. Any pair of FP8 formats is fine: tl.dot takes mixed E4M3/E5M2 operands."""
+    check_device(x_q, w_q, *others)
+    fp8_format(x_q, "x_q")
+    fp8_format(w_q, "w_q")
+    if activation is not None and activation not in ACTIVATIONS + GATED:
+        raise ValueError(f"{op}: unknown activation {activation!r}; use one of {ACTIVATIONS + GATED}")
+    return activation in GATED
+
+
+def linear_rows(x_q: torch.Tensor, w_q: torch.Tensor, k: int,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(A: x_q as rows × K, W, rows), both with unit stride along K, sizes checked for 32-bit offsets."""
+    a = unit_stride(x_q.reshape(-1, k), 1)
+    w_q = unit_stride(w_q, 1)
+    check_size(a, w_q, residual)
+    return a, w_q, a.shape[0]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,28 +41,9 @@ from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
 from dbr_quant.kernels.reference.grouped import check_grouped_args
 from dbr_quant.kernels.routing import MoeRouting, expert_out_scale, expert_weight_scale, input_scale_kind
+from dbr_quant.kernels.triton import gemm_core as core
 from dbr_quant.kernels.triton.common import AotEntry, check_device, device_function, fp8_constants
 from dbr_quant.kernels.triton.gemm import CONFIGS, pick_config
-from dbr_quant.kernels.triton.gemm_core import (
-    OUT_KINDS,
-    OUT_PTR,
-    PTR,
-    GemmConfig,
-    GemmKernel,
-    aligned_attrs,
-    bias_activation,
-    check_size,
-    config_options,
-    describe,
-    epilogue_constexprs,
-    fp8_format,
-    grouped_tile,
-    out_name,
-    scaled_dot,
-    signature,
-    store_tile,
-    unit_stride,
-)
 from dbr_quant.kernels.triton.quantize import LOADED_DTYPES, block_max, block_sum, quantize_bits
 
 __all__ = ["AOT_CONFIGS", "aot_attrs", "aot_options", "fp8_grouped_linear", "moe_quantize"]
@@ -112,7 +93,7 @@ def _fp8_grouped_gemm_kernel(
     (2N × K) and the CTA holds both accumulators, as the dense kernel (act(gate)·up formed in registers).
     Scales are indexed through strides that are 0 where they do not vary: x by expert (stride_xe) or by
     input row (stride_xr), W by expert (stride_se) and channel (stride_sn), the FP8 output by expert."""
-    pid_m, pid_n = grouped_tile(tl.program_id(0), max_tiles * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = core.grouped_tile(tl.program_id(0), max_tiles * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
     e, row0, row_end, valid = _tile_of(pid_m, expert_offsets_ptr, num_experts, BLOCK_M, CHUNK)
     if not valid:
         return
@@ -123,11 +104,11 @@ def _fp8_grouped_gemm_kernel(
     slot = tl.load(slots_ptr + rm, mask=mask_m, other=0)  # token · top_k + choice
     a_row = slot // top_k if GATHER else rm
     # 64-bit expert offset: E·N·K exceeds 2**31 for large MoEs (the offsets within one expert do not)
-    y, up = scaled_dot(a_ptr, w_ptr + e.to(tl.int64) * stride_we, x_scale_ptr + e * stride_xe,
-                       w_scale_ptr + e * stride_se, a_row, rn, mask_m, mask_n, N, K, N,
-                       stride_am, stride_ak, stride_wn, stride_wk, stride_xr, stride_sn,
-                       BLOCK_M, BLOCK_N, BLOCK_K, GATED, 1, 0)
-    y = bias_activation(y, up, bias_ptr + e * stride_be, rn, mask_n, N, ACTIVATION, GATED, HAS_BIAS)
+    y, up = core.scaled_dot(a_ptr, w_ptr + e.to(tl.int64) * stride_we, x_scale_ptr + e * stride_xe,
+                            w_scale_ptr + e * stride_se, a_row, rn, mask_m, mask_n, N, K, N,
+                            stride_am, stride_ak, stride_wn, stride_wk, stride_xr, stride_sn,
+                            BLOCK_M, BLOCK_N, BLOCK_K, GATED, 1, 0)
+    y = core.bias_activation(y, up, bias_ptr + e * stride_be, rn, mask_n, N, ACTIVATION, GATED, HAS_BIAS)
     mask = mask_m[:, None] & mask_n[None, :]
     if OUT_KIND == "scatter_add" or OUT_KIND == "scatter_store":
         y = y * tl.load(route_w_ptr + slot, mask=mask_m, other=0.0)[:, None]
@@ -138,8 +119,9 @@ def _fp8_grouped_gemm_kernel(
         else:
             tl.store(out_ptrs, y, mask=mask)
     else:  # an FP8 output takes the next projection's input scale, per expert or shared
-        store_tile(y, out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on, inv_out_scale_ptr + e * stride_ie,
-                   mask, OUT_KIND, FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
+        out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on
+        core.store_tile(y, out_ptrs, inv_out_scale_ptr + e * stride_ie, mask,
+                        OUT_KIND, FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
 
 
 def _moe_quantize_kernel(x_ptr, slots_ptr, expert_offsets_ptr, inv_ptr, q_ptr, K, num_experts, top_k,
@@ -159,12 +141,12 @@ def _moe_quantize_kernel(x_ptr, slots_ptr, expert_offsets_ptr, inv_ptr, q_ptr, K
                  mask=mask)
 
 
-GROUPED_KERNEL = GemmKernel(_fp8_grouped_gemm_kernel, (
+GROUPED_KERNEL = core.GemmKernel(_fp8_grouped_gemm_kernel, (
     "num_experts", "top_k", "max_tiles", "stride_xe", "stride_xr", "stride_se", "stride_sn", "stride_be", "stride_ie"))
-MOE_QUANTIZE_KERNEL = GemmKernel(_moe_quantize_kernel, ("num_experts", "top_k"))
+MOE_QUANTIZE_KERNEL = core.GemmKernel(_moe_quantize_kernel, ("num_experts", "top_k"))
 
 
-def pick_grouped_config(rows: int, num_experts: int) -> GemmConfig:
+def pick_grouped_config(rows: int, num_experts: int) -> core.GemmConfig:
     """The dense GEMM's config for the average rows per expert (no autotuning: must run interpreted)."""
     return pick_config(triton.cdiv(rows, num_experts))
 
@@ -184,24 +166,22 @@ def fp8_grouped_linear(
     out_fmt: FP8Format | str = FP8Format.E4M3,
     topk_weights: torch.Tensor | None = None,
     deterministic: bool = False,
-    config: GemmConfig | None = None,
+    config: core.GemmConfig | None = None,
 ) -> torch.Tensor:
     """:func:`reference.grouped.fp8_grouped_linear` in one launch (two with ``deterministic`` scatter).
 
     ``config`` overrides the block config (tests use small tiles to get many ragged tiles per expert).
     """
     op = "fp8_grouped_linear"
-    check_device(x_q, x_scale, w_q, w_scale, bias, out_scale, topk_weights, routing.slots)
-    fp8_format(x_q, "x_q")
-    fp8_format(w_q, "w_q")
+    core.check_linear(op, x_q, w_q, None, x_scale, w_scale, bias, out_scale, topk_weights, routing.slots)
     check_grouped_args(x_q, w_q, routing, x_sorted, activation, out_scale, topk_weights, op)
     num_e, n_w, k = w_q.shape
     gated = activation in GATED
     n = n_w // 2 if gated else n_w
     rows, dev = routing.num_rows, x_q.device
-    a = unit_stride(x_q, 1)
-    w_q = unit_stride(w_q, 2)
-    check_size(a, w_q[0])  # offsets within one expert's weight and within A are 32-bit
+    a = core.unit_stride(x_q, 1)
+    w_q = core.unit_stride(w_q, 2)
+    core.check_size(a, w_q[0])  # offsets within one expert's weight and within A are 32-bit
     if max(rows, routing.num_tokens) * n >= 2**31:
         raise ValueError(f"{op}: output too large for 32-bit offsets ({rows} rows × {n})")
 
@@ -236,9 +216,9 @@ def fp8_grouped_linear(
         out = torch.empty((rows, n), dtype=fmt_o.dtype, device=dev)
         out_view = out.view(torch.uint8)
     else:
-        if out_dtype not in OUT_KINDS:
-            raise TypeError(f"{op}: out_dtype must be one of {list(OUT_KINDS)} (or pass out_scale for FP8)")
-        kind_o = OUT_KINDS[out_dtype]
+        if out_dtype not in core.OUT_KINDS:
+            raise TypeError(f"{op}: out_dtype must be one of {list(core.OUT_KINDS)} (or pass out_scale for FP8)")
+        kind_o = core.OUT_KINDS[out_dtype]
         out = torch.empty((rows, n), dtype=out_dtype, device=dev)
         out_view = out.view(torch.uint16) if kind_o == "bf16" else out
 
@@ -254,7 +234,7 @@ def fp8_grouped_linear(
             a.stride(0), a.stride(1), w_q.stride(0), w_q.stride(1), w_q.stride(2), out.stride(0), out.stride(1),
             stride_xe, stride_xr, stride_se, stride_sn, 0 if b is None else b.stride(0), stride_ie,
             **cfg.constexprs(), CHUNK=EXPERT_CHUNK, GATHER=not x_sorted,
-            **epilogue_constexprs(activation, b is not None, fmt_o if kind_o == "fp8" else kind_o),
+            **core.epilogue_constexprs(activation, b is not None, fmt_o if kind_o == "fp8" else kind_o),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if kind_o == "scatter_store":  # the fixed-order combine over each token's top_k slots
@@ -273,7 +253,7 @@ def moe_quantize(x: torch.Tensor, x_scale: torch.Tensor, routing: MoeRouting, fm
     if x.dim() != 2 or x.shape[0] != routing.num_tokens:
         raise ValueError(f"moe_quantize: x must be [{routing.num_tokens}, K] (tokens of the routing), "
                          f"got {tuple(x.shape)}")
-    x_c = unit_stride(x if x.dtype in LOADED_DTYPES else x.float(), 1)
+    x_c = core.unit_stride(x if x.dtype in LOADED_DTYPES else x.float(), 1)
     q = torch.empty((routing.num_rows, x.shape[1]), dtype=fmt.dtype, device=x.device)
     if q.numel():
         inv = torch.reciprocal(x_scale.float()).contiguous()  # reference.quantize's own reciprocal bits
@@ -289,27 +269,27 @@ def moe_quantize(x: torch.Tensor, x_scale: torch.Tensor, routing: MoeRouting, fm
 _GROUPED_OUTS = ("fp32", "bf16", "fp16", *FP8Format, "scatter_add", "scatter_store")
 
 
-def _grouped_entry(cfg: GemmConfig, fmt_a: FP8Format, fmt_w: FP8Format, activation: str | None, has_bias: bool,
+def _grouped_entry(cfg: core.GemmConfig, fmt_a: FP8Format, fmt_w: FP8Format, activation: str | None, has_bias: bool,
                    gather: bool, out: str | FP8Format) -> AotEntry:
     """One AOT_CONFIGS row for fp8_grouped_linear; ``out`` is an OUT_KIND name or an FP8Format."""
-    epilogue = epilogue_constexprs(activation, has_bias, out)
+    epilogue = core.epilogue_constexprs(activation, has_bias, out)
     cfg = cfg.gated() if epilogue["GATED"] else cfg
     kind = str(epilogue["OUT_KIND"])
-    out_ptr = "*fp32" if kind.startswith("scatter") else OUT_PTR[kind]
-    ptrs = {"a_ptr": PTR[fmt_a], "w_ptr": PTR[fmt_w], "out_ptr": out_ptr,
+    out_ptr = "*fp32" if kind.startswith("scatter") else core.OUT_PTR[kind]
+    ptrs = {"a_ptr": core.PTR[fmt_a], "w_ptr": core.PTR[fmt_w], "out_ptr": out_ptr,
             "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "inv_out_scale_ptr": "*fp32",
             "slots_ptr": "*i32", "route_w_ptr": "*fp32", "expert_offsets_ptr": "*i32"}
-    sig, consts = signature(GROUPED_KERNEL, ptrs, ("stride_ak", "stride_wk", "stride_on"))
+    sig, consts = core.signature(GROUPED_KERNEL, ptrs, ("stride_ak", "stride_wk", "stride_on"))
     consts.update(cfg.constexprs(), CHUNK=EXPERT_CHUNK, GATHER=gather, **epilogue)
-    desc = (f"{describe(cfg)} | {fmt_a.value}x{fmt_w.value} act={activation} bias={int(has_bias)}"
-            f" rows={'gathered' if gather else 'sorted'} out={out_name(out)}")
+    desc = (f"{core.describe(cfg)} | {fmt_a.value}x{fmt_w.value} act={activation} bias={int(has_bias)}"
+            f" rows={'gathered' if gather else 'sorted'} out={core.out_name(out)}")
     return ("_fp8_grouped_gemm_kernel", desc, GROUPED_KERNEL, sig, consts)
 
 
 def _moe_quantize_entry(x_dtype: str, fmt: FP8Format) -> AotEntry:
     ptrs = {"x_ptr": f"*{x_dtype}", "slots_ptr": "*i32", "expert_offsets_ptr": "*i32", "inv_ptr": "*fp32",
             "q_ptr": "*u8"}
-    sig, consts = signature(MOE_QUANTIZE_KERNEL, ptrs, ())
+    sig, consts = core.signature(MOE_QUANTIZE_KERNEL, ptrs, ())
     consts.update(BLOCK=QUANT_BLOCK, CHUNK=EXPERT_CHUNK, **fp8_constants(fmt))
     return ("_moe_quantize_kernel", f"moe_quantize x={x_dtype} {fmt.value} BLOCK={QUANT_BLOCK} warps=4",
             MOE_QUANTIZE_KERNEL, sig, consts)
@@ -329,11 +309,11 @@ AOT_CONFIGS: list[AotEntry] = _aot_configs()
 def aot_attrs(entry: AotEntry) -> dict:
     """ASTSource ``attrs`` for the common aligned case (pointers, K, N and leading strides multiples of 16),
     as the JIT would specialize them: without them loads are neither vectorized nor cp.async-pipelined."""
-    return aligned_attrs(entry, ("N", "K", "stride_am", "stride_we", "stride_wn", "stride_om", "stride_xm"))
+    return core.aligned_attrs(entry, ("N", "K", "stride_am", "stride_we", "stride_wn", "stride_om", "stride_xm"))
 
 
 def aot_options(entry: AotEntry) -> dict[str, int]:
     """``num_warps``/``num_stages`` an AOT_CONFIGS entry is launched with (triton.compile options)."""
     if entry[0] == "_moe_quantize_kernel":
         return {"num_warps": 4, "num_stages": 3}  # Triton's launch defaults, which moe_quantize uses
-    return config_options(CONFIGS, entry)
+    return core.config_options(CONFIGS, entry)

@@ -24,15 +24,7 @@ import triton
 import triton.language as tl
 
 from dbr_quant.formats import FP8Format
-from dbr_quant.kernels.triton.common import (
-    AotEntry,
-    Kernel,
-    check_device,
-    device_function,
-    fp8_bits,
-    fp8_constants,
-    round_to_fp8,
-)
+from dbr_quant.kernels.triton.common import Kernel, check_device, device_function, fp8_bits, fp8_constants, round_to_fp8
 
 QUANT_BLOCK = 1024  # elements per program of the elementwise kernels
 AMAX_BLOCK = 4096  # elements per program (and per atomic) of the per-tensor amax kernel
@@ -228,8 +220,8 @@ def aot_signature(kernel: Kernel, types: dict[str, str]) -> dict[str, str]:
     return {name: types.get(name, "constexpr") for name in kernel.jit.arg_names}
 
 
-def _aot_configs() -> list[AotEntry]:
-    configs: list[AotEntry] = []
+def _aot_configs() -> list[tuple[str, str, Kernel, dict, dict]]:
+    configs: list[tuple[str, str, Kernel, dict, dict]] = []
     for ty in TRITON_DTYPES.values():
         sig = aot_signature(AMAX, {"x_ptr": f"*{ty}", "amax_ptr": "*fp32", "numel": "i32"})
         configs.append(("amax", f"x={ty} BLOCK={AMAX_BLOCK}", AMAX, sig, {"BLOCK": AMAX_BLOCK}))
@@ -253,4 +245,4 @@ def _aot_configs() -> list[AotEntry]:
     return configs
 
 
-AOT_CONFIGS: list[AotEntry] = _aot_configs()
+AOT_CONFIGS: list[tuple[str, str, Kernel, dict, dict]] = _aot_configs()
