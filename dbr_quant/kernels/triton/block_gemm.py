@@ -7,7 +7,7 @@ step's FP8 dot (wgmma on sm_90, mma.sync on sm_89) lands in a fresh fp32 tile, w
 never straddles two scale blocks (with BLOCK_K = bk = 128, one scale pair per step). The result matches
 ``reference.block.fp8_block_linear(exact=True)`` up to the order of fp32 additions.
 
-The main loop (:func:`gemm_core.scaled_dot` with SCALE_K = bk) and the epilogue (:func:`gemm_core.linear_epilogue`:
+The main loop (:func:`gemm_core.main_loop` with SCALE_K = bk) and the epilogue (:func:`gemm_core.linear_epilogue`:
 bias, activation incl. gated, residual, fp32/bf16/fp16 or FP8 with a static scale) are the dense kernel's.
 Every load and store is masked, so ragged M (decode M = 1), N and K (not multiples of the tile nor of the
 scale block) all work. Gated activations take W as [gate; up] with each half blocked on its own: the up
@@ -66,12 +66,13 @@ def _fp8_block_linear_kernel(
     """out[M, N] = epilogue(Σ_kb (A[:, kb] · W[:, kb]ᵀ) · sx[m, kb] · sw[n // SCALE_N, kb]). Scales are
     contiguous fp32: sx [M, KB], sw [rows, KB]. GATED: W is [gate; up] (2N × K), both tiles in one CTA."""
     rm, rn, mask_m, mask_n = core.output_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    y, up = core.scaled_dot(a_ptr, w_ptr, x_scale_ptr, w_scale_ptr, rm, rn, mask_m, mask_n, N, K, UP_SCALE_ROW,
-                            stride_am, stride_ak, stride_wn, stride_wk, KB, KB,
-                            BLOCK_M, BLOCK_N, BLOCK_K, GATED, SCALE_N, SCALE_K)
-    core.linear_epilogue(y, up, bias_ptr, res_ptr, out_ptr, inv_out_scale_ptr, rm, rn, mask_m, mask_n, N,
-                         stride_rm, stride_rn, stride_om, stride_on,
-                         ACTIVATION, GATED, HAS_BIAS, HAS_RESIDUAL, OUT_KIND,
+    acc, acc_up = core.main_loop(a_ptr, w_ptr, x_scale_ptr, w_scale_ptr, rm, rn, mask_m, mask_n, N, K, UP_SCALE_ROW,
+                                 stride_am, stride_ak, stride_wn, stride_wk, KB, KB,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, GATED, SCALE_N, SCALE_K)
+    core.linear_epilogue(acc, acc_up, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr, inv_out_scale_ptr,
+                         rm, rn, mask_m, mask_n, N,
+                         KB, KB, stride_rm, stride_rn, stride_om, stride_on,
+                         SCALE_K, ACTIVATION, GATED, HAS_BIAS, HAS_RESIDUAL, OUT_KIND,
                          FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
 
 

@@ -70,12 +70,13 @@ def _fp8_linear_kernel(
     computes the gate and up tiles of its output columns (two accumulators sharing each A tile) so
     act(gate)·up is formed in registers and the 2N-wide intermediate never reaches memory."""
     rm, rn, mask_m, mask_n = core.output_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    y, up = core.scaled_dot(a_ptr, w_ptr, x_scale_ptr, w_scale_ptr, rm, rn, mask_m, mask_n, N, K, N,
-                            stride_am, stride_ak, stride_wn, stride_wk, stride_xs, stride_ws,
-                            BLOCK_M, BLOCK_N, BLOCK_K, GATED, 1, 0)
-    core.linear_epilogue(y, up, bias_ptr, res_ptr, out_ptr, inv_out_scale_ptr, rm, rn, mask_m, mask_n, N,
-                         stride_rm, stride_rn, stride_om, stride_on,
-                         ACTIVATION, GATED, HAS_BIAS, HAS_RESIDUAL, OUT_KIND,
+    acc, acc_up = core.main_loop(a_ptr, w_ptr, x_scale_ptr, w_scale_ptr, rm, rn, mask_m, mask_n, N, K, N,
+                                 stride_am, stride_ak, stride_wn, stride_wk, stride_xs, stride_ws,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, GATED, 1, 0)
+    core.linear_epilogue(acc, acc_up, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr, inv_out_scale_ptr,
+                         rm, rn, mask_m, mask_n, N,
+                         stride_xs, stride_ws, stride_rm, stride_rn, stride_om, stride_on,
+                         0, ACTIVATION, GATED, HAS_BIAS, HAS_RESIDUAL, OUT_KIND,
                          FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
 
 
@@ -97,11 +98,14 @@ def _fp8_matmul_kernel(
     b_ptr += z0 * stride_b0 + z1 * stride_b1
     c_ptr += z0 * stride_c0 + z1 * stride_c1
     rm, rn, mask_m, mask_n = core.output_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc, _ = core.main_loop(a_ptr, b_ptr, sa_ptr, sb_ptr, rm, rn, mask_m, mask_n, N, K, N,
+                            stride_am, stride_ak, stride_bn, stride_bk, stride_sam, stride_sbn,
+                            BLOCK_M, BLOCK_N, BLOCK_K, False, 1, 0)
     sa_z = sa_ptr + z0 * stride_sa0 + z1 * stride_sa1
     sb_z = sb_ptr + z0 * stride_sb0 + z1 * stride_sb1
-    c, _ = core.scaled_dot(a_ptr, b_ptr, sa_z, sb_z, rm, rn, mask_m, mask_n, N, K, N,
-                           stride_am, stride_ak, stride_bn, stride_bk, stride_sam, stride_sbn,
-                           BLOCK_M, BLOCK_N, BLOCK_K, False, 1, 0)
+    # the scales only: no bias (sa_z stands in for the pointer), no activation
+    c = core.scale_bias_activation(acc, acc, sa_z, sb_z, sa_z, rm, rn, mask_m, mask_n, N, stride_sam, stride_sbn,
+                                   "none", False, False, 0)
     tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, c, mask=mask_m[:, None] & mask_n[None, :])
 
 

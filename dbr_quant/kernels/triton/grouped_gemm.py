@@ -104,11 +104,13 @@ def _fp8_grouped_gemm_kernel(
     slot = tl.load(slots_ptr + rm, mask=mask_m, other=0)  # token · top_k + choice
     a_row = slot // top_k if GATHER else rm
     # 64-bit expert offset: E·N·K exceeds 2**31 for large MoEs (the offsets within one expert do not)
-    y, up = core.scaled_dot(a_ptr, w_ptr + e.to(tl.int64) * stride_we, x_scale_ptr + e * stride_xe,
-                            w_scale_ptr + e * stride_se, a_row, rn, mask_m, mask_n, N, K, N,
-                            stride_am, stride_ak, stride_wn, stride_wk, stride_xr, stride_sn,
-                            BLOCK_M, BLOCK_N, BLOCK_K, GATED, 1, 0)
-    y = core.bias_activation(y, up, bias_ptr + e * stride_be, rn, mask_n, N, ACTIVATION, GATED, HAS_BIAS)
+    acc, acc_up = core.main_loop(a_ptr, w_ptr + e.to(tl.int64) * stride_we, x_scale_ptr, w_scale_ptr, a_row, rn,
+                                 mask_m, mask_n, N, K, N,
+                                 stride_am, stride_ak, stride_wn, stride_wk, stride_xr, stride_sn,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, GATED, 1, 0)
+    y = core.scale_bias_activation(acc, acc_up, x_scale_ptr + e * stride_xe, w_scale_ptr + e * stride_se,
+                                   bias_ptr + e * stride_be, a_row, rn, mask_m, mask_n, N, stride_xr, stride_sn,
+                                   ACTIVATION, GATED, HAS_BIAS, 0)
     mask = mask_m[:, None] & mask_n[None, :]
     if OUT_KIND == "scatter_add" or OUT_KIND == "scatter_store":
         y = y * tl.load(route_w_ptr + slot, mask=mask_m, other=0.0)[:, None]
