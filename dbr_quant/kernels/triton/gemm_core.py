@@ -178,7 +178,8 @@ def scale_bias_activation(acc, acc_up, a_scale_ptr, w_scale_ptr, bias_ptr, a_row
 
     Gate and up are each scaled and biased in turn: with the up half scaled before the gate's bias is
     added, the grouped kernel's large gated tile needs 164 registers instead of 128 on sm_90 (halving
-    its occupancy), for the same values.
+    its occupancy), for the same values. (The dense kernel's gated tiles take a few registers more or
+    less either way, within the same occupancy: python -m dbr_quant.kernels.triton.aot prints them.)
     """
     y = acc
     if SCALE_K == 0:
