@@ -28,7 +28,7 @@ from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.block import DEFAULT_BLOCK, check_block, check_block_linear_operands
 from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
 from dbr_quant.kernels.triton import gemm_core as core
-from dbr_quant.kernels.triton.common import AotEntry
+from dbr_quant.kernels.triton.common import AotEntry, Kernel
 
 __all__ = ["AOT_CONFIGS", "BLOCK_CONFIGS", "aot_attrs", "aot_options", "fp8_block_linear", "pick_block_config"]
 
@@ -77,7 +77,7 @@ def _fp8_block_linear_kernel(
 
 
 # M (1 when decoding), KB (1 for K ≤ 128) and UP_SCALE_ROW (1 for N ≤ 128) would each double the variants
-BLOCK_LINEAR_KERNEL = core.GemmKernel(_fp8_block_linear_kernel, ("M", "KB", "UP_SCALE_ROW"))
+BLOCK_LINEAR_KERNEL = Kernel(_fp8_block_linear_kernel, ("M", "KB", "UP_SCALE_ROW"))
 
 
 def _tile_for_block(cfg: core.GemmConfig, bk: int, explicit: bool) -> core.GemmConfig:

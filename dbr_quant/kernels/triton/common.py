@@ -83,33 +83,38 @@ def fp8_constants(fmt: FP8Format) -> dict[str, float | int]:
     return {"FP8_MAX": 57344.0, "MANTISSA_BITS": 2, "MIN_NORMAL": 2.0**-14, "EXP_BIAS": 15}
 
 
+def on_interpreter() -> bool:
+    return current_backend() == "triton-interpret"
+
+
 class Kernel:
     """One Triton kernel, launchable compiled (``triton``) or in the CPU interpreter (``triton-interpret``).
 
     The interpreter is chosen per launch from the current backend, so one process can run both (the
     environment variable TRITON_INTERPRET is not needed).
+
+    ``do_not_specialize`` names int arguments the JIT is not to specialize. Triton compiles a separate
+    variant for every int argument equal to 1 (it becomes a constexpr). For unit strides along K and N that
+    is wanted (contiguous → vector loads and cp.async pipelining), and the GEMM wrappers guarantee them; for
+    M (= 1 when decoding) or scale strides (0 or 1: per-tensor or per-row) it would only multiply the
+    variants, so the GEMMs list those and the modules' ``AOT_CONFIGS`` hold exactly the variants launched.
     """
 
-    def __init__(self, fn: Callable[..., None]) -> None:
+    def __init__(self, fn: Callable[..., None], do_not_specialize: tuple[str, ...] = ()) -> None:
         self.fn = fn
-        self.jit = triton.jit(fn)
+        self.jit = triton.jit(fn, do_not_specialize=do_not_specialize)
 
     @functools.cached_property
     def interpreted(self) -> InterpretedFunction:
         return InterpretedFunction(self.fn)
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., object]:
-        handle = self.interpreted if current_backend() == "triton-interpret" else self.jit
-        return handle[grid]
+        return (self.interpreted if on_interpreter() else self.jit)[grid]
 
 
 # one row of a kernel module's AOT_CONFIGS (read by kernels.triton.aot): (kernel name, description, kernel,
 # ASTSource signature, constexprs)
 AotEntry = tuple[str, str, Kernel, dict[str, str], dict[str, object]]
-
-
-def on_interpreter() -> bool:
-    return current_backend() == "triton-interpret"
 
 
 def check_device(*tensors: torch.Tensor | None) -> None:

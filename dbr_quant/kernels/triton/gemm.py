@@ -26,7 +26,7 @@ import triton.language as tl
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
 from dbr_quant.kernels.triton import gemm_core as core
-from dbr_quant.kernels.triton.common import AotEntry
+from dbr_quant.kernels.triton.common import AotEntry, Kernel
 from dbr_quant.kernels.triton.gemm_core import GemmConfig
 
 __all__ = [
@@ -109,9 +109,9 @@ def _fp8_matmul_kernel(
     tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, c, mask=mask_m[:, None] & mask_n[None, :])
 
 
-LINEAR_KERNEL = core.GemmKernel(_fp8_linear_kernel, ("M", "stride_xs", "stride_ws"))
-MATMUL_KERNEL = core.GemmKernel(_fp8_matmul_kernel, ("M", "B1", "stride_sa0", "stride_sa1", "stride_sam", "stride_sb0",
-                                                "stride_sb1", "stride_sbn"))
+LINEAR_KERNEL = Kernel(_fp8_linear_kernel, ("M", "stride_xs", "stride_ws"))
+MATMUL_KERNEL = Kernel(_fp8_matmul_kernel, ("M", "B1", "stride_sa0", "stride_sa1", "stride_sam", "stride_sb0",
+                                           "stride_sb1", "stride_sbn"))
 
 _MAX_GRID_Z = 65535
 

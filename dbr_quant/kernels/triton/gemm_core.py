@@ -20,7 +20,6 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 
 import torch
-import triton
 import triton.language as tl
 
 from dbr_quant.formats import FP8Format
@@ -239,21 +238,6 @@ def linear_epilogue(acc, acc_up, a_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, ou
 # host side: operands of the wrappers
 
 
-class GemmKernel(Kernel):
-    """A :class:`Kernel` whose JIT does not specialize the given int arguments.
-
-    Triton compiles a separate variant for every int argument equal to 1 (it becomes a constexpr). For
-    the unit strides along K (A, W) and N (out, residual) that is wanted (contiguous → vector loads and
-    cp.async pipelining), and the wrappers guarantee it. For M (= 1 when decoding) and the scale strides
-    (0 or 1: per-tensor or per-row) it would only multiply the variants, so those are not specialized
-    and the modules' ``AOT_CONFIGS`` list exactly the variants the wrappers launch.
-    """
-
-    def __init__(self, fn, do_not_specialize: tuple[str, ...]) -> None:
-        super().__init__(fn)
-        self.jit = triton.jit(fn, do_not_specialize=do_not_specialize)
-
-
 FP8_DTYPES = {torch.float8_e4m3fn: FP8Format.E4M3, torch.float8_e5m2: FP8Format.E5M2}
 OUT_KINDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -273,7 +257,7 @@ def fp8_format(t: torch.Tensor, what: str) -> FP8Format:
 
 def unit_stride(t: torch.Tensor, dim: int) -> torch.Tensor:
     """``t`` with stride 1 along ``dim``, copied only if needed: the variants in AOT_CONFIGS (and the fast
-    ones: vector loads, cp.async) have unit strides along K and N (see :class:`GemmKernel`)."""
+    ones: vector loads, cp.async) have unit strides along K and N (see :class:`common.Kernel`)."""
     return t if t.stride(dim) == 1 else torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
 
 
@@ -362,7 +346,7 @@ LINEAR_OUTS: tuple[str | FP8Format, ...] = ("fp32", "bf16", "fp16", *FP8Format)
 RESIDUAL_DTYPES = (None, "fp32", "bf16", "fp16")
 
 
-def signature(kernel: GemmKernel, ptrs: dict[str, str],
+def signature(kernel: Kernel, ptrs: dict[str, str],
               units: Iterable[str]) -> tuple[dict[str, str], dict[str, object]]:
     """Pointer types as given, unit strides as constexpr 1 (as the JIT specializes them), other ints i32."""
     units = tuple(units)
@@ -387,7 +371,7 @@ def epilogue_constexprs(activation: str | None, has_bias: bool, out: str | FP8Fo
             "OUT_KIND": kind, **fp8_constants(out if isinstance(out, FP8Format) else FP8Format.E4M3)}
 
 
-def linear_aot_entry(kernel_name: str, kernel: GemmKernel, cfg: GemmConfig, fmt_a: FP8Format, fmt_w: FP8Format,
+def linear_aot_entry(kernel_name: str, kernel: Kernel, cfg: GemmConfig, fmt_a: FP8Format, fmt_w: FP8Format,
                      activation: str | None, has_bias: bool, res_dtype: str | None, out: str | FP8Format,
                      scales: dict[str, object], scales_desc: str = "") -> AotEntry:
     """One AOT_CONFIGS row of a linear kernel (dense or block-scaled: ``scales`` are its extra constexprs,

@@ -42,7 +42,7 @@ from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
 from dbr_quant.kernels.reference.grouped import check_grouped_args
 from dbr_quant.kernels.routing import MoeRouting, expert_out_scale, expert_weight_scale, input_scale_kind
 from dbr_quant.kernels.triton import gemm_core as core
-from dbr_quant.kernels.triton.common import AotEntry, check_device, device_function, fp8_constants
+from dbr_quant.kernels.triton.common import AotEntry, Kernel, check_device, device_function, fp8_constants
 from dbr_quant.kernels.triton.gemm import CONFIGS, pick_config
 from dbr_quant.kernels.triton.quantize import LOADED_DTYPES, block_max, block_sum, quantize_bits
 
@@ -143,9 +143,9 @@ def _moe_quantize_kernel(x_ptr, slots_ptr, expert_offsets_ptr, inv_ptr, q_ptr, K
                  mask=mask)
 
 
-GROUPED_KERNEL = core.GemmKernel(_fp8_grouped_gemm_kernel, (
+GROUPED_KERNEL = Kernel(_fp8_grouped_gemm_kernel, (
     "num_experts", "top_k", "max_tiles", "stride_xe", "stride_xr", "stride_se", "stride_sn", "stride_be", "stride_ie"))
-MOE_QUANTIZE_KERNEL = core.GemmKernel(_moe_quantize_kernel, ("num_experts", "top_k"))
+MOE_QUANTIZE_KERNEL = Kernel(_moe_quantize_kernel, ("num_experts", "top_k"))
 
 
 def pick_grouped_config(rows: int, num_experts: int) -> core.GemmConfig:
