@@ -57,6 +57,7 @@ def pick_config(m: int) -> GemmConfig:
     """The block config for an output with ``m`` rows (no autotuning: must also run in the interpreter)."""
     return CONFIGS["decode"] if m <= 16 else CONFIGS["medium"] if m <= 128 else CONFIGS["large"]
 
+
 def _fp8_linear_kernel(
     a_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, inv_out_scale_ptr,
     M, N, K,
@@ -70,6 +71,7 @@ def _fp8_linear_kernel(
     computes the gate and up tiles of its output columns (two accumulators sharing each A tile) so
     act(gate)·up is formed in registers and the 2N-wide intermediate never reaches memory."""
     rm, rn, mask_m, mask_n = core.output_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    # SCALE_N, SCALE_K = 1, 0: per-tensor/row/channel scales, applied once in the epilogue
     acc, acc_up = core.main_loop(a_ptr, w_ptr, x_scale_ptr, w_scale_ptr, rm, rn, mask_m, mask_n, N, K, N,
                                  stride_am, stride_ak, stride_wn, stride_wk, stride_xs, stride_ws,
                                  BLOCK_M, BLOCK_N, BLOCK_K, GATED, 1, 0)

@@ -103,7 +103,8 @@ def _fp8_grouped_gemm_kernel(
     mask_n = rn < N
     slot = tl.load(slots_ptr + rm, mask=mask_m, other=0)  # token · top_k + choice
     a_row = slot // top_k if GATHER else rm
-    # 64-bit expert offset: E·N·K exceeds 2**31 for large MoEs (the offsets within one expert do not)
+    # 64-bit expert offset: E·N·K exceeds 2**31 for large MoEs (the offsets within one expert do not);
+    # SCALE_N, SCALE_K = 1, 0: scales per tensor/expert/row/channel, applied after the loop
     acc, acc_up = core.main_loop(a_ptr, w_ptr + e.to(tl.int64) * stride_we, x_scale_ptr, w_scale_ptr, a_row, rn,
                                  mask_m, mask_n, N, K, N,
                                  stride_am, stride_ak, stride_wn, stride_wk, stride_xr, stride_sn,
