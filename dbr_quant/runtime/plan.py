@@ -38,8 +38,11 @@ class Plan:
     steps: tuple[PlanStep, ...]
 
 
-def plan_of(st: AutoQuantizationState, subgraphs: dict) -> Plan:
+def plan_of(st: AutoQuantizationState, subgraphs: dict[int, Subgraph]) -> Plan:
     """The plan of ``st``'s recorded ops against the model's subgraph table (built once, then cached)."""
+    plan = st.__dict__.get("_dbr_plan")
+    if plan is not None and plan.subgraphs is subgraphs:
+        return plan
     steps = []
     for op in st.seen_ops:
         sg = subgraphs.get(op.group[0]) if op.group is not None else None

@@ -91,15 +91,19 @@ class Run:
         (one warning, for kinds this config quantizes; ``warn`` False for the others)."""
         if st is None:
             return None
+        j = self.match_position(st, kind, fqn, warn)
+        return st.seen_ops[j] if j >= 0 else None
+
+    def match_position(self, st: AutoQuantizationState, kind: str, fqn: str, warn: bool = True) -> int:
+        """:meth:`next_op`'s position in ``st.seen_ops`` (the cursor moves past it), or -1 (warned about)."""
         key = id(st)
         i = self.cursors.get(key, 0)
         j = st.match(kind, fqn, i)
         if j >= 0:
             self.cursors[key] = j + 1
-            return st.seen_ops[j]
-        if warn:
+        elif warn:
             st.unseen(kind, fqn, i, self.record.qconfig.strict)
-        return None
+        return j
 
     def call_hooked(self, module: nn.Module, body, args: tuple, kwargs: dict) -> Any:
         """Call a linear module that has hooks through the stock ``__call__`` (so its hooks run and see
