@@ -307,33 +307,8 @@ def _mlp(fc1: Call, fc2: Call, env: Env, x: torch.Tensor, act: str | None, resid
         return run_linear(fc2, env, x=h, residual=residual)
     w_q, w_scale, bias, block = linear_parts(fc1)
     if x_fp8 is None:
-        cfg = fc1.op.qconfig
-        if block is None and not cfg.dynamic:  # quantized_input's static case, inlined (the runtime's hot path)
-            x_scale = env.input_scale(fc1, "input", x)
-            x_fp8 = kernels.quantize(x, x_scale, cfg.activation.format), x_scale
-        else:
-            x_fp8 = _quantized_linear_input(fc1, x, env, block)
+        x_fp8 = quantized_input(fc1, "input", x, env) if block is None else quantized_block_input(fc1, x, env, block)
     return run_mlp((w_q, w_scale), bias, *x_fp8, act, fc2, env, residual, x.dtype, fc1_block=block)
-
-
-def _static_mlp(fc1: Call, fc2: Call, env: Env, act: str | None, residual: torch.Tensor | None) -> Any:
-    """:func:`_mlp` → :func:`run_mlp` for the common case, read in one go: two converted linear modules with
-    per-tensor / per-channel FP8 weights and static input scales (the same two kernel calls with the same
-    operands); NotImplemented for anything else."""
-    m1, m2 = fc1.module, fc2.module
-    if m1 is None or m2 is None:
-        return NotImplemented
-    p1, p2 = m1._parameters, m2._parameters
-    w1, w2 = p1.get("weight"), p2.get("weight")
-    c1, c2 = fc1.op.qconfig, fc2.op.qconfig
-    if type(w1) is not FP8Weight or type(w2) is not FP8Weight or w1.block is not None or w2.block is not None \
-            or c1.dynamic or c2.dynamic or "bias" not in p1 or "bias" not in p2:
-        return NotImplemented
-    x = fc1.args[0]
-    x_scale = env.input_scale(fc1, "input", x)
-    x_q = kernels.quantize(x, x_scale, c1.activation.format)
-    return kernels.fp8_mlp(x_q, x_scale, w1.qdata, w1.scale, p1["bias"], act, env.input_scale(fc2, "input", None),
-                           c2.activation.format, w2.qdata, w2.scale, p2["bias"], residual, x.dtype)
 
 
 def _quantized_linear_input(call: Call, x: torch.Tensor, env: Env, block: tuple[int, int] | None
@@ -353,11 +328,7 @@ class MLP(Fusion):
         if len(calls) <= 4 and calls[1].kind == ACT and calls[2].kind == LINEAR:  # no passthrough ops between
             fc1, act, fc2 = calls[0], calls[1], calls[2]
             residual = _other_operand(calls[3]) if len(calls) == 4 else None
-            act = activation_name(act.func, act.args, act.kwargs)
-            out = _static_mlp(fc1, fc2, env, act, residual)
-            if out is not NotImplemented:
-                return out
-            return _mlp(fc1, fc2, env, fc1.args[0], act, residual)
+            return _mlp(fc1, fc2, env, fc1.args[0], activation_name(act.func, act.args, act.kwargs), residual)
         fc1, fc2 = _calls(calls, LINEAR)
         adds = _calls(calls, ADD)
         residual = _other_operand(adds[0]) if adds else None

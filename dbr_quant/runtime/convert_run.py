@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from dbr_quant.integrations import accelerate as offload
+from dbr_quant.integrations.accelerate import has_opaque_hook
 from dbr_quant.moe import experts as moe
 from dbr_quant.ops.basic import Call, run_basic
 from dbr_quant.ops.mappings import (
@@ -32,9 +33,8 @@ from dbr_quant.ops.mappings import (
     is_passthrough,
 )
 from dbr_quant.runtime.interception import current_run, has_global_hooks, has_hooks, suspended
-from dbr_quant.runtime.plan import PlanStep, plan_of
+from dbr_quant.runtime.plan import plan_of
 from dbr_quant.runtime.runs import HOOKED_BODY_FUNCS, Run, Subgraph
-from dbr_quant.runtime.state import AutoQuantizationState
 
 
 @dataclass(slots=True)
@@ -237,16 +237,28 @@ class ConvertRun(Run):
             if "_hf_hook" not in d and d.get("_dbr_experts") is None and not d.get("_dbr_norm") \
                     and not ((self.placeholders or self.resolved) and has_hooks(module)):
                 return self.call_module(module, args, kwargs)  # the common case, decided by a few dict lookups
-        elif "_hf_hook" not in d and not module._forward_hooks and not module._forward_pre_hooks \
-                and not has_global_hooks():
-            # a stock nn.Linear or an activation module that no hook observes, decided per class (its
-            # `role`) and by a few lookups: what _module_call would choose, without its per-call checks
-            if role is _LINEAR and "weight" in module._parameters:  # see mappings.is_linear_module
-                return self._linear_call(module, args, kwargs)
-            if role is _ACT and len(args) == 1 and not kwargs:
-                out = self._activation_call(module, args[0])
-                if out is not NotImplemented:
-                    return out
+        elif not module._forward_hooks and not module._forward_pre_hooks and not has_global_hooks():
+            # a stock nn.Linear or an activation module that no hook observes (decided per class, then by a
+            # few lookups)
+            if role is _LINEAR:
+                if "_hf_hook" not in d and "weight" in module._parameters:  # see mappings.is_linear_module
+                    return self._linear_call(module, args, kwargs)
+            elif role is _ACT and len(args) == 1 and not kwargs and (
+                    "_hf_hook" not in d or not has_opaque_hook(module)):  # accelerate's device hooks: transparent
+                # its forward is one F.relu / F.gelu / F.silu: take the step that call would take, without
+                # the module call and the torch-function trip: compute it on real input, or join the pending
+                # subgraph its input is a placeholder of; else (a resolved placeholder, a subgraph that
+                # expects another op) the module runs its forward
+                func, name = ACTIVATION_MODULES[type(module)]
+                x = args[0]
+                p = self.placeholders.get(id(x))
+                if p is None:
+                    if not self.resolved:
+                        with _DisableTorchFunction():  # a functional activation calls no module: no `suspended`
+                            return func(x, **{name: getattr(module, name)})
+                elif len(p.calls) < len(p.subgraph.kinds) and p.subgraph.kinds[len(p.calls)] == ACT:
+                    return self._step(p, Call(ACT, func, args, {name: getattr(module, name)}))
+                return self.call_module(module, args, kwargs)
         if "_hf_hook" in d and (is_linear_module(module) or d.get("_dbr_norm")) and not has_hooks(module):
             # accelerate (offload.py) loads weights in the forward wrapper that the FP8 path bypasses: load
             # them here and keep them until no pending fused subgraph can still read them
@@ -270,10 +282,6 @@ class ConvertRun(Run):
             return self._linear_call(module, args, kwargs)
         if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe.py
             return moe.experts_call(self, module, args, kwargs, "convert")
-        if type(module) in ACTIVATION_MODULES and len(args) == 1 and not kwargs and not has_hooks(module):
-            out = self._activation_call(module, args[0])
-            if out is not NotImplemented:
-                return out
         if module.__dict__.get("_dbr_norm") and not has_hooks(module) and len(args) == 1 and not kwargs:
             with suspended(self):
                 return self._norm_module_call(module, args)
@@ -282,24 +290,6 @@ class ConvertRun(Run):
                 args, kwargs, hit = self._scan(args, kwargs)
                 args, kwargs = self._resolve_all(args, kwargs, hit)
         return self.call_module(module, args, kwargs)
-
-    def _activation_call(self, module: nn.Module, x: Any) -> Any:
-        """An activation module (one input, no hooks): its forward is one F.relu / F.gelu / F.silu, so take the
-        step that call would take without the module call and the torch-function trip: compute it on real
-        input, or join the pending subgraph ``x`` is a placeholder of. NotImplemented when neither applies (a
-        resolved placeholder, or a subgraph that expects another op): then the module runs its forward."""
-        func, name = ACTIVATION_MODULES[type(module)]
-        p = self.placeholders.get(id(x))
-        if p is None:
-            if self.resolved:
-                return NotImplemented
-            with _DisableTorchFunction():  # a functional activation calls no module: `suspended` not needed
-                return func(x, **{name: getattr(module, name)})
-        kinds = p.subgraph.kinds
-        n = len(p.calls)
-        if n >= len(kinds) or kinds[n] != ACT:
-            return NotImplemented
-        return self._step(p, Call(ACT, func, (x,), {name: getattr(module, name)}))
 
     def _norm_module_call(self, module: nn.Module, args: tuple) -> Any:
         """A recognised RMSNorm module: a NORM op, possibly the head of a fused subgraph."""

@@ -23,7 +23,7 @@ from dbr_quant.ops.basic import PER_TOKEN_SLOTS, Call, linear_hp_weight, stored_
 from dbr_quant.ops.fusions import Fusion
 from dbr_quant.ops.mappings import FUNC_KINDS, INDEXED, LINEAR, MATMUL, SDPA, call_kind, is_linear_module
 from dbr_quant.runtime.interception import has_hooks, has_pre_hooks, original_call, routing_functions, suspended
-from dbr_quant.runtime.state import AutoQuantizationState, SeenOp, observer_key
+from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
 
 
 @dataclass
@@ -159,11 +159,7 @@ class Run:
             per_token = cfg.granularity == "token" and slot in PER_TOKEN_SLOTS
             return kernels.dynamic_scale(x, cfg.format, per_token=per_token)
         st = call.state
-        if st.converted:  # st.frozen_scale(op, slot), inlined: this runs for every quantized activation
-            name = st._scale_names.get((op.index, slot))
-            s = st._buffers[name] if name is not None else st.frozen_scale(op, slot)
-        else:
-            s = st.observers[observer_key(op.index, slot)].scale()
+        s = st.frozen_scale(op, slot) if st.converted else st.observed_scale(op, slot)
         return s if x is None or s.device == x.device else s.to(x.device)
 
     def call_module(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:

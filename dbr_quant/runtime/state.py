@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
+from dbr_quant.observers.base import AmaxObserver
 from dbr_quant.qconfig import OpQConfig
 
 
@@ -147,13 +148,16 @@ class AutoQuantizationState(nn.Module):
         return getattr(self, f"scale_{observer_key(op.index, slot)}")
 
     def frozen_scale(self, op: SeenOp, slot: str) -> torch.Tensor:
-        """``scale`` without building the name per call (the runtime's hot path)."""
-        names = self._scale_names
+        """``scale`` without building the name per call (the runtime's hot path: a name lookup, a buffer lookup)."""
         key = (op.index, slot)
-        name = names.get(key)
+        name = self._scale_names.get(key)
         if name is None:
-            name = names[key] = f"scale_{observer_key(op.index, slot)}"
-        return self._buffers[name]
+            name = self._scale_names[key] = f"scale_{observer_key(op.index, slot)}"
+        return self._buffers[name]  # type: ignore[return-value]  # a buffer freeze_scales registered: never None
+
+    def observed_scale(self, op: SeenOp, slot: str) -> torch.Tensor:
+        """The scale an activation's observer gives now (before convert freezes it)."""
+        return cast(AmaxObserver, self.observers[observer_key(op.index, slot)]).scale()
 
     def __getstate__(self) -> dict:
         """deepcopy / pickle: without the runtime's caches (the plan is rebuilt against the copy's record)."""
