@@ -7,60 +7,20 @@ out activation scales and FP8 weights; the arithmetic itself is in ``dbr_quant.k
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from dbr_quant import kernels
+from dbr_quant.ops.call import Call, Env
+from dbr_quant.ops.call import linear_hp_weight as linear_hp_weight  # where runs and inspect read it
 from dbr_quant.ops.mappings import LINEAR, MATMUL, MATMUL_AS_LINEAR, SDPA, linear_weight
 from dbr_quant.ops.straight_through import run_straight_through, substitute, wants_gradient
 from dbr_quant.quantize.weights import FP8Weight, adjacent_rows, fp8_weight_of
-from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
 
 _is_grad_enabled = torch._C.is_grad_enabled  # read once per quantized op
-
-
-@dataclass(slots=True, init=False)  # created per intercepted op: slots and a hand-written __init__ (no
-class Call:                          # __post_init__ frame) make it cheaper to build and read
-    """One intercepted call as it arrived at run time."""
-
-    kind: str
-    func: Any  # the torch function, or the nn.Linear module for module calls
-    args: tuple
-    kwargs: dict
-    op: SeenOp | None = None
-    state: AutoQuantizationState | None = None
-    placeholder: Any = None  # what this call returned while its subgraph was still pending
-    module: nn.Module | None = field(init=False, repr=False)  # func, when the call is a module call
-
-    def __init__(self, kind: str, func: Any, args: tuple, kwargs: dict, op: SeenOp | None = None,
-                 state: AutoQuantizationState | None = None, placeholder: Any = None) -> None:
-        self.kind = kind
-        self.func = func
-        self.args = args
-        self.kwargs = kwargs
-        self.op = op
-        self.state = state
-        self.placeholder = placeholder
-        self.module = func if isinstance(func, nn.Module) else None
-
-    def run_original(self, args: tuple | None = None, kwargs: dict | None = None) -> Any:
-        """The high-precision op as the user wrote it (FP8 weights dequantized)."""
-        args = self.args if args is None else args
-        kwargs = self.kwargs if kwargs is None else kwargs
-        m = self.module
-        if m is None:
-            return self.func(*args, **kwargs)
-        if self.kind == LINEAR:
-            return torch.nn.functional.linear(args[0], *linear_hp_weight(m))
-        return type(m).forward(m, *args, **kwargs)  # a recognised norm module's own body
-
-
-class Env(Protocol):
-    def input_scale(self, call: Call, slot: str, x: torch.Tensor | None) -> torch.Tensor:
-        """The scale for an activation; ``x`` may be None for static scales (needed when dynamic)."""
 
 
 def stored_fp8_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -86,14 +46,6 @@ def stacked_gate_up(gate: Call, up: Call) -> tuple[torch.Tensor, torch.Tensor] |
     if q is None or s is None:
         return torch.cat([gw.qdata, uw.qdata]), torch.cat([gw.scale, uw.scale])
     return q, s
-
-
-def linear_hp_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The weight and bias of an nn.Linear in high precision (dequantized when stored in FP8), as (N×K)."""
-    w = fp8_weight_of(module)
-    if w is None:
-        return linear_weight(module), module.bias
-    return kernels.dequantize(w.qdata, w.elementwise_scale(), w.dtype), module.bias
 
 
 def linear_operands(call: Call) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -278,7 +230,7 @@ def run_sdpa(call: Call, env: Env) -> torch.Tensor:
     return out.to(q.dtype)
 
 
-EXECUTORS = {LINEAR: run_linear, MATMUL: run_matmul, SDPA: run_sdpa}
+EXECUTORS: dict[str, Callable[[Call, Env], torch.Tensor]] = {LINEAR: run_linear, MATMUL: run_matmul, SDPA: run_sdpa}
 
 
 def run_basic(call: Call, env: Env) -> torch.Tensor:

@@ -18,7 +18,8 @@ from torch.utils._pytree import tree_map
 from dbr_quant.integrations import accelerate as offload
 from dbr_quant.integrations.accelerate import has_opaque_hook
 from dbr_quant.moe import experts as moe
-from dbr_quant.ops.basic import Call, run_basic
+from dbr_quant.ops.basic import run_basic
+from dbr_quant.ops.call import Call
 from dbr_quant.ops.mappings import (
     ACT,
     FUNC_KINDS,
@@ -32,9 +33,10 @@ from dbr_quant.ops.mappings import (
     is_linear_module,
     is_passthrough,
 )
+from dbr_quant.ops.patterns import Subgraph
 from dbr_quant.runtime.interception import current_run, has_global_hooks, has_hooks, suspended
 from dbr_quant.runtime.plan import plan_of
-from dbr_quant.runtime.runs import HOOKED_BODY_FUNCS, Run, Subgraph
+from dbr_quant.runtime.runs import HOOKED_BODY_FUNCS, Run
 
 
 @dataclass(slots=True)

@@ -15,8 +15,8 @@ cursor and takes its general path (matching, warnings, ``UnseenOpError``) whenev
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from dbr_quant.ops.patterns import Subgraph
 from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
 
 
@@ -27,14 +27,14 @@ class PlanStep:
     kind: str
     fqn: str
     op: SeenOp
-    subgraph: Any  # runs.Subgraph, or None for an op that runs on its own
+    subgraph: Subgraph | None  # None for an op that runs on its own
     step: int  # its position in the subgraph
     last: bool  # whether it completes the subgraph (the fused kernel runs then)
 
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    subgraphs: dict  # the record's subgraph table this plan was built from
+    subgraphs: dict[int, Subgraph]  # the record's subgraph table this plan was built from
     steps: tuple[PlanStep, ...]
 
 

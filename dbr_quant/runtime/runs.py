@@ -19,21 +19,12 @@ from torch.utils._pytree import tree_flatten
 from dbr_quant import kernels
 from dbr_quant.integrations import accelerate as offload
 from dbr_quant.moe import experts as moe
-from dbr_quant.ops.basic import PER_TOKEN_SLOTS, Call, linear_hp_weight, stored_fp8_weight
-from dbr_quant.ops.fusions import Fusion
+from dbr_quant.ops.basic import PER_TOKEN_SLOTS, stored_fp8_weight
+from dbr_quant.ops.call import Call, linear_hp_weight
 from dbr_quant.ops.mappings import FUNC_KINDS, INDEXED, LINEAR, MATMUL, SDPA, call_kind, is_linear_module
+from dbr_quant.ops.patterns import Subgraph
 from dbr_quant.runtime.interception import has_hooks, has_pre_hooks, original_call, routing_functions, suspended
 from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
-
-
-@dataclass
-class Subgraph:
-    """A matched fusion instance and the kinds of its ops in call order. (Hooks added after convert need
-    no record here: a hooked module that receives a placeholder materializes the subgraph.)"""
-
-    id: int
-    fusion: Fusion
-    kinds: tuple[str, ...]
 
 
 @dataclass

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from dbr_quant.integrations.accelerate import onloaded
 from dbr_quant.moe import experts as moe
-from dbr_quant.ops.fusions import Event, TraceGraph, find_subgraphs
+from dbr_quant.ops.fusions import find_subgraphs
 from dbr_quant.ops.mappings import (
     ACT,
     ADD,
@@ -43,10 +43,11 @@ from dbr_quant.ops.mappings import (
     linear_weight,
     rms_norm_module_eps,
 )
+from dbr_quant.ops.patterns import Event, Subgraph, TraceGraph
 from dbr_quant.runtime.interception import has_hooks, original_call, suspended
 from dbr_quant.runtime.param_weights import ParamUses, param_ref, weight_operand
 from dbr_quant.runtime.precision import ParamReads, skip_reason, tie_reason, tied_names
-from dbr_quant.runtime.runs import ModelRecord, Run, Subgraph, observed_inputs, tensor_leaves
+from dbr_quant.runtime.runs import ModelRecord, Run, observed_inputs, tensor_leaves
 from dbr_quant.runtime.state import AutoQuantizationState, SeenOp, TensorInfo
 
 SLOTS = {LINEAR: ("input",), MATMUL: ("a", "b"), SDPA: ("q", "k", "v")}
