@@ -16,7 +16,7 @@ from torch import nn
 from dbr_quant import kernels
 from dbr_quant.ops.call import Call, Env
 from dbr_quant.ops.call import linear_hp_weight as linear_hp_weight  # where runs and inspect read it
-from dbr_quant.ops.mappings import LINEAR, MATMUL, MATMUL_AS_LINEAR, SDPA, linear_weight
+from dbr_quant.ops.mappings import LINEAR, MATMUL, MATMUL_AS_LINEAR, SDPA, linear_bias, linear_weight
 from dbr_quant.ops.straight_through import run_straight_through, substitute, wants_gradient
 from dbr_quant.quantize.weights import FP8Weight, adjacent_rows, fp8_weight_of
 
@@ -38,9 +38,11 @@ def stacked_gate_up(gate: Call, up: Call) -> tuple[torch.Tensor, torch.Tensor] |
     buffer: a device move copies them apart, then the fused GEMM concatenates per call), else None.
     Block-scaled pairs: scales [gate block rows; up block rows], the layout of ``fp8_block_linear``'s gated path."""
     g, u = gate.module, up.module
-    if g is None or u is None or u.__dict__.get("_dbr_stacked_after") is not g:
+    if g is None or u is None:
         return None
     gw, uw = fp8_weight_of(g), fp8_weight_of(u)
+    if u.__dict__.get("_dbr_stacked_after") is not g or gw is None or uw is None:
+        return None
     q = adjacent_rows(gw.qdata, uw.qdata)
     s = adjacent_rows(gw.scale, uw.scale)
     if q is None or s is None:
@@ -52,7 +54,7 @@ def linear_operands(call: Call) -> tuple[torch.Tensor, torch.Tensor | None, torc
     """(x, weight-or-None-if-stored-FP8, bias) of a linear call, module or functional."""
     if call.module is not None:
         m = call.module
-        return call.args[0], None if fp8_weight_of(m) is not None else linear_weight(m), m.bias
+        return call.args[0], None if fp8_weight_of(m) is not None else linear_weight(m), linear_bias(m)
     args, kw = call.args, call.kwargs
     x = args[0]
     if call.func in MATMUL_AS_LINEAR:  # x @ W (W a parameter, mappings.call_kind): the linear's weight is Wᵀ
@@ -74,6 +76,7 @@ def weight_block(call: Call) -> tuple[int, int] | None:
     w = fp8_weight_of(call.module) if call.module is not None else _stored(linear_operands(call)[1])
     if w is not None:
         return w.block
+    assert call.op is not None, "executors run recorded ops"
     wcfg = call.op.qconfig.weight
     return wcfg.block if wcfg.granularity == "block" else None
 
@@ -103,11 +106,9 @@ def linear_parts(call: Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
     converted ``nn.Linear`` costs two dict lookups here, then its ``FP8Weight``'s fields)."""
     m = call.module
     if m is not None:
-        w = m._parameters.get("weight")
-        if type(w) is FP8Weight:
-            params = m._parameters
-            bias = params["bias"] if "bias" in params else m.bias
-            return w.qdata, w.scale, bias, w.block
+        param = m._parameters.get("weight")
+        if type(param) is FP8Weight:
+            return param.qdata, param.scale, linear_bias(m), param.block
     _, w, bias = linear_operands(call)
     stored = _stored(w)
     if stored is not None:
@@ -125,6 +126,7 @@ def quantized_input(call: Call, slot: str, x: torch.Tensor, env: Env) -> tuple[t
     """(fp8, scale) of an activation: a static scale from the env, or a dynamic one in the same kernel.
     "group" activations outside a block linear's input (matmul / attention operands) are quantized per token
     where the slot allows it (the finest granularity those kernels take), else per tensor."""
+    assert call.op is not None, "executors run recorded ops"
     cfg = call.op.qconfig
     if cfg.dynamic:
         per_token = cfg.activation.granularity in ("token", "group") and slot in PER_TOKEN_SLOTS
@@ -147,6 +149,7 @@ def quantized_block_input(call: Call, x: torch.Tensor, env: Env, block: tuple[in
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8, scale [..., ⌈K/bk⌉]) of a block linear's input: dynamic per-token-group quantization in one launch
     for "group" activations, else the op's own scheme with its scale repeated per group."""
+    assert call.op is not None, "executors run recorded ops"
     cfg = call.op.qconfig
     if cfg.dynamic and cfg.activation.granularity == "group":
         return kernels.group_quantize(x, block[1], cfg.activation.format)
@@ -188,14 +191,16 @@ def run_mlp(fc1_weight: tuple[torch.Tensor, torch.Tensor], fc1_bias: torch.Tenso
     """fc1 (FP8 input given; its weight, possibly a stacked [gate; up]) → activation → fc2 (+ residual) as
     one ``kernels.fp8_mlp``: FP8 from fc1's epilogue to fc2 with fc2's input scale (static). With a
     block-scaled fc1 or fc2, the same FP8 hand-off as two linear kernels."""
+    assert fc2.op is not None, "executors run recorded ops"
+    h_fmt = fc2.op.qconfig.activation.format
     h_scale = env.input_scale(fc2, "input", None)
     w2_q, w2_scale, b2, fc2_block = linear_parts(fc2)
     if fc1_block is not None or fc2_block is not None:
         h = linear_kernel(x_q, x_scale, *fc1_weight, fc1_block, bias=fc1_bias, activation=activation,
-                          out_dtype=out_dtype, out_scale=h_scale, out_fmt=fc2.op.qconfig.activation.format)
+                          out_dtype=out_dtype, out_scale=h_scale, out_fmt=h_fmt)
         return linear_kernel(h, h_scale, w2_q, w2_scale, fc2_block, bias=b2, residual=residual, out_dtype=out_dtype)
-    return kernels.fp8_mlp(x_q, x_scale, *fc1_weight, fc1_bias, activation, h_scale,
-                           fc2.op.qconfig.activation.format, w2_q, w2_scale, b2, residual, out_dtype)
+    return kernels.fp8_mlp(x_q, x_scale, *fc1_weight, fc1_bias, activation, h_scale, h_fmt, w2_q, w2_scale, b2,
+                           residual, out_dtype)
 
 
 def run_matmul(call: Call, env: Env, *, a: torch.Tensor | None = None, b: torch.Tensor | None = None
@@ -217,6 +222,7 @@ def sdpa_arguments(call: Call) -> dict[str, Any]:
 
 
 def run_sdpa(call: Call, env: Env) -> torch.Tensor:
+    assert call.op is not None, "executors run recorded ops"
     a = sdpa_arguments(call)
     q, k, v = a["query"], a["key"], a["value"]
     q_q, q_s = quantized_input(call, "q", q, env)
@@ -235,11 +241,12 @@ EXECUTORS: dict[str, Callable[[Call, Env], torch.Tensor]] = {LINEAR: run_linear,
 
 def run_basic(call: Call, env: Env) -> torch.Tensor:
     """Run one recorded op: in FP8 when it is quantized, else as written."""
-    if call.op is None or not call.op.quantize:
+    op = call.op
+    if op is None or not op.quantize:
         return call.run_original()
     if _is_grad_enabled() and (tensors := wants_gradient((call,))) is not None:
         # the FP8 value, the high-precision op's gradient (straight_through.py)
         return run_straight_through(lambda: EXECUTORS[call.kind](call, env), lambda sub: call.run_original(
             tuple(substitute(a, sub) for a in call.args), {k: substitute(v, sub) for k, v in call.kwargs.items()}),
-            tensors, lambda: f"{call.kind} {call.op.fqn}")
+            tensors, lambda: f"{call.kind} {op.fqn}")
     return EXECUTORS[call.kind](call, env)

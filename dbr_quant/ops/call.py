@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dbr_quant import kernels
-from dbr_quant.ops.mappings import LINEAR, linear_weight
+from dbr_quant.ops.mappings import LINEAR, linear_bias, linear_weight
 from dbr_quant.qconfig import OpQConfig
 from dbr_quant.quantize.weights import fp8_weight_of
 
@@ -84,8 +84,8 @@ def linear_hp_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
     """The weight and bias of an nn.Linear in high precision (dequantized when stored in FP8), as (N×K)."""
     w = fp8_weight_of(module)
     if w is None:
-        return linear_weight(module), module.bias
-    return kernels.dequantize(w.qdata, w.elementwise_scale(), w.dtype), module.bias
+        return linear_weight(module), linear_bias(module)
+    return kernels.dequantize(w.qdata, w.elementwise_scale(), w.dtype), linear_bias(module)
 
 
 class Env(Protocol):

@@ -89,23 +89,23 @@ def _self_contained(graph: TraceGraph, fusion: Fusion, matched: list[Event]) -> 
 
 
 # --------------------------------------------------------------------------- step conditions
-def _first_arg(ev: Event, prev: Event) -> bool:
-    return ev.arg_ids[:1] == (prev.output,)
+def _first_arg(ev: Event, prev: Event | None) -> bool:
+    return prev is not None and ev.arg_ids[:1] == (prev.output,)
 
 
-def _residual(ev: Event, prev: Event) -> bool:
+def _residual(ev: Event, prev: Event | None) -> bool:
     """``a + b`` with both tensors of the same shape, no ``alpha`` (a residual connection)."""
     ids = [i for i in ev.arg_ids[:2] if i is not None]
     return len(ids) == 2 and not ev.kwarg_ids and ev.detail.get("same_shape", False) \
         and "alpha" not in ev.detail.get("kwargs", ())
 
 
-def _scalar_operand(ev: Event, prev: Event) -> bool:
+def _scalar_operand(ev: Event, prev: Event | None) -> bool:
     """Multiplying or dividing the scores by a Python number (the softmax scale)."""
-    return ev.arg_ids[:1] == (prev.output,) and ev.detail.get("scalar_other", False)
+    return _first_arg(ev, prev) and ev.detail.get("scalar_other", False)
 
 
-def _last_dim(ev: Event, prev: Event) -> bool:
+def _last_dim(ev: Event, prev: Event | None) -> bool:
     return ev.detail.get("softmax_last_dim", False)
 
 
@@ -153,12 +153,13 @@ def _mlp(fc1: Call, fc2: Call, env: Env, x: torch.Tensor, act: str | None, resid
          x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """fc1 → act → fc2: fc1's epilogue applies the activation and quantizes with fc2's input scale, so
     FP8 goes from one GEMM to the next (quantize + 2 GEMMs; with a fused norm, norm + 2 GEMMs)."""
+    assert fc2.op is not None, "executors run recorded ops"
     if fc2.op.qconfig.dynamic:  # fc2's scale would depend on fc1's output: no FP8 hand-off
         h = run_linear(fc1, env, x=x, activation=act, x_fp8=x_fp8)
         return run_linear(fc2, env, x=h, residual=residual)
     w_q, w_scale, bias, block = linear_parts(fc1)
     if x_fp8 is None:
-        x_fp8 = quantized_input(fc1, "input", x, env) if block is None else quantized_block_input(fc1, x, env, block)
+        x_fp8 = _quantized_linear_input(fc1, x, env, block)
     return run_mlp((w_q, w_scale), bias, *x_fp8, act, fc2, env, residual, x.dtype, fc1_block=block)
 
 
@@ -191,7 +192,7 @@ def _norm_arguments(norm: Call) -> tuple[torch.Tensor, torch.Tensor | None, torc
     """(x, weight, bias, eps, rms) of an F.layer_norm / F.rms_norm call over the last dimension only, or of
     a recognised RMSNorm module."""
     if norm.module is not None:
-        return norm.args[0], norm.module.weight, None, rms_norm_module_eps(norm.module), True
+        return norm.args[0], norm.module._parameters["weight"], None, rms_norm_module_eps(norm.module), True
     rms = norm.func is F.rms_norm
     names = ("input", "normalized_shape", "weight", "eps") if rms else (
         "input", "normalized_shape", "weight", "bias", "eps")
@@ -214,6 +215,7 @@ def _norm_quantize(norm: Call, fc: Call, env: Env) -> tuple[torch.Tensor, tuple[
     if parts is None:
         return norm.run_original(), None
     x, weight, bias, eps, rms = parts
+    assert fc.op is not None, "executors run recorded ops"
     cfg = fc.op.qconfig
     if not cfg.dynamic:
         scale = env.input_scale(fc, "input", None)
@@ -250,7 +252,7 @@ class NormLinear(Fusion):
         return _mlp(fc1, linears[1], env, y, act, residual, x_fp8)
 
 
-_GATED_KERNELS = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh"}  # Gemma: gelu_tanh
+_GATED_KERNELS: dict[str | None, str] = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh"}  # Gemma: gelu_tanh
 
 
 def _gated_mlp(gate: Call, up: Call, down: Call | None, env: Env, x: torch.Tensor, act: str | None,
@@ -269,7 +271,7 @@ def _gated_mlp(gate: Call, up: Call, down: Call | None, env: Env, x: torch.Tenso
     biases = [linear_operands(c)[2] for c in (gate, up)]
     bias = None if biases == [None, None] else torch.cat(
         [b if b is not None else torch.zeros(n, device=x.device) for b, n in zip(biases, (w_q.shape[0] // 2,) * 2)])
-    if down is None or down.op.qconfig.dynamic:
+    if down is None or down.op is None or down.op.qconfig.dynamic:
         h = linear_kernel(x_q, x_scale, w_q, w_scale, block, bias=bias, activation=kernel_act, out_dtype=x.dtype)
         return h if down is None else run_linear(down, env, x=h, residual=residual)
     return run_mlp((w_q, w_scale), bias, x_q, x_scale, kernel_act, down, env, residual, x.dtype, fc1_block=block)

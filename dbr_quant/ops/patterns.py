@@ -60,7 +60,7 @@ class Step:
 
     kind: str
     optional: bool = False
-    accepts: Callable[[Event, Event], bool] = lambda ev, prev: True
+    accepts: Callable[[Event, Event | None], bool] = lambda ev, prev: True  # prev: None for the head
 
 
 class Fusion:
@@ -105,6 +105,7 @@ class Fusion:
             kwargs = {k: values.get(id(v), v) for k, v in call.kwargs.items()}
             out = run_basic(Call(call.kind, call.func, args, kwargs, call.op, call.state), env)
             values[id(call.placeholder)] = out
+        assert out is not None, "a subgraph has ops"
         return out
 
 
@@ -118,6 +119,7 @@ class Fusion:
             kwargs = {k: substitute(v, values) for k, v in call.kwargs.items()}
             out = Call(call.kind, call.func, args, kwargs).run_original()
             values[id(call.placeholder)] = out
+        assert out is not None, "a subgraph has ops"
         return out
 
     def run_with_gradient(self, calls: Sequence[Call], env: Env) -> torch.Tensor:

@@ -75,7 +75,7 @@ class ConvertRun(Run):
             if value is not None:
                 return (value,), kwargs, None
             return args, kwargs, self.placeholders.get(key)
-        hit = None
+        hit: _Pending | None = None
         seen: list[int] = []  # the placeholders read, to catch one read twice
 
         def fix(a):
@@ -96,7 +96,7 @@ class ConvertRun(Run):
 
         args = tuple(fix(a) for a in args)
         kwargs = {k: fix(v) for k, v in kwargs.items()} if kwargs else kwargs
-        if len(seen) > 1 and (len(set(seen)) < len(seen) or _read_before(hit, seen)):
+        if hit is not None and len(seen) > 1 and (len(set(seen)) < len(seen) or _read_before(hit, seen)):
             # `y + y` or `fc2(relu(h)) + h` where the trace saw `y + r`: a fused run would take a placeholder
             # for the residual; the ops so far run one by one instead and this call sees values
             self.materialize(hit)
@@ -377,7 +377,7 @@ def _placeholder_tensor(i: int) -> torch.Tensor:
         with _DisableTorchFunction():  # not a call of the model's
             while len(tensors) <= i:
                 ph = torch.empty(0, device="meta")
-                ph._dbr_placeholder = True
+                ph._dbr_placeholder = True  # type: ignore[attr-defined]  # read by fusions._other_operand
                 tensors.append(ph)
     return tensors[i]
 

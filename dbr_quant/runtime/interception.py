@@ -20,7 +20,7 @@ import contextlib
 import threading
 import types
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +31,26 @@ from torch.overrides import TorchFunctionMode
 from dbr_quant.integrations.accelerate import has_opaque_hook
 
 
+class Suspendable(Protocol):
+    suspended: bool  # True: calls run as written (the run's own work, see `suspended`)
+
+
+class InterceptingRun(Suspendable, Protocol):
+    """What interception needs of a run (runtime/runs.py): where intercepted calls go, and whether they go
+    there now."""
+
+    @property
+    def record(self) -> object: ...  # the model record it runs for (a nested call of the same model is inside it)
+
+    routes_functions: bool  # whether torch functions reach the run (set by `intercepting`)
+
+    def function_call(self, func: Any, args: tuple, kwargs: dict) -> Any: ...
+
+    def module_call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any: ...
+
+
 class _ThreadRun(threading.local):
-    run = None  # the run this thread is inside (a class default: reading it unset is not a failed lookup)
+    run: InterceptingRun | None = None  # the run this thread is inside (a class default: reading it unset is not a failed lookup)
 
 
 _tls = _ThreadRun()
@@ -58,7 +76,7 @@ def _intercepting_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 class _FunctionMode(TorchFunctionMode):
     """Routes every torch function called during a run to the run (the mode stack is thread-local)."""
 
-    def __init__(self, run: Any) -> None:
+    def __init__(self, run: InterceptingRun) -> None:
         super().__init__()
         self.run = run
 
@@ -112,7 +130,7 @@ FAST_PATH_MODULES = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.Trans
 
 
 @contextlib.contextmanager
-def intercepting(run: Any, functions: bool = True) -> Iterator[None]:
+def intercepting(run: InterceptingRun, functions: bool = True) -> Iterator[None]:
     """Route this thread's torch functions and module calls to ``run`` for the duration of the block.
 
     ``functions=False`` intercepts module calls only (a calibration run whose recorded ops all run as
@@ -121,7 +139,7 @@ def intercepting(run: Any, functions: bool = True) -> Iterator[None]:
     with _patch_lock:
         if _patch_depth == 0:
             _outer_call = nn.Module._call_impl
-            nn.Module._call_impl = _intercepting_call
+            nn.Module._call_impl = _intercepting_call  # type: ignore[method-assign, assignment]  # the point
         _patch_depth += 1
     previous = _tls.run
     _tls.run = run
@@ -134,11 +152,11 @@ def intercepting(run: Any, functions: bool = True) -> Iterator[None]:
         with _patch_lock:
             _patch_depth -= 1
             if _patch_depth == 0:
-                nn.Module._call_impl = _outer_call
+                nn.Module._call_impl = _outer_call  # type: ignore[method-assign]  # put back
 
 
 @contextlib.contextmanager
-def routing_functions(run: Any) -> Iterator[None]:
+def routing_functions(run: InterceptingRun) -> Iterator[None]:
     """Route torch functions to ``run`` for the block too, when its ``intercepting`` block does not already
     (a calibration run that intercepts module calls only, around a linear whose pre-hooks must run first)."""
     if run.routes_functions:
@@ -148,7 +166,7 @@ def routing_functions(run: Any) -> Iterator[None]:
         yield
 
 
-def current_run() -> Any:
+def current_run() -> InterceptingRun | None:
     """The run this thread is inside, or None."""
     return _tls.run
 
@@ -168,7 +186,7 @@ class suspended:  # noqa: N801 - used like a function: ``with suspended(run):``
 
     __slots__ = ("run", "before", "guard")
 
-    def __init__(self, run: Any) -> None:
+    def __init__(self, run: Suspendable) -> None:
         self.run = run
 
     def __enter__(self) -> None:

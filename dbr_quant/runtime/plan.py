@@ -39,15 +39,16 @@ class Plan:
 
 
 def plan_of(st: AutoQuantizationState, subgraphs: dict[int, Subgraph]) -> Plan:
-    """The plan of ``st``'s recorded ops against the model's subgraph table (built once, then cached)."""
-    plan = st.__dict__.get("_dbr_plan")
-    if plan is not None and plan.subgraphs is subgraphs:
-        return plan
+    """Build the plan of ``st``'s recorded ops against the model's subgraph table and cache it on ``st`` (the
+    convert run reads the cache, and calls this when it is missing or was built for another table)."""
     steps = []
     for op in st.seen_ops:
         sg = subgraphs.get(op.group[0]) if op.group is not None else None
-        step = op.group[1] if sg is not None else 0
-        steps.append(PlanStep(op.kind, op.fqn, op, sg, step, sg is not None and step == len(sg.kinds) - 1))
+        if sg is None or op.group is None:
+            steps.append(PlanStep(op.kind, op.fqn, op, None, 0, False))
+        else:
+            step = op.group[1]
+            steps.append(PlanStep(op.kind, op.fqn, op, sg, step, step == len(sg.kinds) - 1))
     plan = Plan(subgraphs, tuple(steps))
     st.__dict__["_dbr_plan"] = plan
     return plan

@@ -55,7 +55,10 @@ class ModelRecord:
 
 def state_of(module: nn.Module) -> AutoQuantizationState | None:
     st = module.__dict__.get("_auto_quant_state")
-    return st if st is not None else module._modules.get("_auto_quant_state")
+    if st is not None:
+        return st
+    sub = module._modules.get("_auto_quant_state")
+    return sub if isinstance(sub, AutoQuantizationState) else None
 
 
 def fqn_of(module: nn.Module) -> str | None:
@@ -129,8 +132,10 @@ class Run:
         return self.owners[-1]
 
     def op_fqn(self, kind: str, module: nn.Module | None = None) -> str:
-        if module is not None and fqn_of(module) is not None:
-            return fqn_of(module)
+        if module is not None:
+            fqn = fqn_of(module)
+            if fqn is not None:
+                return fqn
         for m in reversed(self.stack):
             base = fqn_of(m)
             if base is not None:
@@ -144,12 +149,13 @@ class Run:
     def input_scale(self, call: Call, slot: str, x: torch.Tensor | None) -> torch.Tensor:
         """An activation's scale (the executors' env): the frozen one after convert, the observer's current
         one on a prepared model (inspection), or computed from ``x`` when dynamic."""
-        op = call.op
+        op, st = call.op, call.state
+        assert op is not None and st is not None, "executors run recorded ops"
         if op.qconfig.dynamic:
             cfg = op.qconfig.activation
             per_token = cfg.granularity == "token" and slot in PER_TOKEN_SLOTS
+            assert x is not None, f"dbr_quant: {op.fqn}: a dynamic scale is computed from its tensor"
             return kernels.dynamic_scale(x, cfg.format, per_token=per_token)
-        st = call.state
         s = st.frozen_scale(op, slot) if st.converted else st.observed_scale(op, slot)
         return s if x is None or s.device == x.device else s.to(x.device)
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from dbr_quant.observers.base import AmaxObserver
+from dbr_quant.ops.call import OpRecord
 from dbr_quant.qconfig import OpQConfig
 
 
@@ -140,14 +141,14 @@ class AutoQuantizationState(nn.Module):
             if not op.quantize or op.qconfig.dynamic:
                 continue
             for slot in op.slots:
-                key = observer_key(op.index, slot)
-                self.register_buffer(f"scale_{key}", self.observers[key].scale().detach().clone())
+                self.register_buffer(f"scale_{observer_key(op.index, slot)}",
+                                     self.observed_scale(op, slot).detach().clone())
         self.converted = True
 
     def scale(self, op: SeenOp, slot: str) -> torch.Tensor:
         return getattr(self, f"scale_{observer_key(op.index, slot)}")
 
-    def frozen_scale(self, op: SeenOp, slot: str) -> torch.Tensor:
+    def frozen_scale(self, op: OpRecord, slot: str) -> torch.Tensor:
         """``scale`` without building the name per call (the runtime's hot path: a name lookup, a buffer lookup)."""
         key = (op.index, slot)
         name = self._scale_names.get(key)
@@ -155,7 +156,7 @@ class AutoQuantizationState(nn.Module):
             name = self._scale_names[key] = f"scale_{observer_key(op.index, slot)}"
         return self._buffers[name]  # type: ignore[return-value]  # a buffer freeze_scales registered: never None
 
-    def observed_scale(self, op: SeenOp, slot: str) -> torch.Tensor:
+    def observed_scale(self, op: OpRecord, slot: str) -> torch.Tensor:
         """The scale an activation's observer gives now (before convert freezes it)."""
         return cast(AmaxObserver, self.observers[observer_key(op.index, slot)]).scale()
 
