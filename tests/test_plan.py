@@ -20,7 +20,6 @@ from torch import nn
 
 import dbr_quant as dq
 from dbr_quant.kernels import count_launches
-from dbr_quant.ops import fusions
 from dbr_quant.runtime import convert_run
 from dbr_quant.runtime.state import UnseenOpError
 

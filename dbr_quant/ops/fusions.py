@@ -252,7 +252,8 @@ class NormLinear(Fusion):
         return _mlp(fc1, linears[1], env, y, act, residual, x_fp8)
 
 
-_GATED_KERNELS: dict[str | None, str] = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh"}  # Gemma: gelu_tanh
+# the gated kernel of each activation (Gemma: gelu_tanh)
+_GATED_KERNELS: dict[str | None, str] = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh"}
 
 
 def _gated_mlp(gate: Call, up: Call, down: Call | None, env: Env, x: torch.Tensor, act: str | None,

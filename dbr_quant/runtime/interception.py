@@ -50,7 +50,8 @@ class InterceptingRun(Suspendable, Protocol):
 
 
 class _ThreadRun(threading.local):
-    run: InterceptingRun | None = None  # the run this thread is inside (a class default: reading it unset is not a failed lookup)
+    # the run this thread is inside (a class default: reading it unset is not a failed lookup)
+    run: InterceptingRun | None = None
 
 
 _tls = _ThreadRun()

@@ -263,7 +263,8 @@ class TraceRun(Run):
                 self.escaped |= held
                 found = find_subgraphs(self._graph())
             for gid, (fusion, events) in enumerate(found):
-                self.record.subgraphs[gid] = Subgraph(gid, fusion, tuple(ev.kind for ev in events if ev.kind is not None))
+                kinds = tuple(ev.kind for ev in events if ev.kind is not None)  # a fusion matches kinds
+                self.record.subgraphs[gid] = Subgraph(gid, fusion, kinds)
                 for step, ev in enumerate(events):
                     if isinstance(ev.op, SeenOp):  # the records this run made
                         ev.op.group = (gid, step)
@@ -286,7 +287,8 @@ class TraceRun(Run):
         like returned ones (fused, they would be empty placeholders). A reference count above what the trace
         itself holds picks the suspects (a view holds its base too); one heap scan finds who holds them."""
         cands = list({id(self.keep[i]): self.keep[i] for i in tids if i is not None}.values())
-        ours: defaultdict[int, int] = defaultdict(int)  # references from self.keep (an in-place op's output is its input: several)
+        # references from self.keep (an in-place op's output is its input: several)
+        ours: defaultdict[int, int] = defaultdict(int)
         for t in self.keep:
             ours[id(t)] += 1
         alone = [torch.empty(0)]
