@@ -106,9 +106,11 @@ def linear_parts(call: Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
     converted ``nn.Linear`` costs two dict lookups here, then its ``FP8Weight``'s fields)."""
     m = call.module
     if m is not None:
-        param = m._parameters.get("weight")
-        if type(param) is FP8Weight:
-            return param.qdata, param.scale, linear_bias(m), param.block
+        params = m._parameters
+        param = params.get("weight")
+        if type(param) is FP8Weight:  # a converted linear module, whose bias is a parameter (or None) but oddly
+            bias = params["bias"] if "bias" in params else linear_bias(m)
+            return param.qdata, param.scale, bias, param.block
     _, w, bias = linear_operands(call)
     stored = _stored(w)
     if stored is not None:
