@@ -124,17 +124,24 @@ def linear_parts(call: Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
 PER_TOKEN_SLOTS = ("input", "a", "q", "k")
 
 
-def quantized_input(call: Call, slot: str, x: torch.Tensor, env: Env) -> tuple[torch.Tensor, torch.Tensor]:
+def quantized_input(call: Call, slot: str, x: torch.Tensor, env: Env, block: tuple[int, int] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8, scale) of an activation: a static scale from the env, or a dynamic one in the same kernel.
     "group" activations outside a block linear's input (matmul / attention operands) are quantized per token
-    where the slot allows it (the finest granularity those kernels take), else per tensor."""
+    where the slot allows it (the finest granularity those kernels take), else per tensor. The input of a
+    linear whose weight is block-scaled (``block``): scale [..., ⌈K/bk⌉], dynamic per-token groups in one
+    launch for "group" activations, else the op's own scheme with its scale repeated per group."""
     assert call.op is not None, "executors run recorded ops"
     cfg = call.op.qconfig
     if cfg.dynamic:
+        if block is not None and cfg.activation.granularity == "group":
+            return kernels.group_quantize(x, block[1], cfg.activation.format)
         per_token = cfg.activation.granularity in ("token", "group") and slot in PER_TOKEN_SLOTS
-        return kernels.dynamic_quantize(x, cfg.activation.format, per_token)
-    scale = env.input_scale(call, slot, x)
-    return kernels.quantize(x, scale, cfg.activation.format), scale
+        x_q, scale = kernels.dynamic_quantize(x, cfg.activation.format, per_token)
+    else:
+        scale = env.input_scale(call, slot, x)
+        x_q = kernels.quantize(x, scale, cfg.activation.format)
+    return (x_q, scale) if block is None else (x_q, as_group_scale(scale, x_q, block[1]))
 
 
 def as_group_scale(scale: torch.Tensor, x_q: torch.Tensor, group: int) -> torch.Tensor:
@@ -147,18 +154,6 @@ def as_group_scale(scale: torch.Tensor, x_q: torch.Tensor, group: int) -> torch.
     return scale.reshape(scale.shape if scale.dim() == x_q.dim() else ()).expand(want).contiguous()
 
 
-def quantized_block_input(call: Call, x: torch.Tensor, env: Env, block: tuple[int, int]
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8, scale [..., ⌈K/bk⌉]) of a block linear's input: dynamic per-token-group quantization in one launch
-    for "group" activations, else the op's own scheme with its scale repeated per group."""
-    assert call.op is not None, "executors run recorded ops"
-    cfg = call.op.qconfig
-    if cfg.dynamic and cfg.activation.granularity == "group":
-        return kernels.group_quantize(x, block[1], cfg.activation.format)
-    x_q, x_scale = quantized_input(call, "input", x, env)
-    return x_q, as_group_scale(x_scale, x_q, block[1])
-
-
 def run_linear(call: Call, env: Env, *, x: torch.Tensor | None = None, activation: str | None = None,
                residual: torch.Tensor | None = None, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
                out_scale: torch.Tensor | None = None, out_fmt=None) -> torch.Tensor:
@@ -167,12 +162,7 @@ def run_linear(call: Call, env: Env, *, x: torch.Tensor | None = None, activatio
     w_q, w_scale, bias, block = linear_parts(call)
     x = call.args[0] if x is None else x
     kw = {} if out_scale is None else {"out_scale": out_scale, "out_fmt": out_fmt}
-    if x_fp8 is not None:
-        x_q, x_scale = x_fp8
-    elif block is not None:
-        x_q, x_scale = quantized_block_input(call, x, env, block)
-    else:
-        x_q, x_scale = quantized_input(call, "input", x, env)
+    x_q, x_scale = quantized_input(call, "input", x, env, block) if x_fp8 is None else x_fp8
     return linear_kernel(x_q, x_scale, w_q, w_scale, block, bias=bias, activation=activation,
                          residual=residual, out_dtype=x.dtype, **kw)
 

@@ -21,7 +21,6 @@ from dbr_quant.ops.basic import (
     linear_kernel,
     linear_operands,
     linear_parts,
-    quantized_block_input,
     quantized_input,
     run_linear,
     run_mlp,
@@ -159,13 +158,8 @@ def _mlp(fc1: Call, fc2: Call, env: Env, x: torch.Tensor, act: str | None, resid
         return run_linear(fc2, env, x=h, residual=residual)
     w_q, w_scale, bias, block = linear_parts(fc1)
     if x_fp8 is None:
-        x_fp8 = _quantized_linear_input(fc1, x, env, block)
+        x_fp8 = quantized_input(fc1, "input", x, env, block)
     return run_mlp((w_q, w_scale), bias, *x_fp8, act, fc2, env, residual, x.dtype, fc1_block=block)
-
-
-def _quantized_linear_input(call: Call, x: torch.Tensor, env: Env, block: tuple[int, int] | None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantized_input(call, "input", x, env) if block is None else quantized_block_input(call, x, env, block)
 
 
 @register_fusion
@@ -268,7 +262,7 @@ def _gated_mlp(gate: Call, up: Call, down: Call | None, env: Env, x: torch.Tenso
         return h if down is None else run_linear(down, env, x=h, residual=residual)
     w_q, w_scale = stacked
     block = weight_block(gate)
-    x_q, x_scale = _quantized_linear_input(gate, x, env, block) if x_fp8 is None else x_fp8
+    x_q, x_scale = quantized_input(gate, "input", x, env, block) if x_fp8 is None else x_fp8
     biases = [linear_operands(c)[2] for c in (gate, up)]
     bias = None if biases == [None, None] else torch.cat(
         [b if b is not None else torch.zeros(n, device=x.device) for b, n in zip(biases, (w_q.shape[0] // 2,) * 2)])

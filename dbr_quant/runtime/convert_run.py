@@ -36,7 +36,7 @@ from dbr_quant.ops.mappings import (
 from dbr_quant.ops.patterns import Subgraph
 from dbr_quant.runtime.interception import current_run, has_global_hooks, has_hooks, suspended
 from dbr_quant.runtime.plan import plan_of
-from dbr_quant.runtime.runs import HOOKED_BODY_FUNCS, Run
+from dbr_quant.runtime.runs import HOOKED_BODY_FUNCS, Run, fqn_of
 
 
 @dataclass(slots=True)
@@ -148,15 +148,21 @@ class ConvertRun(Run):
                 raise RuntimeError(f"dbr_quant: {fusion.describe(p.calls)} failed: {type(e).__name__}: {e}") from e
 
     # ------------------------------------------------------------------ the plan
-    def _run_op(self, kind: str, func: Any, args: tuple, kwargs: dict, hit: _Pending | None, fqn: str,
-                warn: bool = True) -> Any:
-        """Run a recorded kind of op arriving in the innermost owner's module (``hit``: the pending subgraph
-        whose placeholder it reads, from :meth:`_scan`). The owner's plan (plan.py) says what it is: the step at
-        the cursor when this is the op the plan expects (two comparisons), else what :meth:`Run.next_op`'s
-        matching finds (a branch not taken this time). The step joins or starts its subgraph, or runs on its
-        own in FP8; a subgraph that cannot go on as traced (ops out of order, another subgraph's output read)
-        is materialized first. An op the trace never saw runs as written (warned about, or
-        ``UnseenOpError`` when strict)."""
+    def _run_op(self, kind: str, func: Any, args: tuple, kwargs: dict, fqn: str | None, warn: bool = True) -> Any:
+        """Run a recorded kind of op arriving in the innermost owner's module: a torch function, or a module
+        (``fqn``: its own name; None names the op after the innermost named module). The owner's plan (plan.py)
+        says what it is: the step at the cursor when this is the op the plan expects (two comparisons), else
+        what :meth:`Run.next_op`'s matching finds (a branch not taken this time). The step joins or starts its
+        subgraph, or runs on its own in FP8; a subgraph that cannot go on as traced (ops out of order, another
+        subgraph's output read) is materialized first. An op the trace never saw runs as written (warned
+        about, or ``UnseenOpError`` when strict). This is the one place the convert run executes an op."""
+        if not args and len(kwargs) == 1:  # `linear(input=x)`: executors read an op's one input positionally
+            args, kwargs = tuple(kwargs.values()), {}
+        hit = None
+        if self.placeholders or self.resolved:
+            args, kwargs, hit = self._scan(args, kwargs)
+        if fqn is None:
+            fqn = self.op_fqn(kind)
         st = self.owners[-1]
         step = None
         if st is not None:
@@ -202,16 +208,16 @@ class ConvertRun(Run):
             out = self.hooked_body(func, args, kwargs)
             if out is not NotImplemented:
                 return out
-        if func is torch.Tensor.to and id(args[0]) in self.placeholders and self._moves_nothing(args, kwargs):
-            return args[0]
-        hit = None
-        if self.placeholders or self.resolved:
-            args, kwargs, hit = self._scan(args, kwargs)
         kind = FUNC_KINDS.get(func)
-        if kind == MATMUL:  # x @ W of a parameter W is a linear (mappings.call_kind)
+        if kind == MATMUL:  # x @ W of a parameter W is a linear (mappings.call_kind; placeholders are no weights)
             kind = call_kind(func, args, kwargs)
         if kind in INDEXED:
-            return self._run_op(kind, func, args, kwargs, hit, self.op_fqn(kind), self.warns(kind))
+            return self._run_op(kind, func, args, kwargs, None, self.warns(kind))
+        if not (self.placeholders or self.resolved):
+            return func(*args, **kwargs)
+        if func is torch.Tensor.to and id(args[0]) in self.placeholders and self._moves_nothing(args, kwargs):
+            return args[0]
+        args, kwargs, hit = self._scan(args, kwargs)
         if hit is not None:
             kinds = hit.subgraph.kinds
             expected = len(hit.calls) < len(kinds) and kinds[len(hit.calls)] == kind
@@ -244,7 +250,7 @@ class ConvertRun(Run):
             # few lookups)
             if role is _LINEAR:
                 if "_hf_hook" not in d and "weight" in module._parameters:  # see mappings.is_linear_module
-                    return self._linear_call(module, args, kwargs)
+                    return self._run_op(LINEAR, module, args, kwargs, d.get("_dbr_fqn"))
             elif role is _ACT and len(args) == 1 and not kwargs and (
                     "_hf_hook" not in d or not has_opaque_hook(module)):  # accelerate's device hooks: transparent
                 # its forward is one F.relu / F.gelu / F.silu: take the step that call would take, without
@@ -281,7 +287,7 @@ class ConvertRun(Run):
         if is_linear_module(module):
             if has_hooks(module):
                 return self._hooked_linear_call(module, args, kwargs)
-            return self._linear_call(module, args, kwargs)
+            return self._run_op(LINEAR, module, args, kwargs, module.__dict__.get("_dbr_fqn"))
         if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe.py
             return moe.experts_call(self, module, args, kwargs, "convert")
         if module.__dict__.get("_dbr_norm") and not has_hooks(module) and len(args) == 1 and not kwargs:
@@ -295,10 +301,7 @@ class ConvertRun(Run):
 
     def _norm_module_call(self, module: nn.Module, args: tuple) -> Any:
         """A recognised RMSNorm module: a NORM op, possibly the head of a fused subgraph."""
-        hit = None
-        if self.placeholders or self.resolved:
-            args, _, hit = self._scan(args, {})
-        return self._run_op(NORM, module, args, {}, hit, self.op_fqn(NORM, module), False)
+        return self._run_op(NORM, module, args, {}, fqn_of(module), False)
 
     def _hooked_linear_call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """Hooks must see real tensors: no fusion, the stock __call__ runs them around our FP8 op."""
@@ -308,17 +311,6 @@ class ConvertRun(Run):
             op = self.next_op(st := self.owner_state(), LINEAR, self.op_fqn(LINEAR, module))
         return self.call_hooked(module, lambda x: run_basic(Call(LINEAR, module, (x,), {}, op, st), self),
                                 args, kwargs)
-
-    def _linear_call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        """A linear module that no hook observes: the plan's step for it (join or start its subgraph, or run
-        alone in FP8), or high precision when the trace never saw it here."""
-        if not args and len(kwargs) == 1:  # `linear(input=x)`: the FP8 path reads its one input positionally
-            args, kwargs = tuple(kwargs.values()), {}
-        hit = None
-        if self.placeholders or self.resolved:
-            args, kwargs, hit = self._scan(args, kwargs)
-        fqn = module.__dict__.get("_dbr_fqn")
-        return self._run_op(LINEAR, module, args, kwargs, hit, fqn if fqn is not None else self.op_fqn(LINEAR))
 
     def finish(self, out: Any) -> Any:
         for p in list(self.pending.values()):
