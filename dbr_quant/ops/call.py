@@ -36,6 +36,9 @@ class OpRecord(Protocol):
     @property
     def quantize(self) -> bool: ...  # False: it runs as written
 
+    @property
+    def weight_owner(self) -> str | None: ...  # the linear module holding its weight (inspect names layers by it)
+
 
 class OpState(Protocol):
     """The record holder of an op's module (``runtime.state.AutoQuantizationState``): its activation scales."""

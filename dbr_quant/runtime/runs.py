@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -20,27 +20,36 @@ from dbr_quant import kernels
 from dbr_quant.integrations import accelerate as offload
 from dbr_quant.moe import experts as moe
 from dbr_quant.ops.basic import PER_TOKEN_SLOTS, stored_fp8_weight
-from dbr_quant.ops.call import Call, linear_hp_weight
+from dbr_quant.ops.call import Call, Env, linear_hp_weight
 from dbr_quant.ops.mappings import FUNC_KINDS, INDEXED, LINEAR, MATMUL, SDPA, call_kind, is_linear_module
 from dbr_quant.ops.patterns import Subgraph
+from dbr_quant.qconfig import QConfig
+from dbr_quant.quantize.rounding.collect import HessianCollector
 from dbr_quant.runtime.interception import has_hooks, has_pre_hooks, original_call, routing_functions, suspended
 from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
+
+
+class Inspector(Protocol):
+    """A ``dbr_quant.inspect`` session (inspect/inspector.py) as its runs see it: it executes each recorded
+    quantized op (FP8, fake quantization or high precision, per layer) and logs statistics."""
+
+    def execute(self, call: Call, env: Env) -> Any: ...
 
 
 @dataclass
 class ModelRecord:
     """Everything dbr_quant keeps about one prepared model (held on the root as ``_dbr_record``)."""
 
-    qconfig: Any
+    qconfig: QConfig
     phase: str = "tracing"  # tracing → prepared → converted
     states: list[AutoQuantizationState] = field(default_factory=list)
     hidden_states: list[tuple[nn.Module, AutoQuantizationState]] = field(default_factory=list)
     subgraphs: dict[int, Subgraph] = field(default_factory=dict)
     example: tuple[tuple, dict] | None = None  # prepare()'s example inputs: the default for the rewriter
-    inspector: Any = None  # set by dbr_quant.inspect while a session runs: then forwards are InspectRuns
-    calibration_lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
+    inspector: Inspector | None = None  # set by dbr_quant.inspect while a session runs: forwards are InspectRuns
+    calibration_lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
     observes_functions: bool = True  # whether calibration must see torch function calls (set by prepare)
-    hessians: Any = None  # rounding.collect.HessianCollector when some op asks for GPTQ rounding (set by prepare)
+    hessians: HessianCollector | None = None  # when some op asks for GPTQ rounding (set by prepare)
     param_uses: dict = field(default_factory=dict)  # parameter fqn → the trace's calls that read it (precision.py)
 
     def __getstate__(self) -> dict:  # deepcopy / pickle: a lock cannot be copied; the copy gets its own
@@ -273,7 +282,7 @@ class InspectRun(Run):
     ones and weights are quantized on the fly — what convert would store.
     """
 
-    def __init__(self, root: nn.Module, record: ModelRecord, inspector: Any) -> None:
+    def __init__(self, root: nn.Module, record: ModelRecord, inspector: Inspector) -> None:
         super().__init__(root, record)
         self.inspector = inspector
 
