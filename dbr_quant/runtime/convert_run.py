@@ -5,8 +5,10 @@ which holds the base ``Run`` and the other phases.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +67,8 @@ class ConvertRun(Run):
         self.onloaded: dict[int, nn.Module] = {}  # accelerate-offloaded modules whose weights we loaded
         self.pool = _placeholder_pool()  # this thread's placeholder tensors (grown by _placeholder_tensor)
         self.subgraphs = self.record.subgraphs
+        self.in_function = False  # inside function_call (torch_work)
+        self.suspension = suspended(self)  # torch_work's, entered again and again (no object per use)
 
     # ------------------------------------------------------------------ placeholders
     def _scan(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, _Pending | None]:
@@ -115,7 +119,7 @@ class ConvertRun(Run):
     def materialize(self, p: _Pending) -> None:
         """Run a pending subgraph's ops one by one and record the real value of each placeholder."""
         self.pending.pop(p.subgraph.id, None)
-        with suspended(self):
+        with self.torch_work():
             for call in p.calls:
                 self.placeholders.pop(id(call.placeholder), None)
                 args = tuple(self.resolved.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in call.args)
@@ -141,7 +145,7 @@ class ConvertRun(Run):
             self.placeholders.pop(id(c.placeholder), None)
         self.done.append(p)
         fusion = p.subgraph.fusion
-        with suspended(self):
+        with self.torch_work():
             try:
                 return fusion.run_with_gradient(p.calls, self) if _is_grad_enabled() else fusion.run(p.calls, self)
             except TypeError as e:  # inside `a + b` Python would turn a TypeError into a bare NotImplemented
@@ -181,7 +185,7 @@ class ConvertRun(Run):
         if step is None:
             if hit is not None:
                 args, kwargs = self._resolve_all(args, kwargs, hit)
-            with suspended(self):
+            with self.torch_work():
                 return Call(kind, func, args, kwargs).run_original()
         call = Call(kind, func, args, kwargs, step.op, st)
         sg = step.subgraph
@@ -200,7 +204,7 @@ class ConvertRun(Run):
                 self.materialize(p)
         if hit is not None:
             call.args, call.kwargs = self._resolve_all(args, kwargs, hit)
-        with suspended(self):
+        with self.torch_work():
             return run_basic(call, self)
 
     def function_call(self, func, args, kwargs):
@@ -211,21 +215,30 @@ class ConvertRun(Run):
         kind = FUNC_KINDS.get(func)
         if kind == MATMUL:  # x @ W of a parameter W is a linear (mappings.call_kind; placeholders are no weights)
             kind = call_kind(func, args, kwargs)
-        if kind in INDEXED:
-            return self._run_op(kind, func, args, kwargs, None, self.warns(kind))
-        if not (self.placeholders or self.resolved):
+        if kind not in INDEXED and not (self.placeholders or self.resolved):
             return func(*args, **kwargs)
-        if func is torch.Tensor.to and id(args[0]) in self.placeholders and self._moves_nothing(args, kwargs):
-            return args[0]
-        args, kwargs, hit = self._scan(args, kwargs)
-        if hit is not None:
-            kinds = hit.subgraph.kinds
-            expected = len(hit.calls) < len(kinds) and kinds[len(hit.calls)] == kind
-            if expected and (kind != PASSTHROUGH or is_passthrough(func, args, kwargs)):  # e.g. train-mode dropout
-                return self._step(hit, Call(kind, func, args, kwargs))
-        if hit is not None:
-            args, kwargs = self._resolve_all(args, kwargs, hit)
-        return func(*args, **kwargs)
+        before, self.in_function = self.in_function, True  # torch work below runs as the function would (torch_work)
+        try:
+            if kind in INDEXED:
+                return self._run_op(kind, func, args, kwargs, None, self.warns(kind))
+            if func is torch.Tensor.to and id(args[0]) in self.placeholders and self._moves_nothing(args, kwargs):
+                return args[0]
+            args, kwargs, hit = self._scan(args, kwargs)
+            if hit is not None:
+                kinds = hit.subgraph.kinds
+                expected = len(hit.calls) < len(kinds) and kinds[len(hit.calls)] == kind
+                if expected and (kind != PASSTHROUGH or is_passthrough(func, args, kwargs)):  # train-mode dropout
+                    return self._step(hit, Call(kind, func, args, kwargs))
+                args, kwargs = self._resolve_all(args, kwargs, hit)
+            return func(*args, **kwargs)
+        finally:
+            self.in_function = before
+
+    def torch_work(self) -> AbstractContextManager[None]:
+        """The context of the run's own torch work (kernels, ops run as written, materializing): interception
+        suspended when it comes from a module call; nothing from a torch function, whose handler runs with this
+        run's mode already off and must leave torch-function modes below it (torch.export's) on."""
+        return _AS_CALLED if self.in_function else self.suspension
 
     def _moves_nothing(self, args: tuple, kwargs: dict) -> bool:
         """A placeholder moved to the device its subgraph computes on (accelerate's hooks do it at module
@@ -357,6 +370,7 @@ def _plain_container(cls: type) -> bool:
 
 _pool = threading.local()
 _DisableTorchFunction = torch._C.DisableTorchFunction
+_AS_CALLED = contextlib.nullcontext()
 _is_grad_enabled = torch._C.is_grad_enabled
 
 

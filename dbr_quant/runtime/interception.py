@@ -182,23 +182,26 @@ class suspended:  # noqa: N801 - used like a function: ``with suspended(run):``
 
     Torch-function dispatch is switched off too, so the kernels' many small torch calls do not each
     take a trip through the Python mode (that trip cost more than the ops themselves). A class rather
-    than a generator context manager: it is entered once or twice per op, and this costs a third.
+    than a generator context manager: it is entered once or twice per op, and this costs a third; one
+    object may be entered again inside itself (a run keeps one for its hot path).
     """
 
-    __slots__ = ("run", "before", "guard")
+    __slots__ = ("run", "saved")
 
     def __init__(self, run: Suspendable) -> None:
         self.run = run
+        self.saved: list[tuple[bool, Any]] = []  # per entry: (run.suspended before, its guard); one object nests
 
     def __enter__(self) -> None:
-        self.before = self.run.suspended
+        guard = torch._C.DisableTorchFunction()
+        guard.__enter__()
+        self.saved.append((self.run.suspended, guard))
         self.run.suspended = True
-        self.guard = torch._C.DisableTorchFunction()
-        self.guard.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        self.guard.__exit__(*exc)
-        self.run.suspended = self.before
+        before, guard = self.saved.pop()
+        self.run.suspended = before
+        guard.__exit__(*exc)
 
 
 def has_pre_hooks(module: nn.Module) -> bool:
