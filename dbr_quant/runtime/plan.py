@@ -8,8 +8,9 @@ submodule or buffer; dropped on deepcopy / pickle); it is rebuilt when the model
 different object. Records and subgraphs are written only by prepare(), so a plan built after convert stays
 right. Building is idempotent, so threads that race to build it store equal plans.
 
-A plan only says what to expect: ``convert_run.ConvertRun`` checks each arriving op against the step at its
-cursor and takes its general path (matching, warnings, ``UnseenOpError``) whenever they differ.
+A plan only says what to expect: ``ConvertRun._run_op`` (convert_run.py), the one place the convert run
+executes an op, takes the step at the cursor when the arriving op is that step's (kind, fqn), and otherwise
+the general matching (``Run.match_position``: a skipped branch, warnings, ``UnseenOpError``).
 """
 
 from __future__ import annotations
