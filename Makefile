@@ -6,7 +6,7 @@ VENV_STAMP := .venv/.installed
 NEXT_PY := .venv-triton-next/bin/python
 NEXT_STAMP := .venv-triton-next/.installed
 
-.PHONY: demo test lint bench venv venv-triton-next wheel-check clean
+.PHONY: demo test typecheck lint bench venv venv-triton-next wheel-check clean
 
 $(VENV_STAMP): requirements-dev.txt setup.cfg
 	test -x $(PY) || python3 -m venv .venv
@@ -34,8 +34,13 @@ wheel-check: $(VENV_STAMP)
 
 test: $(VENV_STAMP) $(NEXT_STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 	$(MAKE) wheel-check
 	DBR_TRITON_NEXT_PYTHON=$(CURDIR)/$(NEXT_PY) $(PY) -m pytest -q -ra
+
+# The package's annotations (pyproject.toml [tool.mypy]: which files, which checks).
+typecheck: $(VENV_STAMP)
+	$(PY) -m mypy
 
 bench: $(VENV_STAMP)
 	$(PY) benchmarks/run.py --threads 1 --rounds 7

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import dbr_quant as dq
+from dbr_quant.kernels.cpu import e4m3
 
 # Need what the extras install (demo, offload): transformers, accelerate.
 EXTRAS_ONLY = ("dbr_quant.examples",)
@@ -29,9 +30,19 @@ def _import_every_module(no_triton: bool) -> None:
     """Every module of the package imports with the declared dependencies (dbr_quant.inspect needs PyYAML, the
     Triton kernels triton), not only what ``import dbr_quant`` pulls in."""
     for info in pkgutil.walk_packages(dq.__path__, "dbr_quant."):
-        if info.name.startswith(EXTRAS_ONLY) or (no_triton and info.name.startswith("dbr_quant.kernels.triton_")):
+        if info.name.startswith(EXTRAS_ONLY) or (no_triton and info.name.startswith("dbr_quant.kernels.triton.")
+                                                 and info.name != "dbr_quant.kernels.triton.backend"):
             continue
         importlib.import_module(info.name)
+
+
+def _check_c_kernels() -> None:
+    """The wheel ships the C sources (package data) and they build where the CPU backend runs: a missing
+    csrc/e4m3.c would silently fall back to the slower torch ops."""
+    assert e4m3.SOURCE.is_file(), f"{e4m3.SOURCE} is not in the installed wheel (setup.cfg [options.package_data])"
+    active, why = e4m3.status()
+    assert active, f"the C E4M3 kernels did not build from the installed wheel: {why}"
+    print(f"C E4M3 kernels: {why}")
 
 
 def _model() -> nn.Module:
@@ -69,6 +80,7 @@ def main(no_triton: bool) -> None:
         with torch.no_grad():
             assert torch.equal(loaded(x), out), "load_pretrained(save_pretrained(m)) differs from m"
     _import_every_module(no_triton)
+    _check_c_kernels()
     print("quickstart ok" + (" (without triton)" if no_triton else ""))
 
 

@@ -18,7 +18,6 @@ transformers + compressed-tensors (CPU), and prints, on the held-out sentences (
 
 from __future__ import annotations
 
-import functools
 import tempfile
 import warnings
 
@@ -26,8 +25,7 @@ import torch
 
 import dbr_quant as dq
 from dbr_quant.examples import minilm
-from dbr_quant.kernels import use_cpu_gemm
-from dbr_quant.kernels.reference import dense as ref
+from dbr_quant.kernels import use_backend, use_cpu_gemm
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> str:
@@ -112,12 +110,8 @@ def main() -> None:
             print(f"   {path} CPU GEMM path: {_cos(emb_ct, minilm.sentence_embeddings(converted, batch))}")
     with use_cpu_gemm("fp32"):
         same = torch.equal(minilm.sentence_embeddings(converted, batch), emb_ct)
-    original = ref.fp8_linear
-    try:
-        ref.fp8_linear = functools.partial(original, exact=True)
+    with use_backend("reference"):  # the exact kernels: fp32 GEMMs, scales on the accumulator (the GPU kernels')
         print(f"   exact kernels:      {_cos(emb_ct, minilm.sentence_embeddings(converted, batch))}")
-    finally:
-        ref.fp8_linear = original
     print(f"2. fp32 CPU GEMM path (the loader's arithmetic) bit for bit: {same}")
     names = [n for n, _ in converted.named_modules() if n.startswith("encoder.layer.0.") or n == "pooler.dense"]
     print("3. local relative difference per module (loaded module on dbr_quant's inputs):")
@@ -128,12 +122,9 @@ def main() -> None:
     for n in diffs["fp32"]:  # modules that ran
         print(f"   {n:50s} fp32 path {diffs['fp32'][n]:.1e}  bf16 path {diffs['bf16'][n]:.1e}")
     print("4. FP8 codes of each linear's input that differ (exact kernels, real tokens):")
-    try:
-        ref.fp8_linear = functools.partial(original, exact=True)
+    with use_backend("reference"):
         for n, rel, flips, total in code_flips(converted, loaded, batch):
             print(f"   {n:50s} input rel {rel:.1e}  {flips}/{total} ({flips / total:.1e})")
-    finally:
-        ref.fp8_linear = original
     hooks = [m.register_forward_hook(lambda m, i, o: o - m.bias + m.bias)
              for m in loaded.modules() if isinstance(m, torch.nn.Linear) and m.bias is not None]
     emb_perturbed = minilm.sentence_embeddings(loaded, batch)

@@ -1,11 +1,14 @@
-"""Peak extra memory of a sharded FP8 save: ``dbr_quant.save_pretrained`` against ``safetensors.torch.save_file``
-of the converted state_dict, on a random bf16 Llama of a few hundred MB (CPU).
+"""Peak extra memory of a sharded FP8 save and of loading it back, on a random bf16 Llama of a few hundred MB
+(CPU): ``dbr_quant.save_pretrained`` against ``safetensors.torch.save_file`` of the converted state_dict, and
+``dbr_quant.load_pretrained`` of the saved folder onto a freshly built high-precision model.
 
     .venv/bin/python benchmarks/checkpoint_memory.py [--hidden 1024 --layers 8 --shard 50MB]
 
-Extra memory = the process's peak resident set size during the save minus its size just before (freed
-memory returned to the OS first), sampled every millisecond from /proc/self/statm. Each variant runs in a
-fresh subprocess so earlier allocations do not hide later ones.
+Extra memory = the process's peak resident set size during the save (load) minus its size just before (freed
+memory returned to the OS first; for the load, the given high-precision model already built), sampled every
+millisecond from /proc/self/statm. Each variant runs in a fresh subprocess so earlier allocations do not hide
+later ones. For the load, the table also gives what the extra memory is compared with: the FP8 model (the
+folder's bytes), one decoder layer in high precision, and the high-precision model.
 """
 
 from __future__ import annotations
@@ -50,16 +53,23 @@ class PeakRSS:
         self.peak = max(self.peak, rss())
 
 
-def build(hidden: int, layers: int):
+def architecture(hidden: int, layers: int):
+    """The random bf16 Llama (weights from the seed)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    import dbr_quant as dq
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=16,
                       num_key_value_heads=8, intermediate_size=int(hidden * 2.75), max_position_embeddings=256)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    return LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
+def build(hidden: int, layers: int):
+    import torch
+
+    import dbr_quant as dq
+
+    model = architecture(hidden, layers)
     ids = torch.randint(1, 32000, (2, 16))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -68,12 +78,52 @@ def build(hidden: int, layers: int):
         return dq.convert(prepared, inplace=True)
 
 
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _free() -> None:
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def measure_load(hidden: int, layers: int, shard: str) -> dict:
+    """Save a converted model, drop it, build the architecture afresh and load the folder onto it."""
+    import dbr_quant as dq
+
+    out = tempfile.mkdtemp(prefix="ckpt_load_")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dq.save_pretrained(build(hidden, layers), out, max_shard_size=shard)
+    _free()
+    fresh = architecture(hidden, layers)
+    hp_mb, layer_mb = _bytes(fresh.parameters()) / 1e6, _bytes(fresh.model.layers[0].parameters()) / 1e6
+    _free()
+    before = rss()
+    t = time.perf_counter()
+    with PeakRSS() as peak:
+        loaded = dq.load_pretrained(out, fresh)
+    seconds = time.perf_counter() - t
+    files = [os.path.join(out, f) for f in os.listdir(out) if f.endswith(".safetensors")]
+    sizes = sorted(os.path.getsize(f) for f in files)
+    del loaded
+    for f in os.listdir(out):
+        os.remove(os.path.join(out, f))
+    os.rmdir(out)
+    return {"variant": "dbr_quant.load_pretrained", "rss_before_mb": before / 1e6,
+            "extra_mb": (peak.peak - before) / 1e6, "seconds": seconds, "files": len(files),
+            "largest_file_mb": sizes[-1] / 1e6, "total_mb": sum(sizes) / 1e6,
+            "hp_model_mb": hp_mb, "hp_layer_mb": layer_mb}
+
+
 def measure(variant: str, hidden: int, layers: int, shard: str) -> dict:
     import torch
 
     import dbr_quant as dq
 
     torch.set_num_threads(1)
+    if variant == "dbr_quant.load_pretrained":
+        return measure_load(hidden, layers, shard)
     converted = build(hidden, layers)
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -105,6 +155,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--shard", default="50MB")
+    ap.add_argument("--load-only", action="store_true", help="measure load_pretrained only (e.g. with PYTHONPATH "
+                    "pointing at another dbr_quant checkout, to compare)")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant:
@@ -112,13 +164,18 @@ def main() -> None:
         return
     print(f"random bf16 Llama, hidden {args.hidden}, {args.layers} layers, vocab 32000; max_shard_size {args.shard}")
     print(f"{'variant':<42} {'RSS before':>10} {'peak extra':>10} {'files':>5} {'largest':>8} {'total':>8} {'time':>6}")
-    for variant in ("dbr_quant.save_pretrained", "safetensors save_file(state_dict())"):
+    variants = ("dbr_quant.save_pretrained", "safetensors save_file(state_dict())", "dbr_quant.load_pretrained")
+    for variant in variants[2:] if args.load_only else variants:
         res = subprocess.run([sys.executable, __file__, "--variant", variant, "--hidden", str(args.hidden),
                               "--layers", str(args.layers), "--shard", args.shard],
                              check=True, capture_output=True, text=True)
         r = json.loads(res.stdout.strip().splitlines()[-1])
         print(f"{r['variant']:<42} {r['rss_before_mb']:>8.0f}MB {r['extra_mb']:>8.1f}MB {r['files']:>5} "
               f"{r['largest_file_mb']:>6.1f}MB {r['total_mb']:>6.1f}MB {r['seconds']:>5.1f}s")
+        if "hp_model_mb" in r:
+            print(f"  load: peak extra {r['extra_mb']:.0f}MB = FP8 model (folder) {r['total_mb']:.0f}MB "
+                  f"+ {r['extra_mb'] - r['total_mb']:.0f}MB; one high-precision decoder layer "
+                  f"{r['hp_layer_mb']:.0f}MB, high-precision model {r['hp_model_mb']:.0f}MB (given, not counted)")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 One intra-op thread. For each path and batch: fp32 eager and converted forward times (median of interleaved
 rounds, unprofiled), then one profiled converted forward split into
 * GEMM: torch's GEMM ops (aten::mm / addmm / bmm / baddbmm, self time; fp32 eager's own GEMMs beside it);
-* C kernels: dbr_quant's one-pass E4M3 upcasts, quantize and small linears (kernels/cpu_e4m3.py), timed
+* C kernels: dbr_quant's one-pass E4M3 upcasts, quantize and small linears (kernels/cpu/csrc/e4m3.c), timed
   around each ctypes call (torch's profiler does not see them);
 * other torch ops: everything else torch's profiler saw (attention, LayerNorm, GELU, casts, epilogues), and
   the same for fp32 eager;
@@ -41,7 +41,7 @@ C_CALLS = ("quantize_e4m3", "decode_e4m3", "decode_e4m3_scaled", "small_linear")
 
 @contextlib.contextmanager
 def timed_c_calls(spent: collections.Counter):
-    """Wrap cpu_e4m3's entry points (looked up through the module by the reference kernels) with timers."""
+    """Wrap cpu_e4m3's entry points (looked up through the module by the CPU backend) with timers."""
     originals = {name: getattr(cpu_e4m3, name) for name in C_CALLS}
 
     def wrap(name, fn):

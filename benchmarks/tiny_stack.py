@@ -5,8 +5,8 @@ and whatever dbr_quant's define-by-run runtime does per op is most of the time (
 
 Three variants, interleaved round by round, each timed with ``time.thread_time`` (CPU time of this thread,
 so other processes on a shared machine do not count) with one intra-op thread (all of the work runs on this
-thread): fp32 eager; the converted FP8 model (runtime + kernel); the same converted model with the reference
-kernel entry points the runtime calls (``dbr_quant.kernels.reference.dense.<op>``, reached through the dispatch in
+thread): fp32 eager; the converted FP8 model (runtime + kernel); the same converted model with the CPU backend's
+kernel entry points the runtime calls (``dbr_quant.kernels.cpu.backend.<op>``, reached through the dispatch in
 ``dbr_quant.kernels``) replaced by no-ops that return a tensor of the right shape and dtype (runtime only).
 Per op = per forward / number of quantized linears (one fused ``Linear + ReLU`` each); the kernel launches
 per forward are printed too.
@@ -31,7 +31,7 @@ from harness import paired_ratio  # noqa: E402
 
 import dbr_quant as dq  # noqa: E402
 from dbr_quant.kernels import count_launches, use_cpu_gemm
-from dbr_quant.kernels.reference import dense as reference  # noqa: E402
+from dbr_quant.kernels.cpu import backend as cpu_backend  # noqa: E402
 
 LAYERS, WIDTH = 48, 16
 
@@ -63,7 +63,7 @@ class _Outputs:
 
 
 def _no_op_kernels() -> dict[str, Callable]:
-    """No-op stand-ins for the reference kernels the dense runtime calls, same signatures and output shapes."""
+    """No-op stand-ins for the CPU backend's kernels the dense runtime calls, same signatures and output shapes."""
     out = _Outputs()
     scalar = lambda x: out((), torch.float32, x.device)  # noqa: E731
 
@@ -103,18 +103,18 @@ def _counting(name: str, fn: Callable, calls: collections.Counter) -> Callable:
 
 @contextlib.contextmanager
 def kernels_replaced_by_no_ops(calls: collections.Counter | None = None) -> Iterator[None]:
-    """Within the block, the reference backend's entry points (what ``dbr_quant.kernels.<op>`` calls on the
+    """Within the block, the CPU backend's entry points (what ``dbr_quant.kernels.<op>`` calls on the
     CPU: ``_impl(x).<op>(...)``, looked up at call time) return preallocated tensors and compute nothing.
     ``calls`` counts the no-op calls (so a check can confirm that the runtime really reached them)."""
     no_ops = _no_op_kernels()
-    saved = {name: getattr(reference, name) for name in no_ops}
+    saved = {name: getattr(cpu_backend, name) for name in no_ops}
     try:
         for name, fn in no_ops.items():
-            setattr(reference, name, fn if calls is None else _counting(name, fn, calls))
+            setattr(cpu_backend, name, fn if calls is None else _counting(name, fn, calls))
         yield
     finally:
         for name, fn in saved.items():
-            setattr(reference, name, fn)
+            setattr(cpu_backend, name, fn)
 
 
 def _time_thread(variants: dict[str, Callable[[], object]], rounds: int, inner: int) -> dict[str, list[float]]:
@@ -152,7 +152,7 @@ def measure(path: str, rounds: int = 15, inner: int = 20) -> dict[str, float]:
         if sum(no_op_calls.values()) != sum(launches.values()):
             raise RuntimeError(f"tiny stack: the no-op kernels saw {dict(no_op_calls)} but the forward launched "
                                f"{dict(launches)}; the runtime no longer reaches "
-                               "dbr_quant.kernels.reference.dense.<op> at call time: "
+                               "dbr_quant.kernels.cpu.backend.<op> at call time: "
                                "update kernels_replaced_by_no_ops to patch what it calls")
 
         def runtime_only() -> None:

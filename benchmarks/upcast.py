@@ -1,8 +1,8 @@
-"""FP8 → bf16 / fp32 upcasts on this CPU: the bit-move upcasts of kernels.reference against torch's casts.
+"""FP8 → bf16 / fp32 upcasts on this CPU: the bit-move upcasts of kernels.cpu.upcast against torch's casts.
 
     .venv/bin/python benchmarks/upcast.py [--rounds 15]
 
-Shapes: MiniLM's weights (1536×384, 384×384) as the reference path upcasts them (into a reused buffer),
+Shapes: MiniLM's weights (1536×384, 384×384) as the CPU backend upcasts them (into a reused buffer),
 and an 8-sentence activation (128×384, freshly allocated). Times are medians of interleaved rounds.
 """
 
@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import median, time_interleaved  # noqa: E402
 
-from dbr_quant.kernels.reference import dense as R  # noqa: E402
+from dbr_quant.kernels.cpu import upcast as R  # noqa: E402
 
 
 def main() -> None:

@@ -6,6 +6,8 @@
     dbr_quant.save_pretrained(converted, "out/")      # FP8 checkpoint that transformers and vLLM load
 """
 
+__version__ = "0.1.0"  # first: checkpoints/save.py imports it while this package is still initializing
+
 from dbr_quant import kernels
 from dbr_quant.api import PrepareError, calibrate, convert, disabled, format_report, prepare, quant_state, report
 from dbr_quant.checkpoints import CheckpointError, load_pretrained, save_pretrained
@@ -25,7 +27,6 @@ __all__ = [
     "PrepareError", "UncalibratedError", "UnseenOpError", "SyncError",
     "save_pretrained", "load_pretrained", "CheckpointError",
 ]
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str):

@@ -9,27 +9,26 @@ import time
 
 import torch
 
+import dbr_quant as dq
+from dbr_quant.examples.minilm import (
+    CALIBRATION_SENTENCES,
+    EVAL_SENTENCES,
+    encode,
+    load_minilm,
+    sentence_embeddings,
+)
+from dbr_quant.kernels import use_cpu_gemm
+from dbr_quant.kernels.cpu import features as cpu
+from dbr_quant.quantize.weights import fp8_weight_bytes
+
 
 def demo(rounds: int = 7, cpu_gemm: str | None = None) -> None:
     """``cpu_gemm``: force the CPU GEMM path ("bf16" / "fp32" / "auto"); None: $DBR_QUANT_CPU_GEMM or auto."""
-    from dbr_quant.kernels import use_cpu_gemm
-
     with use_cpu_gemm(cpu_gemm) if cpu_gemm else contextlib.nullcontext():
         _demo(rounds)
 
 
 def _demo(rounds: int) -> None:
-    import dbr_quant as dq
-    from dbr_quant.examples.minilm import (
-        CALIBRATION_SENTENCES,
-        EVAL_SENTENCES,
-        encode,
-        load_minilm,
-        sentence_embeddings,
-    )
-    from dbr_quant.kernels.cpu import features as cpu
-    from dbr_quant.quantize.weights import fp8_weight_bytes
-
     torch.manual_seed(0)
     print("dbr_quant demo: all-MiniLM-L6-v2 (real pretrained weights) → FP8 (E4M3), CPU reference backend")
     print(f"{cpu.describe()}\n")

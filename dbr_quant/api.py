@@ -6,7 +6,7 @@ import copy
 import functools
 import inspect
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sized
 from typing import Any
 
 import torch
@@ -14,15 +14,17 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from dbr_quant.integrations import accelerate as offload
-from dbr_quant.integrations.distributed import sync_observers
+from dbr_quant.integrations.distributed import sync_hessians, sync_observers
 from dbr_quant.moe import experts as moe
 from dbr_quant.moe import siblings as moe_siblings
 from dbr_quant.moe import weights as moe_weights
+from dbr_quant.ops.gate_up import stack_gate_up_weights
 from dbr_quant.ops.mappings import LINEAR, QUANTIZEABLE, is_container, is_transposed_linear, linear_weight
+from dbr_quant.ops.tags import TAG, ModuleTag, fqn_of
 from dbr_quant.qconfig import QConfig
 from dbr_quant.quantize.rounding import collect
 from dbr_quant.quantize.weight_quantization import all_finite, quantize_fp8_weight
-from dbr_quant.quantize.weights import attach_fp8_weight, fp8_weight_of
+from dbr_quant.quantize.weights import attach_fp8_weight
 from dbr_quant.runtime import precision
 from dbr_quant.runtime.convert_run import ConvertRun
 from dbr_quant.runtime.interception import FAST_PATH_MODULES, current_run, disabled, intercepting, is_disabled
@@ -50,12 +52,14 @@ def _entry_forward(root: nn.Module, m: nn.Module, *args: Any, **kwargs: Any) -> 
     """
     record: ModelRecord = root.__dict__["_dbr_record"]
     # an instance forward that was there before prepare (accelerate's device/offload wrapper) keeps running
-    forward = m.__dict__.get("_dbr_inner_forward") or type(m).forward.__get__(m)
+    forward = m.__dict__[TAG].inner_forward or type(m).forward.__get__(m)
     if m is not root:
         active = current_run()
         if record.phase == "tracing" or (active is not None and active.record is record):
             return forward(*args, **kwargs)
+    run: TraceRun | HighPrecisionRun | InspectRun | CalibrateRun | ConvertRun
     if record.phase == "tracing":
+        assert isinstance(record.trace_run, TraceRun), "prepare() sets the trace run before its traced forward"
         run = record.trace_run
     elif is_disabled():
         if record.phase == "prepared":
@@ -78,11 +82,12 @@ def _entry_forward(root: nn.Module, m: nn.Module, *args: Any, **kwargs: Any) -> 
 
 
 def _install_entry_forward(root: nn.Module, m: nn.Module) -> None:
+    tag: ModuleTag = m.__dict__[TAG]
     if "forward" in m.__dict__:
-        m.__dict__["_dbr_inner_forward"] = m.__dict__["forward"]
-    wrapper = functools.partial(_entry_forward, root, m)
-    wrapper._dbr_root = root  # runs.Run.call_module skips the wrapper inside a run of this model
-    wrapper.__signature__ = inspect.signature(type(m).forward.__get__(m))  # what users and HF introspect
+        tag.inner_forward = m.__dict__["forward"]
+    tag.entry_forward = wrapper = functools.partial(_entry_forward, root, m)  # runs.Run.call_module skips it
+    # what users and HF introspect (inspect.signature reads it; typeshed's partial does not declare it)
+    wrapper.__signature__ = inspect.signature(type(m).forward.__get__(m))  # type: ignore[attr-defined]
     m.__dict__["forward"] = wrapper
 
 
@@ -130,8 +135,7 @@ def prepare(
     args, kwargs = _as_args(example_inputs), dict(example_kwargs or {})
     m = model if inplace else copy.deepcopy(model)
     for name, mod in m.named_modules():
-        mod.__dict__["_dbr_fqn"] = name
-        mod.__dict__["_dbr_owner"] = mod is m or bool(mod._modules)
+        mod.__dict__[TAG] = ModuleTag(name, owner=mod is m or bool(mod._modules))
     moe.mark_experts(m)  # MoE experts modules with 3-D weights run as one op (moe.py)
     record = ModelRecord(qconfig, example=(args, kwargs))
     record.trace_run = run = TraceRun(m, record)
@@ -144,7 +148,7 @@ def prepare(
             m(*args, **kwargs)
     except Exception as e:
         failed = (run.failed_stack or run.stack)[1:]
-        where = " > ".join(mod.__dict__.get("_dbr_fqn") or type(mod).__name__ for mod in failed)
+        where = " > ".join(fqn_of(mod) or type(mod).__name__ for mod in failed)
         op = getattr(run.current, "__name__", None)
         _undo_prepare(m)
         raise PrepareError(
@@ -166,7 +170,7 @@ def prepare(
     record.observes_functions = any(op.quantize and op.slots and not (op.kind == LINEAR and op.weight_owner)
                                     for st in record.states for op in st.seen_ops) or any(
         isinstance(mod, FAST_PATH_MODULES) for mod in m.modules())  # so torch declines its fast path (auto_trace)
-    del record.trace_run
+    record.trace_run = None
     record.hessians = collect.collector_for(qconfig, record.states)  # None unless some linear asks for GPTQ
     record.phase = "prepared"
     if not any(op.kind in QUANTIZEABLE for st in record.states for op in st.seen_ops):
@@ -179,12 +183,12 @@ def prepare(
 
 def _undo_prepare(m: nn.Module) -> None:
     for mod in m.modules():
-        for key in ("_dbr_fqn", "_dbr_owner", "_dbr_record", "_dbr_experts", "forward"):
-            if key == "forward" and not _is_entry_forward(mod.__dict__.get("forward")):
-                continue
-            mod.__dict__.pop(key, None)
-        if "_dbr_inner_forward" in mod.__dict__:
-            mod.__dict__["forward"] = mod.__dict__.pop("_dbr_inner_forward")
+        tag: ModuleTag | None = mod.__dict__.pop(TAG, None)
+        mod.__dict__.pop("_dbr_record", None)
+        if _is_entry_forward(mod.__dict__.get("forward")):
+            del mod.__dict__["forward"]
+        if tag is not None and tag.inner_forward is not None:
+            mod.__dict__["forward"] = tag.inner_forward
 
 
 # ---------------------------------------------------------------------- state attachment
@@ -225,7 +229,7 @@ def calibrate(prepared: nn.Module, batches: Iterable[Any], *, num_batches: int |
     A batch is a tensor (one positional argument), a tuple/list (positional) or a mapping (keyword).
     """
     _record(prepared, "prepared", "calibrate")
-    total = num_batches if num_batches is not None else (len(batches) if hasattr(batches, "__len__") else None)
+    total = num_batches if num_batches is not None else (len(batches) if isinstance(batches, Sized) else None)
     with torch.no_grad():
         for i, batch in enumerate(tqdm(batches, total=total, disable=not progress, desc="calibrate")):
             if num_batches is not None and i >= num_batches:
@@ -252,7 +256,7 @@ def convert(prepared: nn.Module, *, inplace: bool = False, sync: Any = True) -> 
     """
     if sync is not False:  # data-parallel calibration; a no-op without torch.distributed
         sync_observers(prepared, None if sync is True else sync)
-        collect.sync_hessians(prepared, None if sync is True else sync)  # GPTQ: sum Hessians across ranks
+        sync_hessians(prepared, None if sync is True else sync)  # GPTQ: sum Hessians across ranks
     record = _record(prepared, "prepared", "convert")
     missing = [entry for st in record.states for entry in st.uncalibrated()]
     if missing:
@@ -269,61 +273,11 @@ def convert(prepared: nn.Module, *, inplace: bool = False, sync: Any = True) -> 
     _quantize_linear_weights(m, record)
     quantize_param_weights(m, [op for st in record.states for op in st.seen_ops])  # F.linear(x, self.w), in_proj
     moe_weights.quantize_expert_weights(m, record)  # 3-D expert weights (moe_weights.py)
-    _stack_gate_up_weights(m, record)
+    stack_gate_up_weights(m, record.states)
     record.phase = "converted"
     precision.warn_high_precision(m, record, "convert")
     precision.warn_untied(m, ties)
     return m
-
-
-def _same_input_quantization(record: ModelRecord, a, b) -> bool:
-    """Both ops quantize their (shared) input identically: same config, and equal frozen scales."""
-    if a.qconfig.activation != b.qconfig.activation or a.qconfig.dynamic != b.qconfig.dynamic:
-        return False
-    if a.qconfig.dynamic:
-        return True
-    owner = {id(op): st for st in record.states for op in st.seen_ops}
-    return bool(torch.equal(owner[id(a)].scale(a, "input"), owner[id(b)].scale(b, "input")))
-
-
-def _stack_gate_up_weights(m: nn.Module, record: ModelRecord) -> None:
-    """Store each gated MLP's gate and up FP8 weights as adjacent rows of one [gate; up] buffer (each
-    module's ``weight`` is a view of its rows), so the fused GEMM (both halves, activation·up in the
-    epilogue) reads them without a per-call copy."""
-    groups: dict[int, list] = {}
-    for st in record.states:
-        for op in st.seen_ops:
-            if op.group is not None and op.kind == LINEAR and op.fusion in ("gated_mlp", "norm_gated_mlp"):
-                groups.setdefault(op.group[0], []).append(op)
-    owners = [op.weight_owner for ops in groups.values() for op in ops]
-    for ops in groups.values():
-        gate_op, up_op = sorted(ops, key=lambda op: op.group[1])[:2]
-        if None in (gate_op.weight_owner, up_op.weight_owner) or any(
-                owners.count(o) > 1 for o in (gate_op.weight_owner, up_op.weight_owner)):
-            continue  # a projection used elsewhere too keeps its own buffer
-        if not _same_input_quantization(record, gate_op, up_op):
-            continue  # the fused GEMM quantizes x once: both projections must use the same scale
-        gate, up = m.get_submodule(gate_op.weight_owner), m.get_submodule(up_op.weight_owner)
-        gw, uw = fp8_weight_of(gate), fp8_weight_of(up)
-        if gw is None or uw is None or gw.transposed or uw.transposed or gw.qdata.dtype != uw.qdata.dtype \
-                or gw.qdata.shape[1] != uw.qdata.shape[1] or gw.block != uw.block:
-            continue
-        if gw.qdata.is_meta or uw.qdata.is_meta:  # offloaded (offload.py): accelerate loads each separately,
-            if gw.scale.dim() == uw.scale.dim() == 1:  # the fused GEMM concatenates the pair per call
-                up.__dict__["_dbr_stacked_after"] = gate
-            continue
-        n_gate, n_up = gw.qdata.shape[0], uw.qdata.shape[0]
-        if gw.block is not None and n_gate != n_up:
-            continue  # the block GEMM splits [gate; up] into equal halves, each blocked on its own
-        q = torch.cat([gw.qdata, uw.qdata])
-        if gw.block is None:
-            s = torch.cat([sc.expand(n) if sc.dim() == 0 else sc for sc, n in ((gw.scale, n_gate), (uw.scale, n_up))])
-            s_gate = n_gate
-        else:  # [gate blocks; up blocks]: each half keeps its own block rows (a ragged last one included)
-            s, s_gate = torch.cat([gw.scale, uw.scale]), gw.scale.shape[0]
-        attach_fp8_weight(gate, q[:n_gate], s[:s_gate], gw.dtype, block=gw.block, qconfig=gw.qconfig)
-        attach_fp8_weight(up, q[n_gate:], s[s_gate:], uw.dtype, block=uw.block, qconfig=uw.qconfig)
-        up.__dict__["_dbr_stacked_after"] = gate
 
 
 def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
@@ -332,11 +286,12 @@ def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
         for op in st.seen_ops:
             if op.kind == LINEAR and op.weight_owner is not None:
                 ops_by_module.setdefault(op.weight_owner, []).append(op)
+    token = offload.new_token()
     for fqn, ops in ops_by_module.items():
         if not all(op.quantize for op in ops):
             continue  # some call runs in high precision: it needs the original weight
         module = m.get_submodule(fqn)
-        home = offload.weight_home(m, fqn)  # accelerate keeps an offloaded weight in its weights map (meta here)
+        home = offload.weight_home(m, fqn, token)  # accelerate keeps an offloaded weight in its weights map (meta here)
         w = linear_weight(module).detach() if home is None else _loaded_weight(module, home)
         if not all_finite(w):
             raise ValueError(f"convert(): the weight of '{fqn}' ({type(module).__name__}) has NaN/inf values; "
@@ -354,7 +309,7 @@ def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
 
 
 def _loaded_weight(module: nn.Module, home: offload.WeightHome) -> torch.Tensor:
-    w = home.load().to(module._parameters["weight"].dtype)
+    w = home.load().to(module.get_parameter("weight").dtype)
     return w.t() if is_transposed_linear(module) else w
 
 

@@ -190,6 +190,7 @@ class QConfig:
         scale per ``block`` tile, dynamic activation scales per token per ``block[1]`` channels. No calibration
         needed. Other QConfig fields go in ``kwargs``."""
         block = check_block(block, "QConfig.fp8_block(block=...)")
+        fmt = FP8Format.parse(fmt)
         return cls(weight=TensorQConfig(format=fmt, granularity="block", block=block),
                    activation=TensorQConfig(format=fmt, granularity="group", group_size=block[1]), dynamic=True,
                    **kwargs)

@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import dbr_quant as dq
+from dbr_quant.kernels.cpu import backend as cpu_backend
 from dbr_quant.kernels.reference import block as RB
+from dbr_quant.ops.tags import tag_of
 from dbr_quant.quantize.weights import FP8Weight, adjacent_rows, fp8_weight_bytes, fp8_weight_of
 
 D, HIDDEN, GATED = 200, 300, 136  # none a multiple of 128 (nor of 32 / 48): every edge block is ragged
@@ -257,7 +259,7 @@ def test_functional_linear_quantizes_its_weight_per_call_in_blocks():
     w_q, w_s = RB.block_quantize_weight(m.w.detach(), (32, 64))
     x_q, x_s = RB.group_quantize(x, 64)
     with torch.no_grad():
-        assert torch.equal(c(x), RB.fp8_block_linear(x_q, x_s, w_q, w_s, block=(32, 64)))
+        assert torch.equal(c(x), cpu_backend.fp8_block_linear(x_q, x_s, w_q, w_s, block=(32, 64)))
 
 
 def test_many_threads_get_the_single_threaded_outputs():
@@ -339,7 +341,7 @@ def test_hf_families_run_block_scaled(family, block, min_cos):
         w, (n, k) = fp8_weight_of(m), hf.out_in(m)
         assert w.block == block and w.qdata.shape == (n, k)
         assert w.scale.shape == (math.ceil(n / block[0]), math.ceil(k / block[1])), fqn
-        stacked += "_dbr_stacked_after" in m.__dict__
+        stacked += tag_of(m).stacked_after is not None
     assert stacked == (hf.LAYERS if family == "llama" else 0)
     with dq.kernels.count_launches() as counts:
         out, ref = hf.forward(p.converted, p.eval_batch), hf.forward(p.model, p.eval_batch)

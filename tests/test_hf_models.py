@@ -38,6 +38,7 @@ from transformers.utils import logging as hf_logging
 
 import dbr_quant as dq
 from dbr_quant.ops.basic import stored_fp8_weight
+from dbr_quant.ops.tags import tag_of
 
 hf_logging.set_verbosity_error()
 
@@ -274,7 +275,7 @@ def test_every_linear_reported_fp8_and_run_in_fp8(pipelines, name):
     for fqn in linears:
         m = p.converted.get_submodule(fqn)
         w_q, w_scale = stored_fp8_weight(m)  # its own rows when a gated MLP's gate/up were stacked
-        stacked += "_dbr_stacked_after" in m.__dict__
+        stacked += tag_of(m).stacked_after is not None
         assert w_q.dtype == torch.float8_e4m3fn, fqn
         out_features, in_features = out_in(m)
         assert w_scale.dtype == torch.float32 and w_scale.shape == (out_features,), fqn

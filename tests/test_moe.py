@@ -25,9 +25,10 @@ from transformers.utils import logging as hf_logging
 import dbr_quant as dq
 from dbr_quant import kernels
 from dbr_quant.formats import FP8Format
-from dbr_quant.kernels.reference import dense as reference
+from dbr_quant.kernels.cpu import backend as cpu_backend
 from dbr_quant.moe.experts import EXPERTS, MoeState
 from dbr_quant.ops.basic import stored_fp8_weight
+from dbr_quant.ops.tags import experts_of
 from dbr_quant.quantize.weights import FP8Weight
 
 hf_logging.set_verbosity_error()
@@ -235,7 +236,7 @@ def test_the_router_stays_high_precision(pipelines, name):
 
 
 def _experts_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if "_dbr_experts" in m.__dict__]
+    return [m for m in model.modules() if experts_of(m) is not None]
 
 
 @contextlib.contextmanager
@@ -351,7 +352,7 @@ def test_dynamic_per_token_activations_in_module_list_experts(style, close_to_re
 def test_fp8_experts_compute_what_an_fp64_emulation_of_their_stored_fp8_gives():
     """The converted experts call against an independent emulation from the stored FP8 weights, scales and
     frozen activation scales: fp64 dot products of the FP8 values, each GEMM's accumulator rounded once to
-    bf16 where the CPU reference backend's bf16 path does (README, "What runs where"), torch's own FP8 casts.
+    bf16 where the CPU backend's bf16 path does (README, "What runs where"), torch's own FP8 casts.
     Any mix-up of experts, scales or rows shows; so does a missing FP8 rounding of x or h."""
     model, _, converted = pipeline("mixtral", "eager")
     mod = _experts_modules(converted)[0]
@@ -370,10 +371,10 @@ def test_fp8_experts_compute_what_an_fp64_emulation_of_their_stored_fp8_gives():
         return v.clamp(-FP8Format.E4M3.max, FP8Format.E4M3.max).to(torch.float8_e4m3fn).double()
 
     def rounded(v: torch.Tensor, w_q: torch.Tensor, e: int) -> torch.Tensor:
-        """The GEMM output as the CPU reference gives it: rounded once to bf16 on the bf16 GEMM path, unless
+        """The GEMM output as the CPU backend gives it: rounded once to bf16 on the bf16 GEMM path, unless
         both operands (expert e's rows, its weight) are small enough for the exact fp32 GEMM."""
         rows = torch.empty(int((ids == e).sum()), w_q.shape[-1])
-        return v.to(torch.bfloat16).double() if reference.gemm_dtype(rows, w_q[e]) == torch.bfloat16 else v
+        return v.to(torch.bfloat16).double() if cpu_backend.gemm_dtype(rows, w_q[e]) == torch.bfloat16 else v
 
     xq = fp8(x.double() / xs)
     ref = torch.zeros_like(x, dtype=torch.float64)

@@ -20,7 +20,7 @@ from transformers import MixtralConfig, MixtralForCausalLM
 
 import dbr_quant as dq
 from dbr_quant import kernels
-from dbr_quant.kernels.reference import dense as reference
+from dbr_quant.kernels.cpu import backend as cpu_backend
 from dbr_quant.moe.experts import EXPERTS
 from dbr_quant.quantize.weights import FP8Weight
 
@@ -100,8 +100,8 @@ def _emulate(x, ids, weights, w13, w2, bn, bk):
 
     def gemm(vq, vs, wq, ws, e):  # vq, vs [K]; wq [N, K] fp8; ws [⌈N/bn⌉, ⌈K/bk⌉]
         n, k = wq.shape
-        rows = torch.empty(int((ids == e).sum()), k)  # expert e's rows: the operand the reference GEMM sees
-        bf16 = reference.gemm_dtype(rows, wq) == torch.bfloat16  # small operands: exact fp32 GEMMs
+        rows = torch.empty(int((ids == e).sum()), k)  # expert e's rows: the operand the CPU backend's GEMM sees
+        bf16 = cpu_backend.gemm_dtype(rows, wq) == torch.bfloat16  # small operands: exact fp32 GEMMs
         acc = torch.zeros(n, dtype=torch.float64)
         for kb, j in enumerate(range(0, k, bk)):
             part = wq[:, j:j + bk].double() @ vq[j:j + bk]

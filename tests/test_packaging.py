@@ -114,10 +114,10 @@ def test_fp8_gpu_without_triton_runs_reference(no_triton, monkeypatch):
     monkeypatch.setattr(dispatch, "fp8_tensor_cores", lambda device: True)
     dispatch._warn_no_triton.cache_clear()
     with pytest.warns(UserWarning, match="triton package is not installed"):
-        assert dispatch.resolve_backend(torch.device("cuda", 0)) == "reference"
+        assert dispatch.resolve_backend(torch.device("cuda", 0)) == "cpu"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once per device, not per launch
-        assert dispatch.resolve_backend(torch.device("cuda", 0)) == "reference"
+        assert dispatch.resolve_backend(torch.device("cuda", 0)) == "cpu"
 
 
 def test_triton_backend_without_triton_says_what_to_do(no_triton):

@@ -101,7 +101,7 @@ def test_plan_fires_on_a_plain_stack_and_launches_the_same_kernels(monkeypatch):
     with torch.no_grad(), count_launches() as launches:
         c(x)
     assert counter.calls == 0, "every linear of a plain stack should be the step at its plan's cursor"
-    plan = dq.quant_state(c).__dict__["_dbr_plan"]
+    plan = dq.quant_state(c).plan
     assert [s.kind for s in plan.steps] == ["linear"] * 6
     assert [(s.step, s.last) for s in plan.steps] == [(0, False), (2, True)] * 3  # three fc1 → relu → fc2 MLPs
     assert dict(launches) == {"quantize": 3, "fp8_linear": 6}
@@ -119,14 +119,14 @@ def test_plan_holds_no_tensors_and_reads_weights_per_call_after_load_state_dict_
     x = torch.randn(2, 16)
     with torch.no_grad():
         a(x)  # builds a's plan
-    plan = dq.quant_state(a).__dict__["_dbr_plan"]
+    plan = dq.quant_state(a).plan
     for step in plan.steps:  # structure only: nothing that .to() / load_state_dict could leave stale
         values = [getattr(step, f.name) for f in dataclasses.fields(step)] + list(vars(step.op).values())
         assert not any(isinstance(v, torch.Tensor) for v in values)
     a.load_state_dict(b.state_dict())
     with torch.no_grad():
         assert torch.equal(_bits(a(x)), _bits(b(x)))  # b's weights and scales, not a's
-    assert dq.quant_state(a).__dict__["_dbr_plan"] is plan  # nothing to invalidate
+    assert dq.quant_state(a).plan is plan  # nothing to invalidate
     fresh = copy.deepcopy(b)
     a.half()
     fresh.half()  # moved before its first forward
@@ -142,10 +142,10 @@ def test_deepcopy_drops_the_plan_and_the_copy_builds_its_own():
     with torch.no_grad():
         ref = c(x)
     c2 = copy.deepcopy(c)
-    assert "_dbr_plan" not in dq.quant_state(c2).__dict__
+    assert dq.quant_state(c2).plan is None
     with torch.no_grad():
         assert torch.equal(c2(x), ref)
-    assert dq.quant_state(c2).__dict__["_dbr_plan"].subgraphs is c2._dbr_record.subgraphs
+    assert dq.quant_state(c2).plan.subgraphs is c2._dbr_record.subgraphs
 
 
 class Branchy(nn.Module):

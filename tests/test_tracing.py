@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dbr_quant as dq
+from dbr_quant.ops.tags import fqn_of
 from dbr_quant.quantize.weights import fp8_weight_of
 from dbr_quant.runtime.interception import is_patched
 
@@ -45,7 +46,7 @@ def test_state_attached_to_non_leaf_modules_and_printable():
     for child in (p[0], p[2]):
         st = dq.quant_state(child)
         assert isinstance(st, dq.AutoQuantizationState)
-        assert [op.fqn for op in st.seen_ops] == [f"{child._dbr_fqn}.fc1", f"{child._dbr_fqn}.fc2"]
+        assert [op.fqn for op in st.seen_ops] == [f"{fqn_of(child)}.fc1", f"{fqn_of(child)}.fc2"]
     assert dq.quant_state(p[0].fc1) is None  # leaves get no state
     text = str(p[0]._auto_quant_state)
     assert "linear 0.fc1 [Linear]" in text and "float32[3, 16]" in text and "fusion=mlp#" in text

@@ -24,16 +24,28 @@ expert and takes the max over experts). ``dbr_quant.json`` keeps under ``experts
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from dbr_quant.checkpoints.errors import CheckpointError
-from dbr_quant.checkpoints.safetensors_io import Entry
+from dbr_quant.checkpoints.safetensors_io import Entry, tensor_entry
+from dbr_quant.checkpoints.schemes import Scheme, scale_dtype, scheme
 from dbr_quant.moe.experts import MoeState
-from dbr_quant.moe.weights import attach_fp8_param
 from dbr_quant.quantize.weights import FP8Weight
+from dbr_quant.runtime.state import AutoQuantizationState
+
+
+class Placer(Protocol):
+    """Where loaded tensors go (``assemble.Skeleton``)."""
+
+    def put(self, name: str, value: torch.Tensor) -> None: ...
+
+    def put_fp8(self, name: str, qdata: torch.Tensor, scale: torch.Tensor, transposed: bool,
+                block: tuple[int, int] | None) -> None: ...
+
 
 MIXTRAL_TYPES = ("mixtral", "minimax")  # transformers' conversion_mapping: "minimax" → the "mixtral" rules
 
@@ -66,39 +78,32 @@ def rename(name: str, renames: list[tuple[str, str]], reverse: bool = False) -> 
     return name
 
 
-def converted_experts(record: Any) -> dict[str, MoeState]:
+def converted_experts(states: Sequence[AutoQuantizationState]) -> dict[str, MoeState]:
     """The experts modules that are FP8 (their two 3-D weights), by fqn."""
-    return {st.fqn: st for st in record.states if isinstance(st, MoeState) and st.quantized and st.converted}
+    return {st.fqn: st for st in states if isinstance(st, MoeState) and st.quantized and st.converted}
 
 
-def _scale_dtype(scale: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
-    from dbr_quant.checkpoints.layout import scale_dtype
-
-    return scale_dtype(scale, dtype)
-
-
-def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, tuple]
+def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, Scheme]
                  ) -> tuple[list[Entry], dict[str, Any]]:
     """The per-expert entries of one experts module (model names; renamed with the rest of the plan) and
     its ``dbr_quant.json`` record; adds each projection's compressed-tensors scheme to ``schemes``."""
-    from dbr_quant.checkpoints.layout import _scheme
-
     module = model.get_submodule(st.fqn)
     spec = st.spec
-    params = [module._parameters[n] for n in spec.names]
-    if not all(type(p) is FP8Weight for p in params):
-        raise CheckpointError(f"'{st.fqn}': converted experts module without FP8 weights (a dbr_quant bug)")
+    params: list[FP8Weight] = []
+    for n in spec.names:
+        p = module._parameters[n]
+        if not isinstance(p, FP8Weight):
+            raise CheckpointError(f"'{st.fqn}': converted experts module without FP8 weights (a dbr_quant bug)")
+        params.append(p)
     w1, w2 = params
     names = projection_names(model, spec.gated)
     # per 3-D weight: (weight strategy, activation strategy, dynamic, block, group) — _scheme refuses what the
     # format lacks (E5M2, in_features not whole activation groups), naming the tensor
-    proj_schemes = [_scheme(f"{st.fqn}.{n}", w, [op]) for n, w, op in zip(spec.names, params, st.seen_ops)]
+    proj_schemes = [scheme(f"{st.fqn}.{n}", w, [op]) for n, w, op in zip(spec.names, params, st.seen_ops)]
     _, act, dynamic, block, _ = proj_schemes[0]
     granularity = "block" if block is not None else \
         "channel" if st.seen_ops[0].qconfig.weight.granularity == "channel" else "tensor"
-    xs = hs = None
-    if not dynamic:
-        xs, hs = (st.scale(op, "input").detach().float() for op in st.seen_ops)
+    inputs = [] if dynamic else [st.scale(op, "input").detach().float() for op in st.seen_ops]  # gate_up, down
     biases = [module._parameters.get(f"{n}_bias") if spec.has_bias else None for n in spec.names]
     inter = w1.qdata.shape[1] // 2 if spec.gated else w1.qdata.shape[1]
     # (projection name, which 3-D weight, its rows, its bias, which input scale)
@@ -110,20 +115,20 @@ def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, tuple]
             w, b = params[which], biases[which]
             prefix = f"{st.fqn}.{e}.{pname}"
             q = w.qdata[e] if rows is None else w.qdata[e, rows]
-            if granularity == "block":  # gate / up: their own row blocks (moe.py takes I a multiple of bn)
+            if block is not None:  # gate / up: their own row blocks (moe.py takes I a multiple of bn)
                 s = (w.scale[e] if rows is None else
                      w.scale[e, rows.start // block[0]:-(-rows.stop // block[0])]).float()
             else:
                 s = w.scale[e] if rows is None or granularity == "tensor" else w.scale[e, rows]
                 s = s.float().reshape(-1, 1) if granularity == "channel" else s.float().reshape(1)
-            entries.append(Entry(f"{prefix}.weight", q.dtype, tuple(q.shape), lambda q=q: q.contiguous()))
-            entries.append(_entry(f"{prefix}.weight_scale", s, _scale_dtype(s, w.dtype)))
+            entries.append(Entry(f"{prefix}.weight", q.dtype, tuple(q.shape), q.contiguous))
+            entries.append(tensor_entry(f"{prefix}.weight_scale", s, scale_dtype(s, w.dtype)))
             if b is not None:
                 bb = b[e] if rows is None else b[e, rows]
-                entries.append(_entry(f"{prefix}.bias", bb, bb.dtype))
+                entries.append(tensor_entry(f"{prefix}.bias", bb, bb.dtype))
             if not dynamic:
-                a = (xs if which == 0 else (hs[e] if hs.numel() > 1 else hs)).reshape(1)
-                entries.append(_entry(f"{prefix}.input_scale", a, _scale_dtype(a, w.dtype)))
+                a = (inputs[0] if which == 0 else inputs[1][e] if inputs[1].numel() > 1 else inputs[1]).reshape(1)
+                entries.append(tensor_entry(f"{prefix}.input_scale", a, scale_dtype(a, w.dtype)))
             schemes[prefix] = proj_schemes[which] if granularity == "block" else (granularity, act, dynamic, None,
                                                                                  None)
     info = {"names": list(names), "params": list(spec.names), "num_experts": spec.num_experts, "gated": spec.gated,
@@ -132,11 +137,6 @@ def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, tuple]
     if block is not None:
         info["block"] = list(block)
     return entries, info
-
-
-def _entry(name: str, t: torch.Tensor, dtype: torch.dtype) -> Entry:
-    shape = tuple(t.shape)
-    return Entry(name, dtype, shape, lambda: t.detach().reshape(shape).to(dtype))
 
 
 def renamed(entry: Entry, renames: list[tuple[str, str]]) -> Entry:
@@ -237,38 +237,36 @@ def _fp8(fqn: str, info: dict[str, Any], layout: list, values: dict[str, torch.T
     return q, s
 
 
-@torch.no_grad()
-def load_experts_high_precision(prepared: nn.Module, meta: dict[str, Any], values: dict[str, torch.Tensor]) -> None:
-    """Before convert: each 3-D expert parameter gets its experts' dequantized FP8 values."""
+def place_experts(skeleton: Placer, meta: dict[str, Any], values: dict[str, torch.Tensor]) -> None:
+    """Each experts module's 3-D parameters as FP8, stacked back from the per-expert tensors (popped from
+    ``values`` as they are stacked: one module's experts held twice at most)."""
     for fqn, info in meta.get("experts", {}).items():
-        module = prepared.get_submodule(fqn)
+        block = tuple(info["block"]) if "block" in info else None
         for pname, layout in zip(info["params"], _layouts(info)):
-            p = module._parameters[pname]
             q, s = _fp8(fqn, info, layout, values)
-            w = FP8Weight(q, s, p.dtype, False, info.get("block")).dequantize(p.dtype)
-            p.copy_((w.transpose(-2, -1) if info["transposed"] else w).to(p.device))
+            skeleton.put_fp8(f"{fqn}.{pname}", q, s, info["transposed"], block)
             if info["bias"]:
-                module._parameters[f"{pname}_bias"].copy_(_stacked(fqn, info, layout, values, "bias"))
+                skeleton.put(f"{fqn}.{pname}_bias", _stacked(fqn, info, layout, values, "bias"))
+            for e in range(info["num_experts"]):
+                for name, _ in layout:
+                    for key in ("weight", "weight_scale", "bias", "input_scale"):
+                        values.pop(f"{fqn}.{e}.{name}.{key}", None)
 
 
-@torch.no_grad()
-def load_experts_fp8(converted: nn.Module, meta: dict[str, Any], values: dict[str, torch.Tensor]) -> None:
-    """After convert: the saved FP8 expert weights and weight scales, stacked back into [E, N, K]."""
+def check_experts_as_saved(meta: dict[str, Any], states: Sequence[AutoQuantizationState]) -> None:
+    """Each FP8 experts module of the folder is one the trace runs in FP8, laid out as saved."""
+    traced = converted_experts(states)
     for fqn, info in meta.get("experts", {}).items():
-        module = converted.get_submodule(fqn)
-        for pname, layout in zip(info["params"], _layouts(info)):
-            w = module._parameters[pname]
-            if type(w) is not FP8Weight:
-                raise CheckpointError(f"'{fqn}.{pname}': saved as FP8 experts, but convert left it in high precision")
-            q, s = _fp8(fqn, info, layout, values)
-            if q.shape != w.qdata.shape or s.shape != w.scale.shape:
-                raise CheckpointError(f"'{fqn}.{pname}': saved FP8 experts {list(q.shape)} / scale {list(s.shape)}, "
-                                      f"converted {list(w.qdata.shape)} / {list(w.scale.shape)}")
-            block = tuple(info["block"]) if "block" in info else None
-            if block != w.block:
-                raise CheckpointError(f"'{fqn}.{pname}': saved with weight blocks {block}, converted with {w.block}")
-            attach_fp8_param(module, pname, q.contiguous().to(w.qdata.device), s.to(w.scale.device), w.dtype,
-                             w.transposed, block)
+        st = traced.get(fqn)
+        if st is None:
+            raise CheckpointError(f"'{fqn}': saved as FP8 experts, but this trace runs them in high precision")
+        block = tuple(info["block"]) if "block" in info else None
+        cfg = st.seen_ops[0].qconfig.weight
+        if (block, info["transposed"]) != (tuple(cfg.block) if cfg.granularity == "block" else None,
+                                           st.spec.transposed):
+            raise CheckpointError(f"'{fqn}': saved with weight blocks {block} (transposed {info['transposed']}), "
+                                  f"traced with {cfg.block if cfg.granularity == 'block' else None} (transposed "
+                                  f"{st.spec.transposed})")
 
 
 def file_to_model_names(stored: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:

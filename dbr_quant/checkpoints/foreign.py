@@ -18,14 +18,14 @@ naming the tensor and the shape expected.
 
 The modules whose ``weight`` is E4M3 in the file become block-scaled FP8 linears running dbr_quant's block
 kernels; every other linear stays high precision. As for dbr_quant folders, everything is checked before
-the model is copied, and the passed model is never modified.
+the model is built (``assemble.py``: FP8 weights placed as read, no high-precision copy), and the passed
+model is never modified.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,13 +33,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from dbr_quant import kernels
-from dbr_quant.api import _stack_gate_up_weights, convert, prepare
+from dbr_quant.checkpoints.assemble import Skeleton, check_scale, example_args, finish_convert, trace
 from dbr_quant.checkpoints.errors import CheckpointError
 from dbr_quant.checkpoints.layout import model_modules, own_tensors
+from dbr_quant.checkpoints.safetensors_io import read_tensor
 from dbr_quant.ops.mappings import LINEAR
-from dbr_quant.qconfig import Override, QConfig, TensorQConfig
-from dbr_quant.quantize.weights import attach_fp8_weight, fp8_weight_of
+from dbr_quant.qconfig import Granularity, Override, QConfig, TensorQConfig
+from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -51,7 +51,7 @@ class ForeignLayout:
     tool: str  # for messages
     block: tuple[int, int]
     scale_name: str  # weight_scale (compressed-tensors) / weight_scale_inv (FineGrainedFP8)
-    activation: str  # "group", "token" or "tensor"
+    activation: Granularity  # "group", "token" or "tensor"
     dynamic: bool
     input_scale_name: str | None  # static activations: input_scale / activation_scale
 
@@ -145,7 +145,9 @@ def expected_scale_shape(shape: tuple[int, int], block: tuple[int, int]) -> tupl
 
 def _model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """name → tensor of everything a state_dict holds, and name → first name of a tied (same object) tensor."""
-    tensors, first, tied = {}, {}, {}
+    tensors: dict[str, torch.Tensor] = {}
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
     for fqn, mod in model_modules(model):
         for pname, t in own_tensors(mod):
             name = f"{fqn}.{pname}" if fqn else pname
@@ -161,9 +163,6 @@ def check_folder(model: nn.Module, layout: ForeignLayout, stored: dict[str, Any]
                                                                                            list[str]]:
     """Every tensor read and checked against ``model``: (name → value, FP8 linear names). Raises naming the
     tensor; reads nothing into the model."""
-    from dbr_quant.checkpoints.load import _check_scale
-    from dbr_quant.checkpoints.safetensors_io import read_tensor
-
     tensors, tied = _model_tensors(model)
     modules = dict(model_modules(model))
     fp8 = sorted(n.removesuffix(".weight") for n, t in stored.items()
@@ -177,9 +176,9 @@ def check_folder(model: nn.Module, layout: ForeignLayout, stored: dict[str, Any]
         if mod is None or t is None or t.dim() != 2 or not isinstance(mod, nn.Linear):
             raise CheckpointError(f"{name}: an FP8 weight in the checkpoint, but the model has no nn.Linear "
                                   f"'{fqn}'; build the architecture the checkpoint was made from")
-        shape = tuple(t.shape)
-        expected[name] = ((torch.float8_e4m3fn,), shape)
-        expected[f"{fqn}.{layout.scale_name}"] = (_FLOATS, expected_scale_shape(shape, layout.block))
+        wshape = (t.shape[0], t.shape[1])
+        expected[name] = ((torch.float8_e4m3fn,), wshape)
+        expected[f"{fqn}.{layout.scale_name}"] = (_FLOATS, expected_scale_shape(wshape, layout.block))
         if layout.input_scale_name is not None:
             expected[f"{fqn}.{layout.input_scale_name}"] = (_FLOATS, ())
     for name, t in tensors.items():
@@ -207,9 +206,9 @@ def check_folder(model: nn.Module, layout: ForeignLayout, stored: dict[str, Any]
                               f"tensor(s)); build the architecture the checkpoint was made from")
     values = {name: read_tensor(stored[name]) for name in expected if name in stored}
     for fqn in fp8:
-        _check_scale(f"{fqn}.{layout.scale_name}", values[f"{fqn}.{layout.scale_name}"])
+        check_scale(f"{fqn}.{layout.scale_name}", values[f"{fqn}.{layout.scale_name}"])
         if layout.input_scale_name is not None:
-            _check_scale(f"{fqn}.{layout.input_scale_name}", values[f"{fqn}.{layout.input_scale_name}"])
+            check_scale(f"{fqn}.{layout.input_scale_name}", values[f"{fqn}.{layout.input_scale_name}"])
         if bool(((values[f"{fqn}.weight"].view(torch.uint8) & 0x7F) == 0x7F).any()):
             raise CheckpointError(f"{fqn}.weight: the FP8 weight holds NaN bytes (0x7f/0xff)")
     return values, fp8
@@ -224,10 +223,20 @@ def _default_example(model: nn.Module) -> tuple[tuple, dict]:
                           "example_kwargs= to load_pretrained (what the model's forward takes)")
 
 
+def _traced_fp8(states: list[AutoQuantizationState]) -> set[str]:
+    """The linear modules every traced call of which runs in FP8."""
+    ops: dict[str, list[SeenOp]] = {}
+    for st in states:
+        for op in st.seen_ops:
+            if op.kind == LINEAR and op.weight_owner is not None:
+                ops.setdefault(op.weight_owner, []).append(op)
+    return {fqn for fqn, calls in ops.items() if all(op.quantize for op in calls)}
+
+
 def load_foreign(folder: Path, model: nn.Module, qc: dict[str, Any], stored: dict[str, Any],
                  example_inputs: Any, example_kwargs: dict[str, Any] | None) -> nn.Module:
-    from dbr_quant.checkpoints.load import _QUIET, _example
-
+    """A converted model running the folder's block-scaled FP8 linears, built as ``load.py`` builds one
+    (``assemble.py``): FP8 weights placed as read, static input scales from the folder, no calibration."""
     layout = parse_layout(qc, f"{folder / 'config.json'}: quantization_config")
     values, fp8 = check_folder(model, layout, stored)
     if not fp8:
@@ -235,7 +244,7 @@ def load_foreign(folder: Path, model: nn.Module, qc: dict[str, Any], stored: dic
     if example_inputs is None and example_kwargs is None:
         args, kwargs = _default_example(model)
     else:
-        args, kwargs = _example({}, example_inputs, example_kwargs)
+        args, kwargs = example_args(example_inputs, example_kwargs)
     fp8_set = set(fp8)
     keep_hp = tuple(Override(pattern=f"^{re.escape(fqn)}$", skip=True) for fqn, mod in model_modules(model)
                     if isinstance(mod, nn.Linear) and fqn not in fp8_set)
@@ -243,39 +252,25 @@ def load_foreign(folder: Path, model: nn.Module, qc: dict[str, Any], stored: dic
     qconfig = QConfig(weight=TensorQConfig(granularity="block", block=layout.block),
                       activation=TensorQConfig(granularity=layout.activation, group_size=bk),
                       dynamic=layout.dynamic, overrides=keep_hp)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_QUIET)
-        prepared = prepare(model, args, qconfig, example_kwargs=kwargs)
-        tensors, tied = _model_tensors(prepared)
-        with torch.no_grad():
-            for name, t in tensors.items():
-                fqn = name.removesuffix(".weight")
-                if fqn in fp8_set and name.endswith(".weight"):
-                    q, s = values[name], values[f"{fqn}.{layout.scale_name}"].float()
-                    t.copy_(kernels.reference_block.block_dequantize(q, s, layout.block, t.dtype).to(t.device))
-                elif name in values:
-                    t.copy_(values[name].to(t.device))
-            prepared(*args, **kwargs)  # static activations: convert needs calibrated observers
-        converted = convert(prepared, inplace=True)
-    record = converted.__dict__["_dbr_record"]
-    with torch.no_grad():
-        for fqn in fp8:
-            mod = converted.get_submodule(fqn)
-            w = fp8_weight_of(mod)
-            if w is None or w.block != layout.block:
-                raise CheckpointError(f"'{fqn}': an FP8 linear in the checkpoint, but convert left it in high "
-                                      "precision (the example inputs did not run it?); pass example inputs that do")
-            attach_fp8_weight(mod, values[f"{fqn}.weight"].contiguous().to(w.qdata.device),
-                              values[f"{fqn}.{layout.scale_name}"].float().to(w.scale.device), w.dtype,
-                              block=layout.block)
-        for mod in converted.modules():
-            mod.__dict__.pop("_dbr_stacked_after", None)
-        if layout.input_scale_name is not None:
-            for st in record.states:
-                for op in st.seen_ops:
-                    if op.kind == LINEAR and op.quantize and op.weight_owner in fp8_set:
-                        buf = st.scale(op, "input")
-                        s = values[f"{op.weight_owner}.{layout.input_scale_name}"].float()
-                        buf.copy_(s.reshape(buf.shape).to(buf.device))
-    _stack_gate_up_weights(converted, record)
-    return converted
+    skeleton = Skeleton(model)
+    for fqn in fp8:
+        skeleton.put_fp8(f"{fqn}.weight", values.pop(f"{fqn}.weight"),
+                         values.pop(f"{fqn}.{layout.scale_name}").float(), False, layout.block)
+    for name in list(skeleton.slots):
+        if name in values:
+            skeleton.put(name, values[name])
+    skeleton.check_complete()
+    prepared = trace(skeleton.model, args, kwargs, qconfig)
+    record = prepared.__dict__["_dbr_record"]
+    lost = sorted(fp8_set - _traced_fp8(record.states))
+    if lost:
+        raise CheckpointError(f"'{lost[0]}': an FP8 linear in the checkpoint, but the trace runs it in high "
+                              "precision (the example inputs did not run it?); pass example inputs that do")
+    input_scale = layout.input_scale_name
+
+    def scale_of(st: AutoQuantizationState, op: SeenOp, slot: str) -> torch.Tensor | None:
+        if input_scale is None or op.kind != LINEAR or op.weight_owner not in fp8_set:
+            return None
+        return values[f"{op.weight_owner}.{input_scale}"].float().reshape(())
+
+    return finish_convert(prepared, scale_of)

@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import inspect
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -45,14 +46,15 @@ from torch import nn
 from dbr_quant import kernels
 from dbr_quant.checkpoints import experts
 from dbr_quant.checkpoints.errors import CheckpointError
-from dbr_quant.checkpoints.safetensors_io import Entry
+from dbr_quant.checkpoints.safetensors_io import Entry, tensor_entry
+from dbr_quant.checkpoints.schemes import Scheme, quantization_config, scale_dtype, scheme
 from dbr_quant.formats import FP8Format
 from dbr_quant.ops.mappings import LINEAR, MATMUL, SDPA
+from dbr_quant.ops.tags import tag_of
+from dbr_quant.qconfig import QConfig
 from dbr_quant.quantize.weights import FP8Weight, fp8_weight_of
-from dbr_quant.runtime.runs import ModelRecord
 from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
 
-CT_VERSION = "0.20.0"  # the compressed-tensors release whose layout this writes (checked by the tests)
 # compressed-tensors' is_cached_attention_module (0.20): these names mark a KV-cached attention module
 _ATTENTION_PROJECTIONS = ("k_proj", "v_proj", "qkv_proj", "kv_b_proj", "q_a_proj", "kv_proj", "q")
 _KV_PROJECTIONS = ("k_proj", "v_proj", "qkv_proj", "kv_b_proj")
@@ -72,8 +74,17 @@ class Plan:
     renames: list[tuple[str, str]] = field(default_factory=list)  # model prefix → file prefix (experts.py)
 
 
-def record_of(model: nn.Module) -> ModelRecord:
-    record = model.__dict__.get("_dbr_record")
+class ConvertedRecord(Protocol):
+    """What saving reads of a converted model's record (``runtime.runs.ModelRecord``)."""
+
+    phase: str
+    qconfig: QConfig
+    states: Sequence[AutoQuantizationState]
+    example: tuple[tuple[Any, ...], dict[str, Any]] | None
+
+
+def record_of(model: nn.Module) -> ConvertedRecord:
+    record: ConvertedRecord | None = model.__dict__.get("_dbr_record")
     if record is None or record.phase != "converted":
         raise TypeError("dbr_quant.save_pretrained() needs a model returned by dbr_quant.convert()")
     return record
@@ -93,26 +104,13 @@ def model_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def own_tensors(mod: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Parameters and persistent buffers a state_dict would hold for this module itself."""
-    out = [(n, p) for n, p in mod._parameters.items() if p is not None]
+    out: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in mod._parameters.items() if p is not None]
     out += [(n, b) for n, b in mod._buffers.items() if b is not None and n not in mod._non_persistent_buffers_set]
     return out
 
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
-
-
-def scale_dtype(scale: torch.Tensor, model_dtype: torch.dtype) -> torch.dtype:
-    """The model's dtype when it holds every value of ``scale`` exactly, else float32."""
-    if model_dtype.is_floating_point and torch.equal(scale.to(model_dtype).float(), scale.float()):
-        return model_dtype
-    return torch.float32
-
-
-def _entry(name: str, t: torch.Tensor, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> Entry:
-    dtype = t.dtype if dtype is None else dtype
-    shape = tuple(t.shape) if shape is None else shape
-    return Entry(name, dtype, shape, lambda: t.detach().reshape(shape).to(dtype))
 
 
 def _is_ct_linear(mod: nn.Module) -> bool:
@@ -131,75 +129,8 @@ def is_cached_attention(mod: nn.Module) -> bool:
     return "past_key_values" in params or "past_key_value" in params
 
 
-# ------------------------------------------------------------------------------------------ schemes
-def _args(strategy: str, dynamic: bool, size: tuple[int, ...] | None = None) -> dict[str, Any]:
-    """One compressed-tensors QuantizationArgs; ``size`` is the block (rows, columns) of a ``block`` strategy or
-    the (group size,) of a ``group`` one (the FP8_BLOCK preset: [128, 128] weight blocks, 128 groups)."""
-    args = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": dynamic,
-            "group_size": size[0] if strategy == "group" and size else None, "observer": None if dynamic else "minmax"}
-    if strategy == "block" and size:
-        args["block_structure"] = list(size)
-    return args
-
-
-# (weight strategy, activation strategy, dynamic, weight block or None, activation group or None)
-Scheme = tuple[str, str, bool, "tuple[int, int] | None", "int | None"]
-
-
-def _scheme(fqn: str, w: FP8Weight, ops: list[SeenOp]) -> Scheme:
-    """The scheme of an FP8 linear (see ``Scheme``); raises for what the format lacks."""
-    if w.qdata.dtype != torch.float8_e4m3fn:
-        raise CheckpointError(f"'{fqn}': its weight is {FP8Format.of(w.qdata.dtype).name}; the compressed-tensors "
-                              "format stores FP8 weights as E4M3 only. Convert with QConfig(weight=TensorQConfig("
-                              "format='e4m3', ...)) to save for serving.")
-    formats = {op.qconfig.activation.format for op in ops}
-    if formats != {FP8Format.E4M3}:
-        raise CheckpointError(f"'{fqn}': its input is quantized as {sorted(f.name for f in formats)}; the "
-                              "compressed-tensors format has E4M3 activations only. Convert with E4M3 activations "
-                              "(the default) to save for serving.")
-    modes = {(op.qconfig.dynamic, op.qconfig.activation.granularity if op.qconfig.dynamic else "tensor")
-             for op in ops}
-    if len(modes) != 1:
-        raise CheckpointError(f"'{fqn}' is called at {len(ops)} sites with different activation settings "
-                              f"{sorted(modes)}; the format has one per linear. Give its call sites one setting.")
-    (dynamic, granularity), = modes
-    group = ops[0].qconfig.activation.group_size if granularity == "group" else None
-    if w.block is not None:
-        in_features = w.qdata.shape[-1]
-        if in_features % w.block[1] and granularity == "group" and not w.transposed:  # Conv1D: dequantized
-            # compressed-tensors' group fake-quantization raises "tensor column shape must be divisble by the
-            # given group_size" at the first forward, and vLLM / SGLang per-token-group kernels assert it
-            raise CheckpointError(
-                f"'{fqn}': in_features {in_features} is not a multiple of the activation group {group}; the "
-                "compressed-tensors group strategy (and vLLM's / SGLang's per-token-group kernels) need whole "
-                "groups, so loaders could not run this layer. Keep it in high precision (Override(pattern=..., "
-                "skip=True)) or convert with a block whose column count divides every in_features.")
-        return "block", granularity, dynamic, w.block, group
-    return ("tensor" if w.scale.dim() == 0 else "channel"), granularity, dynamic, None, group
-
-
-def _quantization_config(schemes: dict[str, Scheme], ignore: list[str], kv: bool) -> dict[str, Any]:
-    """One config group per distinct scheme: the most common targets ``Linear``, the others list their
-    modules by exact name (an exact name outranks a class name in compressed-tensors and vLLM)."""
-    by_scheme: dict[Scheme, list[str]] = defaultdict(list)
-    for fqn, s in schemes.items():
-        by_scheme[s].append(fqn)
-    ordered = sorted(by_scheme.items(), key=lambda kv_: -len(kv_[1]))
-    groups = {}
-    for i, ((wstrat, astrat, dynamic, block, group), names) in enumerate(ordered):
-        groups[f"group_{i}"] = {
-            "targets": ["Linear"] if i == 0 else sorted(names), "format": "float-quantized",
-            "weights": _args(wstrat, False, block), "input_activations": _args(astrat, dynamic, group and (group,)),
-            "output_activations": None,
-        }
-    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-            "kv_cache_scheme": _args("tensor", False) if kv else None, "ignore": ignore,
-            "config_groups": groups, "global_compression_ratio": None, "sparsity_config": {},
-            "transform_config": {}, "version": CT_VERSION}
-
-
 # ------------------------------------------------------------------------------------------ the plan
-def _linear_input_scales(record: ModelRecord) -> dict[str, list[tuple[AutoQuantizationState, SeenOp]]]:
+def _linear_input_scales(record: ConvertedRecord) -> dict[str, list[tuple[AutoQuantizationState, SeenOp]]]:
     sites: dict[str, list] = defaultdict(list)
     for st in record.states:
         for op in st.seen_ops:
@@ -208,7 +139,7 @@ def _linear_input_scales(record: ModelRecord) -> dict[str, list[tuple[AutoQuanti
     return sites
 
 
-def _kv_scales(model: nn.Module, record: ModelRecord, plan: Plan) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _kv_scales(model: nn.Module, record: ConvertedRecord, plan: Plan) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Per attention module: (k_scale, v_scale) [1] fp32, when the whole model can carry a kv_cache_scheme."""
     found: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
     dynamic = matmuls = 0
@@ -251,7 +182,7 @@ def _kv_scales(model: nn.Module, record: ModelRecord, plan: Plan) -> dict[str, t
     return out
 
 
-def _refuse_functional_fp8(model: nn.Module, record: ModelRecord) -> None:
+def _refuse_functional_fp8(model: nn.Module, record: ConvertedRecord) -> None:
     """compressed-tensors stores FP8 per Linear module (weight + input_scale, matched by module class); a parameter
     that a functional linear reads in FP8 (param_weights.py: an attention's in_proj_weight, F.linear(x, self.w),
     x @ A.t()) has no place there, and a loader would read its bytes as a high-precision weight."""
@@ -279,7 +210,7 @@ def build_plan(model: nn.Module) -> Plan:
     ignore: list[str] = []
     multi_site: list[str] = []
     seen: dict[tuple, str] = {}
-    moe = experts.converted_experts(record)
+    moe = experts.converted_experts(record.states)
     for fqn, mod in model_modules(model):
         w = fp8_weight_of(mod)
         entries: list[Entry] = []
@@ -297,14 +228,14 @@ def build_plan(model: nn.Module) -> Plan:
                 plan.aliases[name] = seen[key]
                 continue
             seen[key] = name
-            entries.append(_entry(name, t))
+            entries.append(tensor_entry(name, t))
         if w is None and _is_ct_linear(mod) and "weight" in mod._parameters:
             ignore.append(fqn)
         if fqn in kv:
             k, v = kv[fqn]
-            entries += [_entry(_join(fqn, "k_scale"), k, scale_dtype(k, _module_dtype(mod))),
-                        _entry(_join(fqn, "v_scale"), v, scale_dtype(v, _module_dtype(mod)))]
-        stacked_after = mod.__dict__.get("_dbr_stacked_after")
+            entries += [tensor_entry(_join(fqn, "k_scale"), k, scale_dtype(k, _module_dtype(mod))),
+                        tensor_entry(_join(fqn, "v_scale"), v, scale_dtype(v, _module_dtype(mod)))]
+        stacked_after = tag.stacked_after if (tag := tag_of(mod)) is not None else None
         if stacked_after is not None and w is not None:
             plan.stacked.append([names[id(stacked_after)], fqn])
         if entries:
@@ -319,14 +250,14 @@ def build_plan(model: nn.Module) -> Plan:
         plan.groups = [(g, [experts.renamed(e, plan.renames) for e in entries]) for g, entries in plan.groups]
         schemes = {experts.rename(k, plan.renames): v for k, v in schemes.items()}
         ignore = [experts.rename(k, plan.renames) for k in ignore]
-    plan.quantization_config = _quantization_config(schemes, ignore, bool(kv))
+    plan.quantization_config = quantization_config(schemes, ignore, bool(kv))
     return plan
 
 
 _VLLM_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def _check_vllm_fused(schemes: dict[str, tuple], ignore: list[str], plan: Plan) -> None:
+def _check_vllm_fused(schemes: dict[str, Scheme], ignore: list[str], plan: Plan) -> None:
     """vLLM runs q/k/v and gate/up as one layer each and refuses siblings with different schemes (one FP8,
     another in ``ignore``, or different strategies): say so at save time rather than at serve time."""
     ignored = set(ignore)
@@ -352,8 +283,8 @@ def _fp8_linear_entries(fqn: str, mod: nn.Module, w: FP8Weight, sites: list, pla
     ops = [op for _, op in sites]
     if not ops:
         raise CheckpointError(f"'{fqn}' holds an FP8 weight but no recorded op uses it (a dbr_quant bug)")
-    scheme = _scheme(fqn, w, ops)
-    wstrat, dynamic = scheme[0], scheme[2]
+    found = scheme(fqn, w, ops)
+    wstrat, dynamic = found[0], found[2]
     out_features = w.qdata.shape[0]
     info: dict[str, Any] = {"layout": "fp8", "format": "e4m3", "granularity": wstrat, "transposed": w.transposed,
                             "dtype": str(w.dtype).removeprefix("torch.")}
@@ -362,7 +293,7 @@ def _fp8_linear_entries(fqn: str, mod: nn.Module, w: FP8Weight, sites: list, pla
     if w.transposed:
         return [_dequantized_conv1d(fqn, w, info, plan, ignore)]
     plan.linears[fqn] = info
-    schemes[fqn] = scheme
+    schemes[fqn] = found
     fused = {n for names in _VLLM_FUSED for n in names}
     if w.block is not None and out_features % w.block[0] and fqn.rpartition(".")[2] in fused:
         # vLLM's validate_fp8_block_shape: every output partition of a merged layer is a whole block of rows
@@ -373,7 +304,7 @@ def _fp8_linear_entries(fqn: str, mod: nn.Module, w: FP8Weight, sites: list, pla
     scale = (w.scale.float() if wstrat == "block" else w.scale.float().reshape(out_features, 1)
              if wstrat == "channel" else w.scale.float().reshape(1))
     entries = [Entry(_join(fqn, "weight"), w.qdata.dtype, tuple(w.qdata.shape), lambda: w.qdata),
-               _entry(_join(fqn, "weight_scale"), scale, scale_dtype(scale, w.dtype))]
+               tensor_entry(_join(fqn, "weight_scale"), scale, scale_dtype(scale, w.dtype))]
     if not dynamic:
         values = torch.stack([st.scale(op, "input").float().reshape(()) for st, op in sites])
         if not torch.isfinite(values).all() or (values <= 0).any():
@@ -381,7 +312,7 @@ def _fp8_linear_entries(fqn: str, mod: nn.Module, w: FP8Weight, sites: list, pla
         if len(values) > 1 and not bool((values == values[0]).all()):
             multi_site.append(fqn)
         s = values.max().reshape(1)
-        entries.append(_entry(_join(fqn, "input_scale"), s, scale_dtype(s, w.dtype)))
+        entries.append(tensor_entry(_join(fqn, "input_scale"), s, scale_dtype(s, w.dtype)))
     return entries
 
 

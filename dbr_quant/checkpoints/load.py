@@ -6,17 +6,16 @@ Order of work, so that a bad folder never changes anything:
 2. check every tensor the model needs against the model: present, shape, dtype; nothing unexpected;
 3. read the tensors; every scale finite and positive, no NaN byte in an FP8 weight, the file's input /
    k / v scales agreeing with the per-call-site scales in ``dbr_quant.json``;
-4. only then: prepare a copy of ``model`` (the passed model is never modified) with the saved example
-   inputs and the saved per-op settings, check that the trace made the saved decisions, load the
-   high-precision tensors, run one forward (convert needs calibrated observers), convert, and
-   overwrite every FP8 weight and activation scale with the saved ones; stack gate/up as saved.
+4. only then (``assemble.py``): a skeleton of ``model`` (its parameters are neither copied nor modified)
+   gets every tensor of the folder, FP8 weights as FP8; prepare() traces it with the saved example inputs
+   and per-op settings; the trace must make the saved decisions; the saved activation scales are set (no
+   calibration forward, no weight quantization) and gate/up stacked as saved.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,18 +23,19 @@ import torch
 from torch import nn
 
 from dbr_quant import kernels
-from dbr_quant.api import _stack_gate_up_weights, convert, prepare
-from dbr_quant.checkpoints import experts, sidecar
+from dbr_quant.checkpoints import experts, foreign, sidecar
+from dbr_quant.checkpoints.assemble import ScaleSource, Skeleton, check_scale, example_args, finish_convert, trace
 from dbr_quant.checkpoints.errors import CheckpointError
 from dbr_quant.checkpoints.layout import model_modules, own_tensors
 from dbr_quant.checkpoints.safetensors_io import StoredTensor, read_header, read_tensor
 from dbr_quant.checkpoints.save import INDEX
 from dbr_quant.formats import FP8Format
-from dbr_quant.ops.mappings import SDPA
-from dbr_quant.quantize.weights import attach_fp8_weight, fp8_weight_of
+from dbr_quant.ops.mappings import LINEAR, SDPA, is_transposed_linear
+from dbr_quant.ops.tags import tag_of
+from dbr_quant.quantize.weights import fp8_weight_of
+from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-_QUIET = r"dbr_quant\.(prepare|convert)\(\): "  # the reload repeats warnings the user saw at convert time
 
 
 def _read_sidecar(folder: Path) -> dict[str, Any]:
@@ -181,14 +181,6 @@ def _kv_expected(meta: dict[str, Any], stored: dict[str, StoredTensor]) -> dict[
     return {n: implied[n] for n in found}
 
 
-def _check_scale(name: str, t: torch.Tensor) -> None:
-    t = t.double()
-    ok = torch.isfinite(t) & (t > 0)
-    if not bool(ok.all()):
-        raise CheckpointError(f"{name}: a scale must be a positive finite number, the checkpoint holds "
-                              f"{t[~ok][:3].tolist()}")
-
-
 def _read_and_check(model: nn.Module, meta: dict[str, Any], stored: dict[str, StoredTensor]) -> dict[str, torch.Tensor]:
     expected = _expected(model, meta)
     kv = _kv_expected(meta, stored) if meta["quantization_config"].get("kv_cache_scheme") is not None else {}
@@ -211,16 +203,18 @@ def _read_and_check(model: nn.Module, meta: dict[str, Any], stored: dict[str, St
     if unexpected:
         raise CheckpointError(f"{unexpected[0]}: in the checkpoint but not in the model ({len(unexpected)} such "
                               "tensor(s)); build the architecture the checkpoint was saved from")
-    values = {name: read_tensor(stored[name]) for name in expected}
-    for name, t in values.items():
+    linears = meta["linears"]
+    values = {name: _as_stored(read_tensor(stored[name]), linears.get(name.removesuffix(".weight"))
+                               if name.endswith(".weight") else None) for name in expected}
+    for name, value in values.items():
         if expected[name][0] == _FLOATS:
-            _check_scale(name, t)
-        elif t.dtype == torch.float8_e4m3fn and bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any()):
+            check_scale(name, value)
+        elif value.dtype == torch.float8_e4m3fn and bool(((value.view(torch.uint8) & 0x7F) == 0x7F).any()):
             raise CheckpointError(f"{name}: the FP8 weight holds NaN bytes (0x7f/0xff)")
     for st in meta["states"]:
         for op in st["ops"]:
             for slot, v in op.get("scales", {}).items():
-                _check_scale(f"{sidecar.FILENAME}: {op['fqn']} scale '{slot}'", torch.tensor(v, dtype=torch.float64))
+                check_scale(f"{sidecar.FILENAME}: {op['fqn']} scale '{slot}'", torch.tensor(v, dtype=torch.float64))
     for fqn, ops in _linear_sites(meta).items():
         name = f"{fqn}.input_scale"
         if name in values:
@@ -237,11 +231,23 @@ def _agree(name: str, stored: torch.Tensor, implied: float) -> None:
                               f"{implied}; the folder mixes files of different saves")
 
 
-def _example(meta: dict[str, Any], example_inputs: Any, example_kwargs: Any) -> tuple[tuple, dict]:
+def _as_stored(t: torch.Tensor, info: dict[str, Any] | None) -> torch.Tensor:
+    """A Conv1D written dequantized ([in, out], its FP8 values × the scale kept in dbr_quant.json) back to its
+    FP8 bytes [out, in], exactly (checked at save), as soon as it is read: never more than one such weight in
+    high precision."""
+    if info is None or info["layout"] != "dequantized":
+        return t
+    hp = t.t()
+    s = torch.tensor(info["scale"], dtype=torch.float32)
+    block = _block(info)
+    elementwise = (kernels.reference_block.expand_block_scale(s, (hp.shape[0], hp.shape[1]), block) if block
+                   else s.unsqueeze(1) if info["granularity"] == "channel" else s)
+    return kernels.quantize(hp, elementwise, FP8Format.E4M3)
+
+
+def _example(meta: dict[str, Any], example_inputs: Any, example_kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if example_inputs is not None or example_kwargs is not None:
-        args = example_inputs if isinstance(example_inputs, tuple) else (
-            () if example_inputs is None else (example_inputs,))
-        return args, dict(example_kwargs or {})
+        return example_args(example_inputs, example_kwargs)
     saved = meta.get("example")
     if saved is None:
         raise CheckpointError("this checkpoint has no example inputs (prepare()'s were not JSON-serializable): pass "
@@ -249,75 +255,62 @@ def _example(meta: dict[str, Any], example_inputs: Any, example_kwargs: Any) -> 
     return tuple(sidecar.decode_value(saved["args"])), dict(sidecar.decode_value(saved["kwargs"]))
 
 
-def _tensor_of(model: nn.Module, name: str) -> torch.Tensor:
-    fqn, _, attr = name.rpartition(".")
-    mod = model.get_submodule(fqn)
-    t = mod._parameters.get(attr)
-    return mod._buffers[attr] if t is None else t
-
-
-@torch.no_grad()
-def _load_high_precision(prepared: nn.Module, meta: dict[str, Any], values: dict[str, torch.Tensor]) -> None:
-    """Before convert: FP8 weights as their dequantized values (so the calibration forward and convert see
-    real, finite weights), then every other tensor (tied copies included), as saved."""
-    linears = meta["linears"]
-    for fqn, info in linears.items():
-        if info["layout"] == "fp8":
-            q, s = values[f"{fqn}.weight"], values[f"{fqn}.weight_scale"].float()
-            w = _tensor_of(prepared, f"{fqn}.weight")
-            block = _block(info)
-            if block is not None:
-                s = kernels.reference_block.expand_block_scale(s, tuple(q.shape), block)
-            w.copy_(kernels.dequantize(q, s, w.dtype).to(w.device))
-    for fqn, mod in model_modules(prepared):
-        for pname, t in own_tensors(mod):
-            name = f"{fqn}.{pname}" if fqn else pname
-            source = meta["aliases"].get(name, name)
-            if (linears.get(fqn, {}).get("layout") == "fp8" and pname == "weight") or source not in values:
-                continue  # FP8 linears above; FP8 experts below (stored per expert)
-            t.copy_(values[source].to(t.device))
-    experts.load_experts_high_precision(prepared, meta, values)
-
-
-@torch.no_grad()
-def _load_fp8(converted: nn.Module, meta: dict[str, Any], values: dict[str, torch.Tensor]) -> None:
-    """After convert: the saved FP8 weights and every saved activation scale, then gate/up stacked as saved."""
-    record = converted.__dict__["_dbr_record"]
+def _place(skeleton: Skeleton, meta: dict[str, Any], values: dict[str, torch.Tensor]) -> None:
+    """Every tensor of the folder into the skeleton, FP8 weights as FP8 (``values`` is emptied as it goes, so
+    a read tensor is held once: by the model)."""
     for fqn, info in meta["linears"].items():
-        mod = converted.get_submodule(fqn)
-        w = fp8_weight_of(mod)
-        if w is None:
-            raise CheckpointError(f"'{fqn}': saved as an FP8 linear, but convert left it in high precision here")
-        channel, block = info["granularity"] == "channel", _block(info)
-        if info["layout"] == "dequantized":  # Conv1D: exact re-quantization with the kept scale (checked at save)
+        q, block = values.pop(f"{fqn}.weight"), _block(info)
+        if info["layout"] == "dequantized":  # Conv1D, re-quantized when read (_as_stored)
             s = torch.tensor(info["scale"], dtype=torch.float32)
-            hp = values[f"{fqn}.weight"].t()
-            elementwise = (kernels.reference_block.expand_block_scale(s, tuple(hp.shape), block) if block
-                           else s.unsqueeze(1) if channel else s)
-            q = kernels.quantize(hp, elementwise, FP8Format.E4M3)
         else:
-            q, s = values[f"{fqn}.weight"], values[f"{fqn}.weight_scale"].float()
-            s = s if block else s.reshape(-1) if channel else s.reshape(())
-        if q.shape != w.qdata.shape or s.shape != w.scale.shape:
-            raise CheckpointError(f"'{fqn}': saved FP8 weight {list(q.shape)} / scale {list(s.shape)}, converted "
-                                  f"{list(w.qdata.shape)} / {list(w.scale.shape)}")
-        if block != w.block:
-            raise CheckpointError(f"'{fqn}': saved with weight block {block}, converted here with {w.block}")
-        attach_fp8_weight(mod, q.contiguous().to(w.qdata.device), s.to(w.scale.device), w.dtype, w.transposed,
-                          block)
-        mod.__dict__.pop("_dbr_stacked_after", None)
-    experts.load_experts_fp8(converted, meta, values)
-    for mod in converted.modules():
-        mod.__dict__.pop("_dbr_stacked_after", None)
-    for st, saved in zip(record.states, meta["states"]):
-        for op, rec in zip(st.seen_ops, saved["ops"]):
-            for slot, v in rec.get("scales", {}).items():
-                buf = st.scale(op, slot)
-                buf.copy_(torch.tensor(v, dtype=torch.float32).reshape(buf.shape).to(buf.device))
-    _stack_gate_up_weights(converted, record)
+            s = values.pop(f"{fqn}.weight_scale").float()
+            s = s if block else s.reshape(-1) if info["granularity"] == "channel" else s.reshape(())
+        skeleton.put_fp8(f"{fqn}.weight", q, s, is_transposed_linear(skeleton.model.get_submodule(fqn)), block)
+    experts.place_experts(skeleton, meta, values)
+    for name in list(skeleton.slots):
+        source = meta["aliases"].get(name, name)
+        if not skeleton.slots[name].filled and source in values:
+            skeleton.put(name, values[source])
+    skeleton.check_complete()
+
+
+def _scales(meta: dict[str, Any], states: list[AutoQuantizationState]) -> ScaleSource:
+    """The per-call-site activation scales of dbr_quant.json (the trace matched them op for op)."""
+    saved = {id(op): rec["scales"] for st, s in zip(states, meta["states"]) for op, rec in zip(st.seen_ops, s["ops"])}
+
+    def scale_of(st: AutoQuantizationState, op: SeenOp, slot: str) -> torch.Tensor | None:
+        v = saved[id(op)].get(slot)
+        return None if v is None else torch.tensor(v, dtype=torch.float32)
+
+    return scale_of
+
+
+def _check_fp8_as_saved(converted: nn.Module, meta: dict[str, Any], states: list[AutoQuantizationState]) -> None:
+    """Each FP8 linear of the folder is one the trace runs in FP8 with the saved weight block, and no other
+    linear is (convert would have made it FP8, so the saved model had it in FP8)."""
+    sites: dict[str, list[SeenOp]] = {}
+    for st in states:
+        for op in st.seen_ops:
+            if op.kind == LINEAR and op.weight_owner is not None:
+                sites.setdefault(op.weight_owner, []).append(op)
+    for fqn, ops in sites.items():
+        info = meta["linears"].get(fqn)
+        fp8_here = all(op.quantize for op in ops)
+        if info is None and fp8_here and fp8_weight_of(converted.get_submodule(fqn)) is None:
+            raise CheckpointError(f"'{fqn}': high precision in the checkpoint, but this trace runs it in FP8 (a "
+                                  "dbr_quant version difference?)")
+        if info is None:
+            continue
+        if not fp8_here:
+            raise CheckpointError(f"'{fqn}': saved as an FP8 linear, but this trace runs it in high precision")
+        cfg = ops[0].qconfig.weight
+        traced = tuple(cfg.block) if cfg.granularity == "block" else None
+        if _block(info) != traced:
+            raise CheckpointError(f"'{fqn}': saved with weight block {_block(info)}, traced here with {traced}")
+    experts.check_experts_as_saved(meta, states)
     names = {id(m): fqn for fqn, m in model_modules(converted)}
-    stacked = sorted([names[id(m.__dict__["_dbr_stacked_after"])], fqn] for fqn, m in model_modules(converted)
-                     if "_dbr_stacked_after" in m.__dict__)
+    stacked = sorted([names[id(tag.stacked_after)], fqn] for fqn, m in model_modules(converted)
+                     if (tag := tag_of(m)) is not None and tag.stacked_after is not None)
     if stacked != sorted(meta["stacked"]):
         raise CheckpointError(f"gate/up stacking differs from the saved model: saved {meta['stacked'][:3]}, now "
                               f"{stacked[:3]} (a dbr_quant version difference?)")
@@ -325,10 +318,11 @@ def _load_fp8(converted: nn.Module, meta: dict[str, Any], values: dict[str, torc
 
 def load_pretrained(save_directory: str | Path, model: nn.Module, *, example_inputs: Any = None,
                     example_kwargs: dict[str, Any] | None = None) -> nn.Module:
-    """The converted model saved by :func:`save_pretrained` in ``save_directory``, rebuilt from ``model``:
-    the same architecture in high precision, in the dtype it was saved from (e.g. built from its config;
-    its weights are replaced). ``model`` itself is not modified. prepare()'s example inputs come from the
-    folder unless given.
+    """The converted model saved by :func:`save_pretrained` in ``save_directory``, built on ``model``: the
+    same architecture (e.g. built from its config, in the dtype it was saved from; on the meta device when it
+    has no non-persistent buffers), whose parameters are never copied nor modified: every tensor comes from
+    the folder, FP8 weights placed as FP8 (peak memory: the FP8 model plus about one layer). prepare()'s
+    example inputs come from the folder unless given.
 
     A folder without ``dbr_quant.json`` whose ``config.json`` describes block-scaled FP8 written by another
     tool (compressed-tensors ``FP8_BLOCK``, transformers FineGrainedFP8; see ``checkpoints/foreign.py``) loads
@@ -343,8 +337,6 @@ def load_pretrained(save_directory: str | Path, model: nn.Module, *, example_inp
                         "by dbr_quant.prepare()/convert()")
     folder = Path(save_directory)
     if not (folder / sidecar.FILENAME).is_file():
-        from dbr_quant.checkpoints import foreign
-
         qc = foreign.quantization_config_of(folder)
         if qc is not None and foreign.is_block_config(qc):  # another tool's (compressed-tensors, FineGrainedFP8)
             return foreign.load_foreign(folder, model, qc, _read_headers(folder), example_inputs, example_kwargs)
@@ -352,17 +344,15 @@ def load_pretrained(save_directory: str | Path, model: nn.Module, *, example_inp
     stored = experts.file_to_model_names(_read_headers(folder), meta)
     values = _read_and_check(model, meta, stored)
     args, kwargs = _example(meta, example_inputs, example_kwargs)
-    qconfig = sidecar.rebuild_qconfig(meta["qconfig"], meta["states"])
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_QUIET)
-        prepared = prepare(model, args, qconfig, example_kwargs=kwargs)
-        diff = sidecar.compare_trace(meta["states"], prepared.__dict__["_dbr_record"].states)
-        if diff is not None:
-            raise CheckpointError(f"tracing this model did not reproduce the saved model: {diff}. Pass the "
-                                  "architecture (and example inputs) the checkpoint was saved from")
-        _load_high_precision(prepared, meta, values)
-        with torch.no_grad():
-            prepared(*args, **kwargs)  # one calibration forward: convert needs every observer calibrated
-        converted = convert(prepared, inplace=True)
-    _load_fp8(converted, meta, values)
+    skeleton = Skeleton(model)
+    _place(skeleton, meta, values)
+    del values
+    prepared = trace(skeleton.model, args, kwargs, sidecar.rebuild_qconfig(meta["qconfig"], meta["states"]))
+    states = prepared.__dict__["_dbr_record"].states
+    diff = sidecar.compare_trace(meta["states"], states)
+    if diff is not None:
+        raise CheckpointError(f"tracing this model did not reproduce the saved model: {diff}. Pass the "
+                              "architecture (and example inputs) the checkpoint was saved from")
+    converted = finish_convert(prepared, _scales(meta, states))
+    _check_fp8_as_saved(converted, meta, states)
     return converted

@@ -52,6 +52,14 @@ class Entry:
         return n * self.dtype.itemsize
 
 
+def tensor_entry(name: str, t: torch.Tensor, dtype: torch.dtype | None = None,
+                 shape: tuple[int, ...] | None = None) -> Entry:
+    """An entry that writes ``t`` (detached), reshaped to ``shape`` and cast to ``dtype`` when given."""
+    out_dtype = t.dtype if dtype is None else dtype
+    out_shape = tuple(t.shape) if shape is None else shape
+    return Entry(name, out_dtype, out_shape, lambda: t.detach().reshape(out_shape).to(out_dtype))
+
+
 def parse_size(size: int | str) -> int:
     """``max_shard_size``: bytes, or a string such as "5GB" (10⁹) / "5GiB" (2³⁰) / "500MB" / "100kB"."""
     if isinstance(size, int) and not isinstance(size, bool):
@@ -102,7 +110,7 @@ def write_file(path: str | os.PathLike, entries: list[Entry], metadata: dict[str
                 t = t.cpu()
             t = t.contiguous()
             if t.numel():
-                f.write(memoryview(t.view(torch.uint8).numpy()))
+                f.write(t.view(torch.uint8).numpy().data)
             del t
         size = f.tell()
     expected = 8 + len(header) + sum(e.nbytes for e in entries)
@@ -173,7 +181,7 @@ def read_tensor(t: StoredTensor) -> torch.Tensor:
     buf = torch.empty(t.nbytes, dtype=torch.uint8)
     with open(t.path, "rb") as f:
         f.seek(t.begin)
-        got = f.readinto(buf.numpy()) if t.nbytes else 0
+        got = f.readinto(buf.numpy().data) if t.nbytes else 0
     if got != t.nbytes:
         raise CheckpointError(f"{t.name} in {t.path}: read {got} of {t.nbytes} bytes (file changed or truncated)")
     return buf.view(t.dtype).reshape(t.shape)

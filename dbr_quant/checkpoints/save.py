@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dbr_quant import __version__  # set at the top of dbr_quant/__init__.py, before it imports checkpoints
 from dbr_quant.checkpoints import sidecar
 from dbr_quant.checkpoints.layout import Plan, build_plan, record_of
 from dbr_quant.checkpoints.safetensors_io import Entry, order_for_alignment, parse_size, write_file
@@ -66,7 +67,8 @@ def _hf_config(model: nn.Module, plan: Plan) -> dict[str, Any] | None:
         plan.notes.append("no layer has a compressed-tensors FP8 form (a tied lm_head, Conv1D layers and skipped "
                           "linears stay high precision or are written dequantized): config.json has no "
                           "quantization_config, so loaders read it as a high-precision model")
-    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    out_emb = get_output_embeddings() if callable(get_output_embeddings) else None
     if d.get("tie_word_embeddings") and out_emb is not None and fp8_weight_of(out_emb) is not None:
         # the FP8 output projection is no longer the input embedding: a loader that re-ties would overwrite it
         d["tie_word_embeddings"] = False
@@ -85,10 +87,8 @@ def _sidecar(model: nn.Module, plan: Plan) -> dict[str, Any]:
         except sidecar.Unserializable as e:
             plan.notes.append(f"prepare()'s example inputs hold {e}, which has no JSON form: pass example_inputs / "
                               "example_kwargs to load_pretrained")
-    import dbr_quant
-
     return {
-        "format": sidecar.FORMAT, "version": sidecar.VERSION, "dbr_quant_version": dbr_quant.__version__,
+        "format": sidecar.FORMAT, "version": sidecar.VERSION, "dbr_quant_version": __version__,
         "model_class": type(model).__name__, "dtype": str(_model_dtype(model)).removeprefix("torch."),
         "qconfig": sidecar.global_config(record.qconfig), "example": example,
         "states": sidecar.state_records(record.states), "linears": plan.linears, "stacked": plan.stacked,

@@ -14,6 +14,7 @@ objects with a dtype from a fixed list; nothing is imported or executed on load.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -141,12 +142,12 @@ def op_scales(st: AutoQuantizationState, op: SeenOp) -> dict[str, Any]:
     return {slot: st.scale(op, slot).detach().float().cpu().tolist() for slot in op.slots}
 
 
-def state_records(states: list[AutoQuantizationState]) -> list[dict[str, Any]]:
+def state_records(states: Sequence[AutoQuantizationState]) -> list[dict[str, Any]]:
     return [{"module": st.fqn, "ops": [dict(op_record(op), scales=op_scales(st, op)) for op in st.seen_ops]}
             for st in states]
 
 
-def compare_trace(saved: list[dict[str, Any]], states: list[AutoQuantizationState]) -> str | None:
+def compare_trace(saved: list[dict[str, Any]], states: Sequence[AutoQuantizationState]) -> str | None:
     """None when the new trace made the saved decisions, else a description of the first difference."""
     now = {st.fqn: st for st in states}
     if [s["module"] for s in saved] != [st.fqn for st in states]:

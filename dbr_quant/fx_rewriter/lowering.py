@@ -1,7 +1,7 @@
-"""How ``torch.compile`` (inductor) sees the ``dbr_quant`` custom ops on the reference (CPU) backend.
+"""How ``torch.compile`` (inductor) sees the ``dbr_quant`` custom ops on the CPU backend (kernels.cpu.backend).
 
 Opaque, the custom ops cost what eager costs: every quantize, weight upcast and epilogue is its own
-pass over memory, and inductor cannot fuse across them. So for tensors that run on the reference
+pass over memory, and inductor cannot fuse across them. So for tensors that run on the CPU
 backend we register a *decomposition* of each op with inductor: the same math in plain aten ops that
 inductor fuses into the neighbouring LayerNorm / GELU / residual kernels and vectorizes.
 
@@ -11,12 +11,13 @@ arithmetic only — round to the FP8 grid with ``torch.round`` (half to even) at
 value's binade, then build the byte from the fp32 bits — and decoded back the same way. Both are
 bit-identical to ``Tensor.to(float8)`` / the reference upcast (tests compare every byte value).
 
-Numerics under compile: the GEMMs are the reference's, in the dtype of the CPU GEMM path
+Numerics under compile: the GEMMs are the CPU backend's, in the dtype of the CPU GEMM path
 (``kernels.cpu``: exact FP8 operands in bf16 or fp32, fp32 accumulate, a bf16 or fp32 result) that is
 current when inductor compiles the graph (at the first call: the choice is baked into the compiled code,
 dynamo does not guard on it). inductor may contract ``acc·scale + bias`` into an FMA and reorders
 LayerNorm's sums, so the compiled model is close to eager, not bit-equal — the same contract as compiling any model.
-On CUDA (the Triton backend) nothing is decomposed: the ops stay calls to the Triton kernels.
+On CUDA (the Triton backend) and under ``use_backend("reference")`` nothing is decomposed: the ops stay calls to
+that backend's kernels.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dbr_quant.formats import FP8Format
+from dbr_quant.kernels.cpu import backend as cpu_backend
 from dbr_quant.kernels.dispatch import resolve_backend
 from dbr_quant.kernels.reference import dense as reference
 
@@ -139,8 +141,8 @@ def _gemm_operand(q: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def fp8_linear(x_q, x_scale, w_q, w_scale, bias, activation, residual, out_dtype, out_scale, out_fmt) -> Tensor:
-    dtype = reference.gemm_dtype(x_q, w_q)
-    if dtype == torch.float32:  # operands dequantized first, as reference.dequantize_operand
+    dtype = cpu_backend.gemm_dtype(x_q, w_q)
+    if dtype == torch.float32:  # operands dequantized first, as cpu_backend.dequantize_operand
         w_rows = w_scale.reshape(-1, 1) if w_scale.dim() else w_scale
         y = F.linear(_gemm_operand(x_q, dtype) * x_scale.float(), _gemm_operand(w_q, dtype) * w_rows.float(),
                      None if bias is None else bias.float())
@@ -158,7 +160,7 @@ def fp8_mlp(x_q, x_scale, w1_q, w1_scale, b1, activation, h_scale, h_fmt, w2_q, 
 
 
 def fp8_matmul(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor) -> Tensor:
-    dtype = reference.gemm_dtype(a_q, b_q)
+    dtype = cpu_backend.gemm_dtype(a_q, b_q)
     return torch.matmul(_gemm_operand(a_q, dtype), _gemm_operand(b_q, dtype)).float() * (a_scale * b_scale)
 
 
@@ -191,11 +193,12 @@ def _dynamic_scale_op(x: Tensor, fmt: str, per_token: bool) -> Tensor:
     return reference.dynamic_scale(x, FP8Format.parse(fmt), per_token)
 
 
-def _on_reference_backend(fn):
-    """Decompose only where eager would run the reference backend; elsewhere (CUDA → Triton) the op stays."""
+def _on_cpu_backend(fn):
+    """Decompose only where eager would run the CPU backend; elsewhere (CUDA → Triton; the plain reference, forced
+    by use_backend("reference")) the op stays a call to that backend's kernel."""
     @functools.wraps(fn)
     def maybe(*args, **kwargs):
-        if resolve_backend(args[0].device) != "reference":
+        if resolve_backend(args[0].device) != "cpu":
             return NotImplemented
         return fn(*args, **kwargs)
     return maybe
@@ -204,7 +207,7 @@ def _on_reference_backend(fn):
 def _small_gemm(a: Tensor, b: Tensor) -> bool:
     """Both operands small (static sizes): eager runs such a GEMM as one C call (cpu_e4m3.small_linear), whose
     sum order inductor's GEMM would not reproduce, so the op stays as it is in the graph (the same kernel)."""
-    return reference._small(a) and reference._small(b)
+    return cpu_backend.small(a) and cpu_backend.small(b)
 
 
 def _fp8_linear_op(x_q, x_scale, w_q, w_scale, *args):
@@ -215,7 +218,7 @@ def _fp8_linear_op(x_q, x_scale, w_q, w_scale, *args):
 
 def _fp8_mlp_op(x_q, x_scale, w1_q, w1_scale, b1, activation, h_scale, h_fmt, w2_q, *args):
     hidden = x_q.numel() // x_q.shape[-1] * w2_q.shape[-1]  # fc2's input size
-    if _small_gemm(x_q, w1_q) or (reference.small_count(hidden) and reference._small(w2_q)):
+    if _small_gemm(x_q, w1_q) or (cpu_backend.small_count(hidden) and cpu_backend.small(w2_q)):
         return NotImplemented
     return fp8_mlp(x_q, x_scale, w1_q, w1_scale, b1, activation, h_scale, h_fmt, w2_q, *args)
 
@@ -241,7 +244,7 @@ def register_inductor_lowerings() -> None:
     for name, fn in LOWERINGS.items():
         op = getattr(torch.ops.dbr_quant, name).default
         if op not in decomposition.decompositions:
-            decomposition.register_decomposition(op)(_on_reference_backend(fn))
+            decomposition.register_decomposition(op)(_on_cpu_backend(fn))
         # where a decomposition declines (returns NotImplemented: small GEMMs, CUDA), inductor calls the op
         # itself; it refuses to create that fallback on the fly for an op that has a decomposition, so it
         # is registered here, explicitly allowed to coexist with the decomposition

@@ -1,11 +1,11 @@
 """``dbr_quant::fp8_moe_experts``: a converted MoE experts module's whole computation as one graph node.
 
-An experts call (``moe.py``) routes tokens to experts: how many rows each expert gets depends on the
+An experts call (``moe/call.py``) routes tokens to experts: how many rows each expert gets depends on the
 data. In a graph that would mean data-dependent shapes (``nonzero``, a Python loop over the experts hit),
 which ``torch.export`` and ``torch.compile(fullgraph=True)`` cannot take without unbacked sizes. So the
 routing plan (``kernels.moe_route``) is built *inside* the op: its inputs and output have static shapes
 (hidden states [T, H], top-k ids and weights [T, k] → [T, H_out]); the fake implementation needs nothing
-else. The op body is the function the eager converted model runs (``moe.fp8_experts_compute``), so the
+else. The op body is the function the eager converted model runs (``moe.compute.fp8_experts_compute``), so the
 graph computes what eager does, bit for bit.
 
 Under ``torch.compile`` inductor keeps the op opaque (no lowering registered: a grouped GEMM over a ragged
@@ -17,7 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dbr_quant.formats import FP8Format
 from dbr_quant.fx_rewriter.oplib import define
+from dbr_quant.moe.compute import fp8_experts_compute
 
 
 @define("fp8_moe_experts")
@@ -28,9 +30,6 @@ def fp8_moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13_q: Te
     """x [T, H], topk_ids / topk_weights [T, k], w13_q [E, N1, H], w2_q [E, H_out, I] → [T, H_out].
     Static activation scales when ``x_scale`` and ``h_scale`` are given, else dynamic (``per_token``, or per
     token-group with ``group``). ``block``: block-scaled weights (scales [E, ⌈N/bn⌉, ⌈K/bk⌉])."""
-    from dbr_quant.formats import FP8Format
-    from dbr_quant.moe.experts import fp8_experts_compute
-
     return fp8_experts_compute(x, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale, x_scale, h_scale,
                                bias13, bias2, activation=activation, fmt=FP8Format.parse(fmt),
                                per_token=per_token, out_dtype=out_dtype,

@@ -17,6 +17,7 @@ from dbr_quant import kernels
 from dbr_quant.formats import FP8Format
 from dbr_quant.fx_rewriter.moe_ops import graph_fp8_moe_experts
 from dbr_quant.fx_rewriter.oplib import define
+from dbr_quant.kernels.cpu import upcast
 from dbr_quant.kernels.reference.dense import GATED
 
 _FORMATS = {f.value: f for f in FP8Format}
@@ -52,11 +53,9 @@ def _(q, scale, dtype):
 
 @define("fp8_to_bf16")
 def fp8_to_bf16(q: Tensor) -> Tensor:
-    """Exact FP8 → bf16 upcast (the reference backend's bit moves). Not emitted by rewrite(): the inductor
+    """Exact FP8 → bf16 upcast (the CPU backend's bit moves). Not emitted by rewrite(): the inductor
     lowering of fp8_linear calls it for weights, whose upcast inductor's own code does 10× slower."""
-    from dbr_quant.kernels.reference import dense as reference
-
-    return reference.fp8_to_bf16(q)
+    return upcast.fp8_to_bf16(q)
 
 
 @fp8_to_bf16.register_fake
@@ -68,9 +67,7 @@ def _(q):
 @define("fp8_to_fp32")
 def fp8_to_fp32(q: Tensor) -> Tensor:
     """Exact FP8 → fp32 upcast (bit moves), for the fp32 CPU GEMM path; used like ``fp8_to_bf16``."""
-    from dbr_quant.kernels.reference import dense as reference
-
-    return reference.fp8_to_fp32(q)
+    return upcast.fp8_to_fp32(q)
 
 
 @fp8_to_fp32.register_fake

@@ -1,6 +1,6 @@
 """MoE experts modules in ``dbr_quant.inspect``: each 3-D expert tensor is a layer.
 
-An experts module (``moe.py``) records two ops of kind ``experts``, ``<fqn>.gate_up_proj`` and
+An experts module (``moe/experts.py``) records two ops of kind ``experts``, ``<fqn>.gate_up_proj`` and
 ``<fqn>.down_proj``; here each is one inspect layer (named by that fqn, ``kind: experts`` in YAML),
 with the tensors ``input`` (the rows routed to the experts, sorted by expert: [rows, K]), ``weight``
 ([E, N, K], all experts) and ``output`` ([rows, N], before the routing-weighted sum). Inside a session
@@ -23,7 +23,9 @@ from torch import nn
 from dbr_quant import kernels
 from dbr_quant.inspect.features import Feature, Quantized, TensorContext
 from dbr_quant.inspect.inspector import feature_pass
-from dbr_quant.moe.experts import MoeState, _expert_key, _flat, expert_scales
+from dbr_quant.moe.compute import flat_inputs
+from dbr_quant.moe.experts import MoeState, observer_of
+from dbr_quant.moe.siblings import ExpertState
 from dbr_quant.quantize.weight_quantization import quantize_experts
 from dbr_quant.quantize.weights import FP8Weight
 from dbr_quant.runtime.state import observer_key
@@ -33,7 +35,7 @@ def experts_flops(op: Any) -> int:
     """FLOPs of one expert tensor (an op of kind ``experts``) per call at prepare()'s traced shapes:
     2 × routed rows × N × K, a routed row being one (token, top-k slot) pair — top_k × tokens rows over all
     experts, whichever experts they go to; the same count as an ``nn.Linear`` on those rows. 0 when the trace
-    recorded no routing (the module was called with other arguments, moe.py)."""
+    recorded no routing (the module was called with other arguments, moe/trace.py)."""
     if not op.inputs or not op.outputs:
         return 0
     rows, k = op.inputs[0].shape
@@ -42,12 +44,11 @@ def experts_flops(op: Any) -> int:
 
 def sibling_expert_flops(model: nn.Module, flops: dict[str, int]) -> dict[str, int]:
     """``flops`` (layer name → FLOPs at the traced shapes) with the layers of ``ModuleList`` / ``ModuleDict``
-    experts (moe_siblings.py) evened out: the trace ran only the experts the example reached, and an unreached
+    experts (moe/siblings.py) evened out: the trace ran only the experts the example reached, and an unreached
     expert's record is a copy of a reached one's, shapes included. Each layer of a sibling group gets the
     group's traced FLOPs (over the reached experts: the rows really routed, top_k per token) divided by the
     number of experts — its share under uniform routing; the group's total stays what the trace computed."""
     from dbr_quant.inspect.inspector import model_record, named_ops
-    from dbr_quant.moe.siblings import ExpertState
 
     names = {id(op): n for n, op in named_ops(model)}
     groups: dict[tuple, list[tuple[str, bool]]] = {}
@@ -68,13 +69,13 @@ def run_experts(inspector: Any, module: nn.Module, st: MoeState, x: torch.Tensor
                 weights: torch.Tensor) -> torch.Tensor:
     """One experts call inside an inspect session (see the module docstring)."""
     spec = st.spec
-    x2, ids2, w2 = _flat(x, ids, weights)
+    x2, ids2, w2 = flat_inputs(x, ids, weights)
     routing = kernels.moe_route(ids2, spec.num_experts)
     tokens, row_w = routing.tokens, routing.row_weights(w2)
     offsets = routing.expert_offsets.tolist()
     gate_up, down = st.seen_ops
     y = _projection(inspector, module, st, gate_up, x2[tokens], routing, offsets)
-    h = module._apply_gate(y) if spec.gated else module.act_fn(y)
+    h = spec.activate(module, y)
     y = _projection(inspector, module, st, down, h, routing, offsets)
     out = torch.zeros(x2.shape[0], y.shape[-1], dtype=torch.float32, device=x.device)
     out.index_add_(0, tokens, y.float() * row_w[:, None])
@@ -153,9 +154,8 @@ def _static_scale(st: MoeState, op: Any, index: int) -> torch.Tensor:
     if st.converted:
         return st.frozen_scale(op, "input")
     if index == 0:
-        return st.observers[observer_key(0, "input")].scale().detach()
-    observers = [st.observers[_expert_key(1, e)] for e in range(st.spec.num_experts)]
-    return expert_scales(observers, st.rows > 0)[0]  # what freeze_scales will store
+        return observer_of(st, observer_key(0, "input")).scale().detach()
+    return st.down_scales()[0]  # what freeze_scales will store
 
 
 def _quantize_weight(st: MoeState, op: Any, param: torch.Tensor, w: torch.Tensor | None) -> Quantized:

@@ -140,7 +140,7 @@ class Inspector:
 
     def experts(self, module: nn.Module, st: Any, x: torch.Tensor, ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
-        """An MoE experts module's call (from ``moe.experts_call``): each expert tensor is a layer."""
+        """An MoE experts module's call (from ``moe.call.experts_forward``): each expert tensor is a layer."""
         from dbr_quant.inspect.experts import run_experts
 
         return run_experts(self, module, st, x, ids, weights)

@@ -113,9 +113,10 @@ class WeightHome:
         module._parameters["weight"] = nn.Parameter(w.to("meta"), requires_grad=False)
 
 
-def weight_home(root: nn.Module, fqn: str) -> WeightHome | None:
+def weight_home(root: nn.Module, fqn: str, token: str) -> WeightHome | None:
     """Where accelerate keeps the weight of linear ``fqn`` when it is offloaded (``meta`` in the module): the
-    module's own offloading hook, or an ancestor's that loads its submodules (``place_submodules``)."""
+    module's own offloading hook, or an ancestor's that loads its submodules (``place_submodules``). ``token``:
+    one per convert() call (``new_token``)."""
     module = root.get_submodule(fqn)
     weight = module._parameters.get("weight")
     if weight is None or weight.device.type != "meta":
@@ -126,10 +127,14 @@ def weight_home(root: nn.Module, fqn: str) -> WeightHome | None:
         for h in _hooks(owner.__dict__.get("_hf_hook")):
             if (type(h).__name__ == "AlignDevicesHook" and h.offload and h.weights_map is not None
                     and (owner is module or h.place_submodules)):
-                token = root.__dict__.setdefault("_dbr_offload_token", uuid.uuid4().hex[:12])
                 return WeightHome(h, ".".join([*parts[depth:], "weight"]), token)
     raise RuntimeError(f"dbr_quant.convert(): the weight of '{fqn}' is on the meta device and no accelerate hook "
                        "loads it; load the weights (or dispatch the model with accelerate) before convert()")
+
+
+def new_token() -> str:
+    """Names one conversion's FP8 files in accelerate's offload folder (``WeightHome.token``)."""
+    return uuid.uuid4().hex[:12]
 
 
 class FP8WeightsMap(Mapping):
@@ -154,8 +159,8 @@ class FP8WeightsMap(Mapping):
         return len(self.inner)
 
 
-def _root_store(mapping: Mapping, key: str) -> tuple[Any, str]:
-    """The storage behind accelerate's (possibly prefixed) weights map, and the key there."""
+def _root_store(mapping: Any, key: str) -> tuple[Any, str]:
+    """The storage behind accelerate's (possibly prefixed: ``PrefixedDataset``) weights map, and the key there."""
     while type(mapping).__name__ == "PrefixedDataset":
         key, mapping = mapping.prefix + key, mapping.dataset
     return mapping, key

@@ -1,4 +1,5 @@
-"""Data-parallel calibration: merge every observer's state across a ``torch.distributed`` process group.
+"""Data-parallel calibration: merge every observer's state (and the GPTQ Hessians, ``sync_hessians``) across a
+``torch.distributed`` process group.
 
 Each rank calibrates its own batches. ``sync_observers`` (which ``convert`` calls when torch.distributed is
 initialized) leaves every rank with the observers one process would hold after calibrating the union of all
@@ -24,9 +25,10 @@ import torch
 from torch import nn
 
 from dbr_quant.observers import AmaxObserver
+from dbr_quant.quantize.rounding.collect import HessianCollector
 from dbr_quant.runtime.state import observer_key
 
-__all__ = ["sync_observers", "SyncError"]
+__all__ = ["sync_observers", "sync_hessians", "SyncError"]
 
 _SETTINGS = ("momentum", "history_len", "algo", "margin", "percentile", "num_candidates", "min_ratio")
 _SHOWN = 8  # problems listed per error message
@@ -63,8 +65,13 @@ def _describe(name: str, obs: AmaxObserver) -> str:
     return f"{name}: {type(obs).__name__}({obs.fmt.value}, axis={obs.axis}{settings})"
 
 
+def _state(obs: AmaxObserver) -> list[tuple[str, torch.Tensor]]:
+    """An observer's buffers in registration order (an observer registers no None buffer)."""
+    return [(name, buf) for name, buf in obs._buffers.items() if buf is not None]
+
+
 def _flat(observers: list[tuple[str, AmaxObserver]]) -> torch.Tensor:
-    parts = [buf.detach().reshape(-1).to("cpu", torch.float64) for _, obs in observers for buf in obs._buffers.values()]
+    parts = [buf.detach().reshape(-1).to("cpu", torch.float64) for _, obs in observers for _, buf in _state(obs)]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
@@ -77,7 +84,7 @@ def _summary(problem: str, observers: list[tuple[str, AmaxObserver]]) -> dict[st
         "updates": [int(obs.num_updates.item()) for _, obs in observers],
         "channels": [obs.num_channels for _, obs in observers],
         "digest": hashlib.sha256(_flat(observers).numpy().tobytes()).hexdigest(),
-        "synced": any("_dbr_synced" in obs.__dict__ for _, obs in observers),
+        "synced": any(obs.synced for _, obs in observers),
     }
 
 
@@ -161,11 +168,44 @@ def sync_observers(prepared: nn.Module, group: Any = None, *, allow_missing: boo
     gathered = [g.cpu() for g in gathered]
     offset = 0
     for _, obs in observers:
-        states = [{} for _ in gathered]
-        for buf_name, buf in obs._buffers.items():
+        states: list[dict[str, torch.Tensor]] = [{} for _ in gathered]
+        for buf_name, buf in _state(obs):
             for state, g in zip(states, gathered, strict=True):
                 state[buf_name] = g[offset: offset + buf.numel()].reshape(buf.shape)
             offset += buf.numel()
         obs.merge(states)
-        obs.__dict__["_dbr_synced"] = True
+        obs.synced = True
     return prepared
+
+
+def sync_hessians(prepared: torch.nn.Module, group: Any = None) -> None:
+    """Data-parallel calibration: sum every GPTQ accumulator's folds (and token counts) across the ranks of
+    ``group``, so each rank rounds with the Hessians of all ranks' batches and stores the same weights.
+    ``convert`` calls it after ``sync_observers``; a no-op without torch.distributed, with one rank, without
+    GPTQ linears, or when already summed. Raises ``SyncError`` on every rank when the ranks collected for
+    different linears, or some rank calibrated again after a sum (its batches would count once per rank)."""
+    record = prepared.__dict__.get("_dbr_record") if isinstance(prepared, torch.nn.Module) else None
+    collector = getattr(record, "hessians", None)
+    if not isinstance(collector, HessianCollector) or not _distributed(group):
+        return
+    layout = sorted((fqn, acc.in_features, acc.folds) for fqn, acc in collector.accumulators.items())
+    states = _gather_object({"layout": layout, "synced": collector.synced_at is not None,
+                             "again": collector.synced_at not in (None, collector.forwards)}, group)
+    if any(s["again"] for s in states) or len({s["synced"] for s in states}) > 1:
+        raise SyncError("dbr_quant.convert(): a rank calibrated again after the GPTQ Hessians were summed across "
+                        "ranks; summing again would count the earlier batches once per rank. Prepare again.")
+    if all(s["synced"] for s in states):
+        return
+    for rank, s in enumerate(states):
+        if s["layout"] != layout:
+            mine, theirs = {e[0] for e in layout}, {e[0] for e in s["layout"]}
+            raise SyncError(f"dbr_quant.convert(): GPTQ Hessians differ between ranks: rank {rank} collected for "
+                            f"{sorted(theirs - mine)[:5]} but not {sorted(mine - theirs)[:5]} (or other shapes); "
+                            "every rank must calibrate batches that reach the same linears")
+    for fqn, _, _ in layout:
+        acc = collector.accumulators[fqn]
+        torch.distributed.all_reduce(acc.sums, group=group)
+        tokens = acc.tokens.to(acc.sums.device)
+        torch.distributed.all_reduce(tokens, group=group)
+        acc.tokens.copy_(tokens.cpu())
+    collector.synced_at = collector.forwards

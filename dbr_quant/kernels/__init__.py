@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from dbr_quant.formats import FP8Format
+from dbr_quant.kernels.cpu import backend as cpu_backend
 from dbr_quant.kernels.cpu.features import current_gemm_path, use_cpu_gemm
 from dbr_quant.kernels.dispatch import (
     BACKENDS,
@@ -49,12 +50,17 @@ __all__ = [
 
 
 def _impl(t: torch.Tensor, ref=reference):
-    """The implementation module for the backend that runs on ``t``'s device (``ref`` for "reference")."""
+    """The implementation module for the backend that runs on ``t``'s device: ``ref`` (the op's reference module)
+    for "reference", the CPU backend for "cpu" (the choice of "auto" off CUDA), else the Triton backend."""
     backend = _settings.backend  # current_backend() inlined: this runs once per launch
     if backend is None:
         backend = (_env_cache[0] if _env_cache else _env_backend()) or "auto"
-    if backend == "reference" or (backend == "auto" and not t.is_cuda) or resolve_backend(t.device) == "reference":
+    if (backend == "auto" and not t.is_cuda) or backend == "cpu":
+        return cpu_backend
+    if backend == "reference":
         return ref
+    if resolve_backend(t.device) == "cpu":  # auto on CUDA without FP8 tensor cores (or without triton)
+        return cpu_backend
     from dbr_quant.kernels.triton import backend as triton_backend
 
     return triton_backend
@@ -186,7 +192,8 @@ def fp8_grouped_linear(x_q, x_scale, w_q, w_scale, routing: MoeRouting, *, x_sor
     if _settings.counters:
         record_launch("fp8_grouped_linear")
     impl = _impl(x_q, reference_grouped)
-    if impl is not reference_grouped and deterministic and topk_weights is not None and routing.top_k > 1:
+    if impl not in (reference_grouped, cpu_backend) and deterministic and topk_weights is not None \
+            and routing.top_k > 1:
         if _settings.counters:
             record_launch("moe_sum")  # the Triton path's fixed-order combine (the reference's is part of its loop)
     return impl.fp8_grouped_linear(x_q, x_scale, w_q, w_scale, routing, deterministic=deterministic, **kw)
@@ -201,14 +208,15 @@ def fp8_grouped_block_linear(x_q, x_scale, w_q, w_scale, routing: MoeRouting, *,
               topk_weights=topk_weights)
     if (ops := _settings.graph_ops) is not None:
         return _graph_op(ops, "fp8_grouped_block_linear")(x_q, x_scale, w_q, w_scale, routing, **kw)
-    if _impl(x_q, reference_grouped) is not reference_grouped:
+    impl = _impl(x_q, reference_grouped)
+    if impl not in (reference_grouped, cpu_backend):
         raise NotImplementedError(
             "fp8_grouped_block_linear: the Triton grouped GEMM has no block scales yet; run block-scaled MoE "
-            "experts on the reference backend (kernels.use_backend('reference'), or DBR_QUANT_BACKEND=reference), "
+            "experts on the CPU or reference backend (kernels.use_backend('cpu'), or DBR_QUANT_BACKEND=cpu), "
             "or convert the experts with per-channel weights (QConfig override on '.*experts')")
     if _settings.counters:
         record_launch("fp8_grouped_block_linear")
-    return reference_grouped.fp8_grouped_block_linear(x_q, x_scale, w_q, w_scale, routing, **kw)
+    return impl.fp8_grouped_block_linear(x_q, x_scale, w_q, w_scale, routing, **kw)
 
 
 def fp8_moe_block(x: torch.Tensor, routing: MoeRouting, topk_weights: torch.Tensor, w13_q: torch.Tensor,

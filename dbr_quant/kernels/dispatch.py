@@ -17,7 +17,10 @@ from collections.abc import Iterator
 
 import torch
 
-BACKENDS = ("reference", "triton", "triton-interpret")  # plus "auto" (the default): chosen per device
+# "reference": plain torch, the exact FP8 semantics (kernels/reference); "cpu": the same semantics computed fast
+# (kernels/cpu/backend.py, C kernels and bf16/fp32 GEMMs); "triton"(-interpret): the GPU kernels. Plus "auto" (the
+# default): chosen per device (resolve_backend).
+BACKENDS = ("reference", "cpu", "triton", "triton-interpret")
 ENV_VAR = "DBR_QUANT_BACKEND"
 
 class _ThreadSettings(threading.local):
@@ -79,23 +82,23 @@ def triton_installed() -> bool:
 
 def resolve_backend(device: torch.device) -> str:
     """The backend that runs for tensors on ``device``: an explicit choice, else ``triton`` on CUDA with
-    FP8 tensor cores (when triton is installed), else ``reference`` (CPU, and CUDA below 8.9: FP8 storage,
+    FP8 tensor cores (when triton is installed), else ``cpu`` (the CPU, and CUDA below 8.9: FP8 storage,
     bf16 compute)."""
     backend = current_backend()
     if backend != "auto":
         return backend
     if not fp8_tensor_cores(device):
-        return "reference"
+        return "cpu"
     if triton_installed():
         return "triton"
     _warn_no_triton(device)
-    return "reference"
+    return "cpu"
 
 
 @functools.cache
 def _warn_no_triton(device: torch.device) -> None:
     warnings.warn(f"dbr_quant.kernels: {device} has FP8 tensor cores but the triton package is not installed, so "
-                  "the reference backend (FP8 storage, bf16 compute) runs there; pip install triton for the FP8 "
+                  "the cpu backend (FP8 storage, bf16 compute) runs there; pip install triton for the FP8 "
                   "kernels", stacklevel=3)
 
 

@@ -16,14 +16,32 @@ call order and are not covered: they stay as traced (unreached ones high precisi
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol
 
-import torch
 from torch import nn
 
-from dbr_quant.moe.experts import has_data
+from dbr_quant.moe.experts import has_data, observer_of, widest_scale
+from dbr_quant.observers import AmaxObserver
 from dbr_quant.ops.mappings import is_container
+from dbr_quant.ops.tags import TAG, tag_of
+from dbr_quant.qconfig import QConfig
 from dbr_quant.runtime.state import AutoQuantizationState, SeenOp, observer_key
+
+
+class TracedRecords(Protocol):
+    """The trace run's records by module (``runtime.tracer.TraceRun.states``)."""
+
+    states: dict[nn.Module, AutoQuantizationState]
+
+
+class ModelRecord(Protocol):
+    """The prepared model's record (``runtime.runs.ModelRecord``): the settings and the fused subgraphs."""
+
+    @property
+    def qconfig(self) -> QConfig: ...
+
+    @property
+    def subgraphs(self) -> dict[int, Any]: ...  # id → runtime.runs.Subgraph, a dataclass with an ``id``
 
 
 class ExpertGroup:
@@ -44,8 +62,8 @@ class ExpertState(AutoQuantizationState):
         self.traced = True  # False: a copy of a reached sibling's record (its shapes are the sibling's)
         group.members.append(self)
 
-    def _siblings_observers(self, key: str) -> list[nn.Module]:
-        return [m.observers[key] for m in self.group.members if m.rel == self.rel and key in m.observers]
+    def _siblings_observers(self, key: str) -> list[AmaxObserver]:
+        return [observer_of(m, key) for m in self.group.members if m.rel == self.rel and key in m.observers]
 
     def uncalibrated(self) -> list[str]:
         """Only activations that no sibling expert saw either."""
@@ -62,13 +80,13 @@ class ExpertState(AutoQuantizationState):
                 continue
             for slot in op.slots:
                 key = observer_key(op.index, slot)
-                own = self.observers[key]
+                own = observer_of(self, key)
                 if has_data(own):
                     scale = own.scale().detach().clone()
                 else:  # the widest range measured on the siblings clips least on inputs nobody measured
                     siblings = self._siblings_observers(key)
                     donors = [o for o in siblings if has_data(o)] or [o for o in siblings if o.calibrated]
-                    scale = torch.stack([o.scale().detach().float().reshape(()) for o in donors]).amax()
+                    scale = widest_scale(donors)
                     op.reason = (f"no calibration token reached this expert: its '{slot}' scale is the max over "
                                  f"the {len(donors)} calibrated sibling experts of {self.group.fqn}")
                 self.register_buffer(f"scale_{key}", scale)
@@ -94,7 +112,7 @@ def _path_types(model: nn.Module, fqn: str) -> tuple[type, ...]:
     return tuple(types)
 
 
-def adopt_untraced_experts(model: nn.Module, run: Any, record: Any) -> None:
+def adopt_untraced_experts(model: nn.Module, run: TracedRecords, record: ModelRecord) -> None:
     """After the trace: sibling experts the example did not reach get a copy of a reached sibling's record;
     the reached ones' records become ``ExpertState``s too (so their scales can fall back on siblings)."""
     states_by_fqn = {st.fqn: (mod, st) for mod, st in run.states.items()}
@@ -124,7 +142,7 @@ def adopt_untraced_experts(model: nn.Module, run: Any, record: Any) -> None:
         _order_group(run, group, [prefix + name for name, _ in children])
 
 
-def _order_group(run: Any, group: ExpertGroup, member_fqns: list[str]) -> None:
+def _order_group(run: TracedRecords, group: ExpertGroup, member_fqns: list[str]) -> None:
     """Put a group's records together in expert order where its first record was (the report's order)."""
     rank = {fqn: i for i, fqn in enumerate(member_fqns)}
 
@@ -132,9 +150,9 @@ def _order_group(run: Any, group: ExpertGroup, member_fqns: list[str]) -> None:
         top = st.fqn[:len(st.fqn) - len(st.rel) - 1] if st.rel else st.fqn
         return rank[top], st.rel
 
-    ours = {id(st) for st in group.members}
+    ours = {id(st): st for st in group.members}
     items = list(run.states.items())
-    members = sorted(((mod, st) for mod, st in items if id(st) in ours), key=lambda item: key(item[1]))
+    members = sorted(((mod, st) for mod, st in items if id(st) in ours), key=lambda item: key(ours[id(item[1])]))
     run.states.clear()
     for mod, st in items:
         if id(st) not in ours:
@@ -153,7 +171,7 @@ def _member_states(states_by_fqn: dict, fqn: str) -> dict[str, AutoQuantizationS
     return out
 
 
-def _subgraph_states(run: Any) -> dict[int, set[int]]:
+def _subgraph_states(run: TracedRecords) -> dict[int, set[int]]:
     """Subgraph id → ids of the states holding its ops (a subgraph reaching outside an expert is not copied)."""
     out: dict[int, set[int]] = {}
     for st in run.states.values():
@@ -170,20 +188,16 @@ def _adopt(st: AutoQuantizationState, group: ExpertGroup, rel: str) -> ExpertSta
     return new
 
 
-def _rename(fqn: str | None, old: str, new: str) -> str | None:
-    if fqn is None:
-        return None
+def _rename(fqn: str, old: str, new: str) -> str:
     if fqn == old:
         return new
     return new + fqn[len(old):] if fqn.startswith(old + ".") else fqn
 
 
-def _clone_member(model: nn.Module, run: Any, record: Any, group: ExpertGroup,
+def _clone_member(model: nn.Module, run: TracedRecords, record: ModelRecord, group: ExpertGroup,
                   template: dict[str, AutoQuantizationState], tfqn: str, fqn: str,
                   groups_in: dict[int, set[int]]) -> None:
     """Records for the unreached expert ``fqn`` made from the reached expert ``tfqn``'s."""
-    from dbr_quant.runtime.runs import Subgraph
-
     member_ids = {id(st) for st in template.values()}
     new_ids: dict[int, int] = {}
     for rel, tst in template.items():
@@ -193,8 +207,9 @@ def _clone_member(model: nn.Module, run: Any, record: Any, group: ExpertGroup,
         ops = []
         for op in tst.seen_ops:
             new_fqn = _rename(op.fqn, tfqn, fqn)
-            qc = record.qconfig.for_op(new_fqn, _path_types(model, _rename(op.weight_owner, tfqn, fqn) or sfqn))
-            changed = {}
+            owner = None if op.weight_owner is None else _rename(op.weight_owner, tfqn, fqn)
+            qc = record.qconfig.for_op(new_fqn, _path_types(model, owner or sfqn))
+            changed: dict[str, Any] = {}
             if qc != op.qconfig:
                 changed = {"qconfig": qc, "group": None, "fusion": None}  # an override: no fusion, own settings
                 if qc.skip and op.quantize:
@@ -205,21 +220,21 @@ def _clone_member(model: nn.Module, run: Any, record: Any, group: ExpertGroup,
                     if op.group[0] not in new_ids:
                         sg = record.subgraphs[op.group[0]]
                         new_ids[op.group[0]] = gid = max(record.subgraphs, default=-1) + 1
-                        record.subgraphs[gid] = Subgraph(gid, sg.fusion, sg.kinds)
+                        record.subgraphs[gid] = dataclasses.replace(sg, id=gid)
                     group_id = (new_ids[op.group[0]], op.group[1])
                 else:
                     changed.update(group=None, fusion=None)  # the subgraph reaches outside the expert
             changed.setdefault("group", group_id)
-            ops.append(dataclasses.replace(op, fqn=new_fqn, weight_owner=_rename(op.weight_owner, tfqn, fqn),
-                                           **changed))
+            ops.append(dataclasses.replace(op, fqn=new_fqn, weight_owner=owner, **changed))
         for op in ops:
             st.add_op(op, _make_observer)
         run.states[model.get_submodule(sfqn)] = st
     # norm modules recognised by value in the reached expert: the same verdict for the sibling's
     for name, mod in model.get_submodule(tfqn).named_modules():
-        if "_dbr_norm" in mod.__dict__:
+        tag = tag_of(mod)
+        if tag is not None and tag.norm is not None:
             target = model.get_submodule(f"{fqn}.{name}" if name else fqn)
-            target.__dict__["_dbr_norm"] = mod.__dict__["_dbr_norm"]
+            target.__dict__[TAG].norm = tag.norm
 
 
 def _make_observer(op: SeenOp) -> nn.Module:

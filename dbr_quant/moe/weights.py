@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from dbr_quant.moe.experts import MoeState, experts_spec
+from dbr_quant.ops.tags import experts_of
 from dbr_quant.qconfig import TensorQConfig
 from dbr_quant.quantize.weight_quantization import quantize_experts
 from dbr_quant.quantize.weights import FP8Weight, attach_fp8_weight
@@ -57,7 +58,7 @@ def expert_weight_bytes(model: nn.Module) -> tuple[int, int]:
     """(bytes of the 3-D expert weights now — FP8 data + scales, or high precision —, number of them)."""
     total = count = 0
     for mod in model.modules():
-        spec = mod.__dict__.get("_dbr_experts") or experts_spec(mod)
+        spec = experts_of(mod) or experts_spec(mod)
         if spec is None:
             continue
         for name in spec.names:

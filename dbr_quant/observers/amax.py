@@ -94,7 +94,7 @@ class RunningMaxObserver(AmaxObserver):
         self._set_amax(torch.stack([s["amax"] for s in states]).amax(dim=0).float())
 
 
-def _count_weighted_mean(self: AmaxObserver, states: list[dict[str, Tensor]]) -> None:
+def _count_weighted_mean(self: MovingAverageObserver | _BatchMeanObserver, states: list[dict[str, Tensor]]) -> None:
     """amax = per-channel mean of the parts' amaxes weighted by their ``batches``; batches add up."""
     counts = torch.stack([s["batches"] for s in states])
     total = counts.sum(dim=0)

@@ -75,6 +75,7 @@ class AmaxObserver(nn.Module):
         self.fmt = FP8Format.parse(fmt)
         self.axis = _check_axis(axis)
         self.margin = 0
+        self.synced = False  # merged across ranks (integrations.distributed.sync_observers): merging again is refused
         # name -> leading (non-channel) shape of buffers whose last dim is the channel dim when per-channel
         self._channel_buffers: dict[str, tuple[int, ...]] = {}
         self._register_stat("amax")
@@ -184,7 +185,8 @@ class AmaxObserver(nn.Module):
             raise ValueError(f"{type(self).__name__}.merge() needs at least one state")
         for s in states:
             missing = [name for name in self._buffers if name not in s]
-            shapes = [name for name, buf in self._buffers.items() if name in s and s[name].shape != buf.shape]
+            shapes = [name for name, buf in self._buffers.items()
+                      if name in s and buf is not None and s[name].shape != buf.shape]
             if missing or shapes:
                 raise ValueError(f"{type(self).__name__}.merge(): a state does not match this observer "
                                  f"(missing {missing}, other shapes for {shapes}); merge observers of the same "
@@ -192,8 +194,9 @@ class AmaxObserver(nn.Module):
         device = self.amax.device
         as64 = [{name: t.to(device=device, dtype=torch.float64) for name, t in s.items()} for s in states]
         self._merge(as64)
-        self.nonfinite.copy_(sum(s["nonfinite"] for s in as64).round().long())
-        self.num_updates.copy_(sum(s["num_updates"] for s in as64).round().long())
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        self.nonfinite.copy_(sum((s["nonfinite"] for s in as64), zero).round().long())
+        self.num_updates.copy_(sum((s["num_updates"] for s in as64), zero).round().long())
 
     def _merge(self, states: list[dict[str, Tensor]]) -> None:
         """Set ``amax`` and the kind's own buffers from float64 ``states`` (counters are done by merge())."""

@@ -18,6 +18,7 @@ from dbr_quant.ops.call import Call, Env
 from dbr_quant.ops.call import linear_hp_weight as linear_hp_weight  # where runs and inspect read it
 from dbr_quant.ops.mappings import LINEAR, MATMUL, MATMUL_AS_LINEAR, SDPA, linear_bias, linear_weight
 from dbr_quant.ops.straight_through import run_straight_through, substitute, wants_gradient
+from dbr_quant.ops.tags import tag_of
 from dbr_quant.quantize.weights import FP8Weight, adjacent_rows, fp8_weight_of
 
 _is_grad_enabled = torch._C.is_grad_enabled  # read once per quantized op
@@ -38,10 +39,10 @@ def stacked_gate_up(gate: Call, up: Call) -> tuple[torch.Tensor, torch.Tensor] |
     buffer: a device move copies them apart, then the fused GEMM concatenates per call), else None.
     Block-scaled pairs: scales [gate block rows; up block rows], the layout of ``fp8_block_linear``'s gated path."""
     g, u = gate.module, up.module
-    if g is None or u is None:
+    if g is None or u is None or (tag := tag_of(u)) is None or tag.stacked_after is not g:
         return None
     gw, uw = fp8_weight_of(g), fp8_weight_of(u)
-    if u.__dict__.get("_dbr_stacked_after") is not g or gw is None or uw is None:
+    if gw is None or uw is None:
         return None
     q = adjacent_rows(gw.qdata, uw.qdata)
     s = adjacent_rows(gw.scale, uw.scale)

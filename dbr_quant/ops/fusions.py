@@ -41,6 +41,7 @@ from dbr_quant.ops.mappings import (
     rms_norm_module_eps,
 )
 from dbr_quant.ops.patterns import FUSIONS, Event, Fusion, Step, TraceGraph, register_fusion, threads
+from dbr_quant.ops.tags import is_placeholder
 
 
 def find_subgraphs(graph: TraceGraph) -> list[tuple[Fusion, list[Event]]]:
@@ -115,7 +116,7 @@ def _calls(calls: Sequence[Call], kind: str) -> list[Call]:
 def _other_operand(call: Call) -> torch.Tensor:
     """The operand of a binary op that is not the subgraph's own intermediate (a placeholder)."""
     a, b = call.args[0], call.args[1]
-    return b if getattr(a, "_dbr_placeholder", False) else a
+    return b if is_placeholder(a) else a
 
 
 def _activation(calls: Sequence[Call]) -> str | None:

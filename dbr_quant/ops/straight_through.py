@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from dbr_quant.kernels import graph_ops
+from dbr_quant.ops.tags import is_placeholder
 
 _is_grad_enabled = torch._C.is_grad_enabled
 
@@ -85,7 +86,7 @@ def _tensors(calls: Sequence[Any], extra: Sequence[Any]) -> list[Tensor]:
                     add(p)
     for v in extra:
         add(v)
-    return [t for t in found.values() if not getattr(t, "_dbr_placeholder", False)]
+    return [t for t in found.values() if not is_placeholder(t)]
 
 
 def wants_gradient(calls: Sequence[Any], extra: Sequence[Any] = ()) -> list[Tensor] | None:

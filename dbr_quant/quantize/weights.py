@@ -357,10 +357,9 @@ def attach_fp8_weight(module: nn.Module, qdata: torch.Tensor, scale: torch.Tenso
     weight config it was quantized with (an in-place edit re-quantizes with it)."""
     module._parameters[name] = nn.Parameter(FP8Weight(qdata, scale, dtype, transposed, block, qconfig=qconfig),
                                             requires_grad=False)
-    if not module.__dict__.get("_dbr_fp8_hooks"):
+    if _state_dict_hook not in module._state_dict_hooks.values():  # registered together, once per module
         module._register_state_dict_hook(_state_dict_hook)
         module._register_load_state_dict_pre_hook(_load_hook, with_module=True)
-        module.__dict__["_dbr_fp8_hooks"] = True
 
 
 def _fp8_parameters(module: nn.Module) -> list[tuple[str, FP8Weight]]:

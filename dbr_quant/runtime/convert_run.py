@@ -19,7 +19,6 @@ from torch.utils._pytree import tree_map
 
 from dbr_quant.integrations import accelerate as offload
 from dbr_quant.integrations.accelerate import has_opaque_hook
-from dbr_quant.moe import experts as moe
 from dbr_quant.ops.basic import run_basic
 from dbr_quant.ops.call import Call
 from dbr_quant.ops.mappings import (
@@ -36,9 +35,10 @@ from dbr_quant.ops.mappings import (
     is_passthrough,
 )
 from dbr_quant.ops.patterns import Subgraph
+from dbr_quant.ops.tags import TAG, fqn_of, mark_placeholder, tag_of
 from dbr_quant.runtime.interception import current_run, has_global_hooks, has_hooks, suspended
 from dbr_quant.runtime.plan import plan_of
-from dbr_quant.runtime.runs import HOOKED_BODY_FUNCS, Run, fqn_of
+from dbr_quant.runtime.runs import HOOKED_BODY_FUNCS, Run
 
 
 @dataclass(slots=True)
@@ -170,7 +170,7 @@ class ConvertRun(Run):
         st = self.owners[-1]
         step = None
         if st is not None:
-            plan = st.__dict__.get("_dbr_plan")
+            plan = st.plan
             if plan is None or plan.subgraphs is not self.subgraphs:
                 plan = plan_of(st, self.subgraphs)
             steps = plan.steps
@@ -254,8 +254,9 @@ class ConvertRun(Run):
         role = _ROLES.get(type(module))
         if role is None:
             role = _role(type(module))
+        tag = d.get(TAG)
         if role is _PLAIN:
-            if "_hf_hook" not in d and d.get("_dbr_experts") is None and not d.get("_dbr_norm") \
+            if "_hf_hook" not in d and (tag is None or (tag.experts is None and not tag.norm)) \
                     and not ((self.placeholders or self.resolved) and has_hooks(module)):
                 return self.call_module(module, args, kwargs)  # the common case, decided by a few dict lookups
         elif not module._forward_hooks and not module._forward_pre_hooks and not has_global_hooks():
@@ -263,7 +264,7 @@ class ConvertRun(Run):
             # few lookups)
             if role is _LINEAR:
                 if "_hf_hook" not in d and "weight" in module._parameters:  # see mappings.is_linear_module
-                    return self._run_op(LINEAR, module, args, kwargs, d.get("_dbr_fqn"))
+                    return self._run_op(LINEAR, module, args, kwargs, tag.fqn if tag is not None else None)
             elif role is _ACT and len(args) == 1 and not kwargs and (
                     "_hf_hook" not in d or not has_opaque_hook(module)):  # accelerate's device hooks: transparent
                 # its forward is one F.relu / F.gelu / F.silu: take the step that call would take, without
@@ -280,7 +281,7 @@ class ConvertRun(Run):
                 elif len(p.calls) < len(p.subgraph.kinds) and p.subgraph.kinds[len(p.calls)] == ACT:
                     return self._step(p, Call(ACT, func, args, {name: getattr(module, name)}))
                 return self.call_module(module, args, kwargs)
-        if "_hf_hook" in d and (is_linear_module(module) or d.get("_dbr_norm")) and not has_hooks(module):
+        if "_hf_hook" in d and (is_linear_module(module) or (tag is not None and tag.norm)) and not has_hooks(module):
             # accelerate (offload.py) loads weights in the forward wrapper that the FP8 path bypasses: load
             # them here and keep them until no pending fused subgraph can still read them
             args, kwargs = offload.onload(module, args, kwargs)
@@ -300,10 +301,14 @@ class ConvertRun(Run):
         if is_linear_module(module):
             if has_hooks(module):
                 return self._hooked_linear_call(module, args, kwargs)
-            return self._run_op(LINEAR, module, args, kwargs, module.__dict__.get("_dbr_fqn"))
-        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe.py
-            return moe.experts_call(self, module, args, kwargs, "convert")
-        if module.__dict__.get("_dbr_norm") and not has_hooks(module) and len(args) == 1 and not kwargs:
+            return self._run_op(LINEAR, module, args, kwargs, fqn_of(module))
+        tag = tag_of(module)
+        if tag is not None and tag.experts is not None:  # MoE experts module, called as one op: moe/
+            if self.placeholders or self.resolved:  # a pending subgraph's output feeds it: finish that first
+                with suspended(self):
+                    args, kwargs = self._resolve_all(*self._scan(args, kwargs))
+            return self.experts_call(module, args, kwargs, "convert")
+        if tag is not None and tag.norm and not has_hooks(module) and len(args) == 1 and not kwargs:
             with suspended(self):
                 return self._norm_module_call(module, args)
         if (self.placeholders or self.resolved) and has_hooks(module):
@@ -382,9 +387,7 @@ def _placeholder_tensor(i: int) -> torch.Tensor:
     if len(tensors) <= i:
         with _DisableTorchFunction():  # not a call of the model's
             while len(tensors) <= i:
-                ph = torch.empty(0, device="meta")
-                ph._dbr_placeholder = True  # type: ignore[attr-defined]  # read by fusions._other_operand
-                tensors.append(ph)
+                tensors.append(mark_placeholder(torch.empty(0, device="meta")))
     return tensors[i]
 
 

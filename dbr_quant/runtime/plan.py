@@ -3,7 +3,7 @@ and step resolved, so the runtime's per-op work is an index and two identity-spe
 
 A plan holds structure only (records, subgraphs), never tensors: weights and scales are read at call
 time, so ``.to()`` / ``.half()`` / ``load_state_dict`` after convert need no invalidation. It is built
-the first time a converted forward asks for it and kept on the state (``__dict__["_dbr_plan"]``, not a
+the first time a converted forward asks for it and kept on the state (``state.plan``, a plain attribute, not a
 submodule or buffer; dropped on deepcopy / pickle); it is rebuilt when the model's subgraph table is a
 different object. Records and subgraphs are written only by prepare(), so a plan built after convert stays
 right. Building is idempotent, so threads that race to build it store equal plans.
@@ -51,5 +51,5 @@ def plan_of(st: AutoQuantizationState, subgraphs: dict[int, Subgraph]) -> Plan:
             step = op.group[1]
             steps.append(PlanStep(op.kind, op.fqn, op, sg, step, step == len(sg.kinds) - 1))
     plan = Plan(subgraphs, tuple(steps))
-    st.__dict__["_dbr_plan"] = plan
+    st.plan = plan
     return plan

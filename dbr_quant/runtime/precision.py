@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dbr_quant.moe.experts import EXPERTS, ROUTER_REASON
+from dbr_quant.moe.experts import EXPERTS
+from dbr_quant.moe.trace import ROUTER_REASON
 from dbr_quant.ops.mappings import LINEAR, MATMUL, SDPA, is_linear_module, is_transposed_linear
 from dbr_quant.quantize.weights import FP8Weight, fp8_weight_of
 

@@ -18,18 +18,19 @@ from torch.utils._pytree import tree_flatten
 
 from dbr_quant import kernels
 from dbr_quant.integrations import accelerate as offload
-from dbr_quant.moe import experts as moe
+from dbr_quant.moe.call import ExpertsInspector, call_with_hooks, experts_forward
 from dbr_quant.ops.basic import PER_TOKEN_SLOTS, stored_fp8_weight
 from dbr_quant.ops.call import Call, Env, linear_hp_weight
 from dbr_quant.ops.mappings import FUNC_KINDS, INDEXED, LINEAR, MATMUL, SDPA, call_kind, is_linear_module
 from dbr_quant.ops.patterns import Subgraph
+from dbr_quant.ops.tags import TAG, experts_of, fqn_of, tag_of
 from dbr_quant.qconfig import QConfig
 from dbr_quant.quantize.rounding.collect import HessianCollector
 from dbr_quant.runtime.interception import has_hooks, has_pre_hooks, original_call, routing_functions, suspended
 from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
 
 
-class Inspector(Protocol):
+class Inspector(ExpertsInspector, Protocol):
     """A ``dbr_quant.inspect`` session (inspect/inspector.py) as its runs see it: it executes each recorded
     quantized op (FP8, fake quantization or high precision, per layer) and logs statistics."""
 
@@ -47,6 +48,7 @@ class ModelRecord:
     subgraphs: dict[int, Subgraph] = field(default_factory=dict)
     example: tuple[tuple, dict] | None = None  # prepare()'s example inputs: the default for the rewriter
     inspector: Inspector | None = None  # set by dbr_quant.inspect while a session runs: forwards are InspectRuns
+    trace_run: Run | None = field(default=None, repr=False, compare=False)  # prepare()'s TraceRun while it traces
     calibration_lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
     observes_functions: bool = True  # whether calibration must see torch function calls (set by prepare)
     hessians: HessianCollector | None = None  # when some op asks for GPTQ rounding (set by prepare)
@@ -68,10 +70,6 @@ def state_of(module: nn.Module) -> AutoQuantizationState | None:
         return st
     sub = module._modules.get("_auto_quant_state")
     return sub if isinstance(sub, AutoQuantizationState) else None
-
-
-def fqn_of(module: nn.Module) -> str | None:
-    return module.__dict__.get("_dbr_fqn")
 
 
 class Run:
@@ -132,7 +130,8 @@ class Run:
     def owner(self) -> nn.Module:
         """The innermost module on the stack that owns records (a non-leaf module of the model, or root)."""
         for m in reversed(self.stack):
-            if m.__dict__.get("_dbr_owner"):
+            tag = tag_of(m)
+            if tag is not None and tag.owner:
                 return m
         return self.root
 
@@ -171,7 +170,8 @@ class Run:
     def call_module(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         self.stack.append(module)
         d = module.__dict__
-        owns = d.get("_dbr_owner", False)
+        tag = d.get(TAG)
+        owns = tag is not None and tag.owner
         if owns:
             self.owners.append(state_of(module))
         try:
@@ -184,6 +184,16 @@ class Run:
             if owns:
                 self.owners.pop()
 
+    def experts_call(self, module: nn.Module, args: tuple, kwargs: dict, phase: str,
+                     inspector: ExpertsInspector | None = None) -> Any:
+        """A marked MoE experts module's call, as one op (moe/call.py): its body in ``phase`` with the module's
+        hooks around it, or the module as written."""
+        with suspended(self):
+            body = experts_forward(module, args, kwargs, phase, inspector)
+            if body is None:
+                return original_call(module, *args, **kwargs)
+            return call_with_hooks(module, body, args, kwargs) if has_hooks(module) else body(args, kwargs)
+
     def _direct_forward(self, module: nn.Module, d: dict) -> Any:
         """The forward that ``Module._call_impl`` would call, when calling it directly is all ``_call_impl``
         would do (no hooks anywhere, no TorchScript tracing), else None. For a module of this model that
@@ -194,10 +204,10 @@ class Run:
         forward = d.get("forward")
         if forward is None:
             return type(module).forward.__get__(module)
-        root = getattr(forward, "_dbr_root", None)
-        if root is None or root.__dict__.get("_dbr_record") is not self.record:
-            return None
-        return d.get("_dbr_inner_forward") or type(module).forward.__get__(module)
+        tag = d.get(TAG)
+        if tag is None or forward is not tag.entry_forward or forward.args[0] is not self.root:
+            return None  # another wrapper (accelerate's, added after prepare), or the entry of another model
+        return tag.inner_forward or type(module).forward.__get__(module)
 
     def begin(self) -> None:
         pass
@@ -246,8 +256,8 @@ class CalibrateRun(Run):
             with suspended(self):
                 self._observe(LINEAR, args, kwargs, module)
                 return original_call(module, *args, **kwargs)
-        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe.py
-            return moe.experts_call(self, module, args, kwargs, "calibrate")
+        if experts_of(module) is not None:  # MoE experts module, called as one op: moe/
+            return self.experts_call(module, args, kwargs, "calibrate")
         return self.call_module(module, args, kwargs)
 
 
@@ -305,9 +315,9 @@ class InspectRun(Run):
         return func(*args, **kwargs)
 
     def module_call(self, module, args, kwargs):
-        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe.py
-            return moe.experts_call(self, module, args, kwargs,
-                                    "convert" if self.record.phase == "converted" else "hp")
+        if experts_of(module) is not None:  # MoE experts module, called as one op: moe/
+            return self.experts_call(module, args, kwargs, "convert" if self.record.phase == "converted" else "hp",
+                                     self.inspector)
         if not is_linear_module(module):
             return self.call_module(module, args, kwargs)
         with suspended(self):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -18,6 +18,9 @@ from torch import nn
 from dbr_quant.observers.base import AmaxObserver
 from dbr_quant.ops.call import OpRecord
 from dbr_quant.qconfig import OpQConfig
+
+if TYPE_CHECKING:  # plan.py builds on this module
+    from dbr_quant.runtime.plan import Plan
 
 
 class UnseenOpError(RuntimeError):
@@ -83,6 +86,7 @@ class AutoQuantizationState(nn.Module):
         self.converted = False
         self._warned: set[tuple] = set()
         self._scale_names: dict[tuple[int, str], str] = {}
+        self.plan: Plan | None = None  # the convert run's precompiled plan (runtime/plan.py), built on first use
 
     # ----------------------------------------------------------------- recording (trace)
     def add_op(self, op: SeenOp, make_observer) -> SeenOp:
@@ -163,7 +167,7 @@ class AutoQuantizationState(nn.Module):
     def __getstate__(self) -> dict:
         """deepcopy / pickle: without the runtime's caches (the plan is rebuilt against the copy's record)."""
         state = super().__getstate__()
-        state.pop("_dbr_plan", None)
+        state["plan"] = None
         return state
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from dbr_quant.integrations.accelerate import onloaded
-from dbr_quant.moe import experts as moe
+from dbr_quant.moe.trace import trace_experts
 from dbr_quant.ops.fusions import find_subgraphs
 from dbr_quant.ops.mappings import (
     ACT,
@@ -44,6 +44,7 @@ from dbr_quant.ops.mappings import (
     rms_norm_module_eps,
 )
 from dbr_quant.ops.patterns import Event, Subgraph, TraceGraph
+from dbr_quant.ops.tags import TAG, ModuleTag, experts_of, fqn_of, tag_of
 from dbr_quant.runtime.interception import has_hooks, original_call, suspended
 from dbr_quant.runtime.param_weights import ParamUses, param_ref, weight_operand
 from dbr_quant.runtime.precision import ParamReads, skip_reason, tie_reason, tied_names
@@ -71,7 +72,7 @@ class TraceRun(Run):
         self.param_ids = {id(t) for t in (*root.parameters(), *root.buffers())}
         self.activations: set[int] = set()
         self.data_ints: set[int] = set()
-        self.producers: dict[int, int] = {}  # tensor id → index of the event that wrote it (moe.py walks it)
+        self.producers: dict[int, int] = {}  # tensor id → index of the event that wrote it (moe/trace.py walks it)
         self.param_uses = ParamUses(root)  # parameters read by functional linears, and what else reads them
         self.param_reads = ParamReads(root)  # which calls read each parameter: the report's reasons (precision.py)
         self.tied = tied_names(root)
@@ -104,7 +105,7 @@ class TraceRun(Run):
         owner = self.owner()
         st = self.states.get(owner)
         if st is None:
-            st = self.states[owner] = AutoQuantizationState(owner.__dict__.get("_dbr_fqn", ""))
+            st = self.states[owner] = AutoQuantizationState(fqn_of(owner) or "")
         return st
 
     def _record(self, kind: str | None, func: Any, args: tuple, kwargs: dict, out: Any,
@@ -165,7 +166,7 @@ class TraceRun(Run):
             target=type(module).__name__ if module is not None else getattr(func, "__name__", str(func)),
             inputs=inputs, outputs=tuple(self.tensor_info(t) for t in tensor_leaves(out)),
             qconfig=qc, quantize=quantize, reason=reason, slots=SLOTS.get(kind, ()) if quantize else (),
-            weight_owner=fqn if module is not None and module.__dict__.get("_dbr_fqn") is not None else None,
+            weight_owner=fqn if module is not None and fqn_of(module) is not None else None,
             weight_param=ref,
         )
 
@@ -188,21 +189,20 @@ class TraceRun(Run):
     def module_call(self, module, args, kwargs):
         if is_linear_module(module):
             with suspended(self):  # the bookkeeping's own torch calls must not be recorded
-                self.stack.append(module)  # so an error inside names this module
-                try:
-                    out = original_call(module, *args, **kwargs)
-                except BaseException:
-                    self.failed_stack = self.failed_stack or list(self.stack)
-                    raise
-                finally:
-                    self.stack.pop()
+                out = self._call_unrecorded(module, args, kwargs)
                 x = args[0] if args else kwargs.get("input")
                 self._record(LINEAR, module, (x,), {}, out, module)
                 if has_hooks(module):
                     self._escape((x, out))
             return out
-        if module.__dict__.get("_dbr_experts") is not None:  # MoE experts module, called as one op: moe.py
-            return moe.experts_call(self, module, args, kwargs, "trace")
+        if experts_of(module) is not None:  # MoE experts module, called as one op: moe/
+            with suspended(self):
+                out = self._call_unrecorded(module, args, kwargs)
+                self._record(None, module, args, kwargs, out)  # an opaque op: its inputs have a consumer
+                if has_hooks(module):
+                    self._escape((args, kwargs, out))
+                trace_experts(self, module, args, kwargs)  # its record; its router stays high precision
+            return out
         if rms_norm_module_eps(module) is not None and not has_hooks(module) and len(args) == 1 and not kwargs:
             return self._norm_module_call(module, args[0])
         hooked = has_hooks(module)
@@ -214,6 +214,17 @@ class TraceRun(Run):
             with suspended(self):
                 self._escape(out)
         return out
+
+    def _call_unrecorded(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """The module as written, nothing inside recorded (the run is suspended), named in errors inside."""
+        self.stack.append(module)
+        try:
+            return original_call(module, *args, **kwargs)
+        except BaseException:
+            self.failed_stack = self.failed_stack or list(self.stack)
+            raise
+        finally:
+            self.stack.pop()
 
     def _norm_module_call(self, module: nn.Module, x: Any) -> Any:
         """An RMSNorm module written as elementwise ops: one NORM op if it computes F.rms_norm (so it can
@@ -231,7 +242,10 @@ class TraceRun(Run):
                     assert weight is not None
                     ref = F.rms_norm(x.float(), x.shape[-1:], weight.float(), rms_norm_module_eps(module))
                 ok = torch.allclose(out.float(), ref.to(out.device), rtol=1e-4, atol=1e-5)
-            module.__dict__["_dbr_norm"] = ok
+            tag = tag_of(module)
+            if tag is None:  # a module outside the model's tree (e.g. in a plain list): it keeps the verdict too
+                tag = module.__dict__[TAG] = ModuleTag(None, owner=False)
+            tag.norm = ok
             self._record(NORM if ok else None, module, (x,), {}, out, module if ok else None)
         return out
 

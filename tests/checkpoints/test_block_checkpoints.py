@@ -25,7 +25,6 @@
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import warnings
 
@@ -55,10 +54,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.fixture
-def exact_block_kernels(monkeypatch):
-    """dbr_quant's block GEMM with fp32 partial products (what its Triton kernels compute on a GPU)."""
-    monkeypatch.setattr(reference_block, "fp8_block_linear",
-                        functools.partial(reference_block.fp8_block_linear, exact=True))
+def exact_block_kernels():
+    """dbr_quant's reference kernels: the block GEMM with fp32 partial products (what its Triton kernels compute on
+    a GPU)."""
+    with dq.kernels.use_backend("reference"):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +187,7 @@ def ragged_llama():
     return llama(**RAGGED).float()
 
 
-def _check_loaded(model, folder, scale_name: str, monkeypatch, exact_tol: float = 1e-3, fast_tol: float = 0.03) -> None:
+def _check_loaded(model, folder, scale_name: str, exact_tol: float = 1e-3, fast_tol: float = 0.03) -> None:
     before = copy.deepcopy(model.state_dict())
     loaded = dq.load_pretrained(folder, model)
     assert "_dbr_record" not in model.__dict__ and all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
@@ -206,24 +206,23 @@ def _check_loaded(model, folder, scale_name: str, monkeypatch, exact_tol: float 
     with torch.no_grad():
         expected, hp = ref(**inputs).logits, model(**inputs).logits
         fast = loaded(**inputs).logits
-        monkeypatch.setattr(reference_block, "fp8_block_linear",
-                            functools.partial(reference_block.fp8_block_linear, exact=True))
-        exact = loaded(**inputs).logits
+        with dq.kernels.use_backend("reference"):
+            exact = loaded(**inputs).logits
     err_exact, err_fast, fp8_err = _rel(exact, expected), _rel(fast, expected), _rel(expected, hp)
     print(f"{folder.name}: dbr_quant vs plain torch logits {err_exact:.2e} (exact kernels), {err_fast:.4f} "
           f"(CPU kernels); FP8 vs high precision {fp8_err:.4f}")
     assert err_exact <= exact_tol and err_fast <= fast_tol and fp8_err > 0.02
 
 
-def test_loads_a_compressed_tensors_fp8_block_folder(ragged_llama, tmp_path, monkeypatch):
+def test_loads_a_compressed_tensors_fp8_block_folder(ragged_llama, tmp_path):
     folder = tmp_path / "ct"
     ct_fp8_block_folder(copy.deepcopy(ragged_llama), folder, ignore=["lm_head"])
     qc = json.loads((folder / "config.json").read_text())["quantization_config"]
     assert qc["config_groups"]["group_0"]["weights"]["strategy"] == "block" and not (folder / "dbr_quant.json").exists()
-    _check_loaded(ragged_llama, folder, "weight_scale", monkeypatch)
+    _check_loaded(ragged_llama, folder, "weight_scale")
 
 
-def test_loads_a_bf16_compressed_tensors_folder(tmp_path, monkeypatch):
+def test_loads_a_bf16_compressed_tensors_folder(tmp_path):
     """A bf16 model: compressed-tensors stores its block scales in bf16 (the model's dtype). Both pipelines then
     round every layer's output to bf16, so they agree to bf16 noise amplified by the model: 2.2e-2 relative
     logits measured with either kernel path (FP8 vs bf16: 4.7e-2)."""
@@ -231,7 +230,7 @@ def test_loads_a_bf16_compressed_tensors_folder(tmp_path, monkeypatch):
     folder = tmp_path / "ct_bf16"
     ct_fp8_block_folder(copy.deepcopy(model), folder, ignore=["lm_head"])
     assert load_file(folder / "model.safetensors")["model.layers.0.mlp.up_proj.weight_scale"].dtype == torch.bfloat16
-    _check_loaded(model, folder, "weight_scale", monkeypatch, exact_tol=0.035, fast_tol=0.035)
+    _check_loaded(model, folder, "weight_scale", exact_tol=0.035, fast_tol=0.035)
 
 
 @pytest.fixture
@@ -241,13 +240,13 @@ def fine_grained_folder(ragged_llama, tmp_path):
     return folder
 
 
-def test_loads_a_fine_grained_fp8_folder(ragged_llama, fine_grained_folder, monkeypatch):
+def test_loads_a_fine_grained_fp8_folder(ragged_llama, fine_grained_folder):
     qc = json.loads((fine_grained_folder / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128]
-    _check_loaded(ragged_llama, fine_grained_folder, "weight_scale_inv", monkeypatch)
+    _check_loaded(ragged_llama, fine_grained_folder, "weight_scale_inv")
 
 
-def test_loads_a_static_activation_fine_grained_fp8_folder(ragged_llama, fine_grained_folder, monkeypatch):
+def test_loads_a_static_activation_fine_grained_fp8_folder(ragged_llama, fine_grained_folder):
     """``activation_scheme: "static"``: one ``activation_scale`` per linear (here each input's amax / 448 on the
     evaluation batch, taken from the fp32 model), block weights; dbr_quant's block GEMM takes the per-tensor
     scale broadcast to every group."""
@@ -271,12 +270,10 @@ def test_loads_a_static_activation_fine_grained_fp8_folder(ragged_llama, fine_gr
     stored = load_file(fine_grained_folder / "model.safetensors")
     weights = {f: dequantize_blocks(stored[f"{f}.weight"], stored[f"{f}.weight_scale_inv"], BLOCK) for f in scales}
     ref = plain_torch_reference(ragged_llama, weights, BLOCK[1], input_scales=scales)
-    monkeypatch.setattr(reference_block, "fp8_block_linear",
-                        functools.partial(reference_block.fp8_block_linear, exact=True))
     seen = {}
     for f in weights:
         ref.get_submodule(f).register_forward_hook(lambda m, i, o, f=f: seen.__setitem__(f, (i[0], o)))
-    with torch.no_grad():
+    with torch.no_grad(), dq.kernels.use_backend("reference"):  # the exact kernels
         err = _rel(loaded(**inputs).logits, ref(**inputs).logits)
     worst = 0.0
     record = loaded.__dict__["_dbr_record"]

@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import dbr_quant as dq
 from dbr_quant.checkpoints import CheckpointError
+from dbr_quant.ops.tags import tag_of
 from dbr_quant.quantize.weights import fp8_weight_of
 
 
@@ -43,7 +44,8 @@ def assert_same_converted(a, b, inputs) -> None:
         assert wa[n].transposed == wb[n].transposed
     sa, sb = _scale_buffers(a), _scale_buffers(b)
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-    stacked = lambda m: sorted(n for n, mod in m.named_modules() if "_dbr_stacked_after" in mod.__dict__)  # noqa: E731
+    stacked = lambda m: sorted(n for n, mod in m.named_modules()  # noqa: E731
+                               if getattr(tag_of(mod), "stacked_after", None) is not None)
     assert stacked(a) == stacked(b)
     hp_a = {k: v for k, v in a.state_dict().items() if "_auto_quant_state" not in k and v.dtype.is_floating_point
             and not k.endswith(("weight_scale",)) and v.dtype.itemsize > 1}
@@ -264,3 +266,23 @@ def test_damaged_json_is_an_error_naming_the_entry(damage, llama_converted, tmp_
     (tmp_path / "dbr_quant.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="dbr_quant.json: malformed entry"):
         dq.load_pretrained(tmp_path, llama())
+
+
+def test_architecture_on_the_meta_device_loads_and_shares_nothing_with_the_given_model(llama_converted, tmp_path):
+    """The loaded model is built from the folder: an architecture on the meta device is enough (when it has no
+    non-persistent buffers), and a real one is neither copied nor shares a tensor with the result."""
+    c = twice()
+    with pytest.warns(UserWarning, match="several call sites"):
+        dq.save_pretrained(c.converted, tmp_path / "twice")
+    with torch.device("meta"):
+        skeleton = type(c.model)().eval()
+    assert_same_converted(c.converted, dq.load_pretrained(tmp_path / "twice", skeleton), c.eval_inputs)
+    dq.save_pretrained(llama_converted.converted, tmp_path / "llama")
+    fresh = llama()
+    loaded = dq.load_pretrained(tmp_path / "llama", fresh)
+    given = {t.untyped_storage().data_ptr() for t in fresh.state_dict().values()}
+    assert not given & {t.untyped_storage().data_ptr() for t in loaded.state_dict().values()}
+    with torch.device("meta"):
+        on_meta = llama()
+    with pytest.raises(CheckpointError, match=r"rotary_emb\.inv_freq: on the meta device and not in the checkpoint"):
+        dq.load_pretrained(tmp_path / "llama", on_meta)

@@ -13,12 +13,12 @@ Three levels of evidence:
   within an fp32 rounding of a midpoint between two FP8 values; inputs built to sit there (``fp8_ties``) show
   it on a MiniLM layer, and that with the same codes the layer's output is the loaded one's bit for bit.
 * **End to end, bit for bit where no activation is at such a tie, on dbr_quant's fp32 CPU GEMM path.** Its
-  reference linear dequantizes both operands before an fp32 ``F.linear`` (``reference.dequantize_operand``),
+  reference linear dequantizes both operands before an fp32 ``F.linear`` (``kernels.cpu.backend.dequantize_operand``),
   which is compressed-tensors' arithmetic; everything else (quantized ops, scales, fusion points: GELU
   before fc2's quantize, residual after the bias; LayerNorm, GELU, attention mask) agrees. The test's
   sentences put no activation at a tie (checked), so the embeddings are equal; other text can (an outside
   suite's 32 sentences: 3 codes flipped, max |Δ| 0.088, min cosine 0.99974).
-* **The other orders: an FP8 noise floor, not a deviation.** dbr_quant's GPU kernels (and ``exact=True``,
+* **The other orders: an FP8 noise floor, not a deviation.** dbr_quant's GPU kernels (and its reference kernels,
   like vLLM's and ``torch._scaled_mm``) multiply the fp32 accumulator of the FP8 products by ``s_in·s_w``
   in the epilogue. The two scale orders round each GEMM output differently by ~1 ulp (2.3e-7 relative on
   MiniLM), and FP8 re-quantization turns that into whole FP8 steps that cascade: 3 of 140,928 FP8 codes
@@ -33,7 +33,6 @@ Three levels of evidence:
 
 from __future__ import annotations
 
-import functools
 import json
 import warnings
 
@@ -46,6 +45,8 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 import dbr_quant as dq
 from dbr_quant.examples import minilm
+from dbr_quant.formats import FP8Format
+from dbr_quant.kernels.cpu import backend as cpu_backend
 from dbr_quant.quantize.weights import fp8_weight_of
 
 pytest.importorskip("compressed_tensors")
@@ -65,7 +66,7 @@ def _fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).to(x.dtype) * scale
 
 
-def test_minilm_loads_with_transformers_and_matches(minilm_converted, minilm_folder, monkeypatch):
+def test_minilm_loads_with_transformers_and_matches(minilm_converted, minilm_folder):
     c = minilm_converted
     loaded = AutoModel.from_pretrained(minilm_folder).eval()
     ours = fp8_linears(c.converted)
@@ -95,11 +96,9 @@ def test_minilm_loads_with_transformers_and_matches(minilm_converted, minilm_fol
     assert torch.equal(emb_fp32_path, emb_ct)
     with dq.kernels.use_cpu_gemm("bf16"):
         emb_bf16 = minilm.sentence_embeddings(c.converted, c.eval_inputs)
-    # exact=True: fp32 GEMMs with the scales on the accumulator, what dbr_quant's GPU kernels compute
-    ref = dq.kernels.reference
-    monkeypatch.setattr(ref, "fp8_linear", functools.partial(ref.fp8_linear, exact=True))
-    monkeypatch.setattr(ref, "fp8_matmul", functools.partial(ref.fp8_matmul, exact=True))
-    emb_exact = minilm.sentence_embeddings(c.converted, c.eval_inputs)
+    # the reference backend: fp32 GEMMs with the scales on the accumulator, what dbr_quant's GPU kernels compute
+    with dq.kernels.use_backend("reference"):
+        emb_exact = minilm.sentence_embeddings(c.converted, c.eval_inputs)
     cos = {k: (emb_ct * e).sum(-1) for k, e in (("fp32", emb_fp32_path), ("bf16", emb_bf16), ("exact", emb_exact))}
     own_gap = (emb_exact * emb_bf16).sum(-1)  # dbr_quant's two kernel orders
     print("MiniLM transformers-loaded vs dbr_quant, min / mean embedding cosine: " + "; ".join(
@@ -131,8 +130,8 @@ def test_minilm_layer_on_built_ties_differs_from_transformers_only_in_the_quanti
     with torch.no_grad():
         minilm.sentence_embeddings(loaded, c.eval_inputs)  # the first forward decompresses the weights
         y_ct = loaded.get_submodule(name)(x)
-    ref = dq.kernels.reference
-    ours = ref.quantize(x, s, ref.FP8Format.E4M3)
+    ref = cpu_backend  # what the converted model runs on the CPU
+    ours = ref.quantize(x, s, FP8Format.E4M3)
     theirs = codes_by_division(x, s)
     assert torch.equal(ours.view(torch.uint8), codes_by_reciprocal(x, s).view(torch.uint8))
     step = (ours.view(torch.uint8).int() - theirs.view(torch.uint8).int()).abs()

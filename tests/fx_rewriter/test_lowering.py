@@ -16,6 +16,7 @@ import dbr_quant.fx_rewriter.ops  # noqa: F401  (defines the ops and registers t
 from dbr_quant.formats import FP8Format
 from dbr_quant.fx_rewriter import lowering
 from dbr_quant.kernels import use_backend, use_cpu_gemm
+from dbr_quant.kernels.cpu import backend as cpu_backend
 from dbr_quant.kernels.cpu.features import GEMM_PATHS
 from dbr_quant.kernels.reference import dense as reference
 
@@ -192,7 +193,7 @@ def test_compiled_ops_are_inlined_and_close_to_eager(path, close_to_reference):
     upcast stays a call), and the result is close to the eager graph's. The GEMMs run in the CPU GEMM
     path's dtype: forcing fp32 leaves no bf16 tensor in the generated code."""
     x_q, x_s = _fp8((6, 64))
-    w1, w1_s = _fp8((128, 64), scale=0.01)  # weights above reference.SMALL_OPERAND: the CPU path's GEMM
+    w1, w1_s = _fp8((128, 64), scale=0.01)  # weights above cpu_backend.SMALL_OPERAND: the CPU path's GEMM
     w2, w2_s = _fp8((64, 128), scale=0.01)
     b1, mid_s = torch.randn(128), torch.tensor(0.05)
 
@@ -216,12 +217,15 @@ def test_compiled_ops_are_inlined_and_close_to_eager(path, close_to_reference):
 
 
 def test_ops_stay_calls_on_the_triton_backend():
-    """Off the reference backend (Triton on CUDA) the decompositions decline, so the op stays one kernel."""
-    decomposition = lowering._on_reference_backend(lowering.fp8_matmul)
+    """Off the CPU backend (Triton on CUDA; the plain reference) the decompositions decline, so the op stays one
+    kernel."""
+    decomposition = lowering._on_cpu_backend(lowering.fp8_matmul)
     a_q, a_s = _fp8((3, 4))
     b_q, b_s = _fp8((4, 3))
     assert torch.is_tensor(decomposition(a_q, a_s, b_q, b_s))
     with use_backend("triton-interpret"):
+        assert decomposition(a_q, a_s, b_q, b_s) is NotImplemented
+    with use_backend("reference"):
         assert decomposition(a_q, a_s, b_q, b_s) is NotImplemented
 
 
@@ -233,7 +237,7 @@ def test_compile_frozen_folds_the_weight_upcast(path, monkeypatch, close_to_refe
 
     from dbr_quant.fx_rewriter import RewriteError, compile_frozen, rewrite
 
-    monkeypatch.setattr(reference, "SMALL_OPERAND", 0)  # the block's small GEMMs would all run in fp32
+    monkeypatch.setattr(cpu_backend, "SMALL_OPERAND", 0)  # the block's small GEMMs would all run in fp32
 
     _, c, x = converted_block()
     gm = rewrite(c)

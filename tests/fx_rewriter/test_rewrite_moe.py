@@ -103,7 +103,7 @@ def test_fp8_moe_experts_op_equals_the_eager_compute_and_has_no_gradient():
     """The op on its own (random FP8 experts, an expert that gets no token): eager's function, bit for bit;
     a backward through it is a clear error (inference only)."""
     from dbr_quant.formats import FP8Format
-    from dbr_quant.moe.experts import fp8_experts_compute
+    from dbr_quant.moe.compute import fp8_experts_compute
 
     gen = torch.Generator().manual_seed(3)
     e, h, i, t = 3, 16, 8, 5

@@ -16,7 +16,7 @@ import pytest
 import triton
 import triton.language as tl
 
-from dbr_quant import kernels
+from dbr_quant.kernels import triton as triton_kernels
 from dbr_quant.kernels.triton import aot
 from dbr_quant.kernels.triton.common import Kernel
 
@@ -72,19 +72,18 @@ def test_compiles_run_in_fresh_processes_untouched_by_this_one(monkeypatch, tmp_
 
     monkeypatch.setattr(tl, "program_id", patched)
     [config] = [c for c in aot.all_configs("amax") if c.kernel == "amax"][:1]
-    in_process = aot.compile_one(importlib.import_module(f"dbr_quant.kernels.{config.module}"), config.entry(), 90)
+    module = importlib.import_module(f"dbr_quant.kernels.triton.{config.module}")
+    in_process = aot.compile_one(module, config.entry(), 90)
     assert "patched triton.language" in in_process.error  # the check below can fail
     [isolated] = aot.compile_all([config], 90, jobs=1)
     assert isolated.ok and isolated.registers > 0, isolated.error
 
 
 def test_every_kernel_of_every_triton_module_is_in_its_aot_table():
-    """A new kernels/triton_*.py module is picked up by the tool once it lists its kernels in AOT_CONFIGS."""
+    """A new kernels/triton/*.py module is picked up by the tool once it lists its kernels in AOT_CONFIGS."""
     listed = set(aot.kernel_modules())
-    for info in pkgutil.iter_modules(kernels.__path__):
-        if not info.name.startswith("triton_"):
-            continue
-        mod = importlib.import_module(f"dbr_quant.kernels.{info.name}")
+    for info in pkgutil.iter_modules(triton_kernels.__path__):
+        mod = importlib.import_module(f"dbr_quant.kernels.triton.{info.name}")
         own = {id(v): v for v in vars(mod).values() if isinstance(v, Kernel) and v.fn.__module__ == mod.__name__}
         if own:
             assert info.name in listed, f"{info.name} defines Triton kernels but no AOT_CONFIGS"

@@ -1,4 +1,5 @@
-"""Block-scaled FP8 reference (kernels.reference_block) against independent computations.
+"""Block-scaled FP8 reference (kernels.reference.block) and the CPU backend's block kernels against independent
+computations.
 
 * Scales: per block / per token-group amax found by explicit loops over the blocks (ragged edges, all-zero
   and non-finite blocks), divided by fmt.max as the per-tensor/channel observers do.
@@ -6,8 +7,8 @@
   by index (the project's rounding rule, reference.quantize); against ``x / scale`` (compressed-tensors'
   rule) at most one FP8 step apart, rarely.
 * Layouts against the third-party code that reads them: transformers' FineGrainedFP8 quantizer/dequantizer.
-* The GEMM against an fp64 dequantize-then-matmul: exact=True is fp32-accurate, the bf16 fast path within
-  bf16 rounding of each K block's partial product.
+* The GEMM against an fp64 dequantize-then-matmul: the reference is fp32-accurate, the CPU backend's bf16 path
+  within bf16 rounding of each K block's partial product, its fp32 path the reference's bits.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from hypothesis import strategies as st
 
 from dbr_quant import kernels
 from dbr_quant.formats import FP8Format
+from dbr_quant.kernels.cpu import backend as cpu_backend
+from dbr_quant.kernels.cpu.features import use_cpu_gemm
 from dbr_quant.kernels.reference import block as RB
 
 FORMATS = list(FP8Format)
@@ -170,11 +173,14 @@ def test_block_gemm_against_fp64_dequantized_matmul(case):
     # Σ|products| bounds what any fp32 summation order can lose
     mag = (x_q.double().abs() * x_s.double()[..., torch.arange(x_q.shape[-1]) // block[1]]) @ (
         w_q.double().abs() * element_scale(w_s.double(), *w_q.shape, *block)).T
-    exact = RB.fp8_block_linear(x_q, x_s, w_q, w_s, block=block, exact=True)
+    exact = RB.fp8_block_linear(x_q, x_s, w_q, w_s, block=block)
     assert exact.dtype == torch.float32 and exact.shape == want.shape
     assert torch.all((exact.double() - want).abs() <= 1e-6 * mag + 1e-30)
-    fast = RB.fp8_block_linear(x_q, x_s, w_q, w_s, block=block)  # bf16 partial products (2**-9 each)
+    with use_cpu_gemm("bf16"):  # bf16 partial products (2**-9 each) where the operands are not small
+        fast = cpu_backend.fp8_block_linear(x_q, x_s, w_q, w_s, block=block)
     assert torch.all((fast.double() - want).abs() <= 2.0**-8 * mag + 1e-30)
+    with use_cpu_gemm("fp32"):  # the exact FP8 values in an fp32 GEMM, as the reference
+        assert torch.equal(cpu_backend.fp8_block_linear(x_q, x_s, w_q, w_s, block=block), exact)
 
 
 @settings(max_examples=30, deadline=None)
@@ -188,7 +194,7 @@ def test_gated_block_linear_halves_are_blocked_on_their_own(case, activation, ha
     act = F.silu if activation == "swiglu" else F.gelu
     want = act(gate) * up
     got = RB.fp8_block_linear(x_q, x_s, w_q, w_s, block=block, activation=activation,
-                              bias=bias if has_bias else None, exact=True)
+                              bias=bias if has_bias else None)
     assert got.shape == want.shape
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * (gate.abs().max() * up.abs().max()).item())
 
@@ -204,7 +210,7 @@ def test_epilogue_bias_activation_residual_and_output(activation, out):
     acts = {None: lambda t: t, "relu": F.relu, "gelu": F.gelu, "silu": F.silu,
             "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
     want = (acts[activation](pre) + res.double()).float()
-    kw = dict(bias=bias, activation=activation, residual=res, exact=True)
+    kw = dict(bias=bias, activation=activation, residual=res)
     if isinstance(out, FP8Format):
         scale = want.abs().max() / out.max * 0.75  # some values saturate
         got = RB.fp8_block_linear(x_q, x_s, w_q, w_s, out_scale=scale, out_fmt=out, **kw)
@@ -245,7 +251,7 @@ def test_errors_name_the_tensor_and_expected_shape():
         RB.block_quantize_weight(torch.randn(4))
 
 
-def test_dispatch_counts_launches_and_runs_reference_on_cpu():
+def test_dispatch_counts_launches_and_runs_the_cpu_backend_on_cpu():
     x = torch.randn(3, 200)
     w_q, w_s = kernels.block_quantize_weight(torch.randn(64, 200))
     with kernels.count_launches() as counts:
@@ -253,7 +259,7 @@ def test_dispatch_counts_launches_and_runs_reference_on_cpu():
         y = kernels.fp8_block_linear(x_q, x_s, w_q, w_s, bias=torch.zeros(64))
         kernels.layer_norm_group_quantize(x, None, None, 1e-5, rms=True)
     assert counts == {"group_quantize": 1, "fp8_block_linear": 1, "norm_group_quantize": 1}
-    assert torch.equal(y, RB.fp8_block_linear(x_q, x_s, w_q, w_s, bias=torch.zeros(64)))
+    assert torch.equal(y, cpu_backend.fp8_block_linear(x_q, x_s, w_q, w_s, bias=torch.zeros(64)))
 
 
 def test_capture_without_a_graph_op_says_so():

@@ -11,7 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sequential import sequential_linear
 
+from dbr_quant.formats import FP8Format
+from dbr_quant.kernels.cpu import backend as C
 from dbr_quant.kernels.cpu import e4m3 as cpu_e4m3
+from dbr_quant.kernels.cpu import upcast
+from dbr_quant.kernels.cpu.features import use_cpu_gemm
 from dbr_quant.kernels.reference import dense as R
 
 ALL_CODES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
@@ -52,7 +56,7 @@ def test_every_code_decodes_exactly(decoder, dtype, flush_denormal):
 def test_same_bits_as_the_torch_path(decoder, rows, cols, seed, dtype):
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
-    torch_path = R.e4m3_to_fp32(q) if dtype == torch.float32 else R.e4m3_to_bf16(q)
+    torch_path = upcast.e4m3_to_fp32(q) if dtype == torch.float32 else upcast.e4m3_to_bf16(q)
     assert torch.equal(cpu_e4m3.decode_e4m3(q, dtype), torch_path)
 
 
@@ -63,14 +67,14 @@ def test_declines_what_it_cannot_read(decoder):
 
 
 def test_upcast_uses_it_and_threads_agree(decoder):
-    """reference.fp8_upcast goes through the decoder (into its scratch buffer for weights), and threads
+    """upcast.fp8_upcast goes through the decoder (into its scratch buffer for weights), and threads
     decoding at once (ctypes releases the GIL) each get their own exact result."""
     qs = [torch.randn(300, 200).mul(k + 1).to(torch.float8_e4m3fn) for k in range(8)]
     results: list = [None] * len(qs)
 
     def work(i):
         with torch.inference_mode():
-            results[i] = [R.fp8_upcast(qs[i], torch.float32).clone() for _ in range(20)]
+            results[i] = [upcast.fp8_upcast(qs[i], torch.float32).clone() for _ in range(20)]
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(qs))]
     for t in threads:
@@ -88,7 +92,7 @@ def test_fallback_when_disabled(monkeypatch):
         assert cpu_e4m3.library() is None
         q = torch.randn(40, 30).to(torch.float8_e4m3fn)
         assert cpu_e4m3.decode_e4m3(q, torch.float32) is None
-        assert torch.equal(R.fp8_upcast(q, torch.float32), q.float())  # the torch bit moves still run
+        assert torch.equal(upcast.fp8_upcast(q, torch.float32), q.float())  # the torch bit moves still run
         monkeypatch.setenv(cpu_e4m3.ENV_VAR, "fast")
         cpu_e4m3.reset()
         with pytest.raises(ValueError, match="DBR_QUANT_CPU_DECODE"):
@@ -153,7 +157,7 @@ def test_quantize_and_scaled_decode_per_row(decoder, shape, seed, per_row, dtype
     q = cpu_e4m3.quantize_e4m3(x, s)
     assert torch.equal(_bits(q), _bits(_torch_quantize(x, s)))
     assert torch.equal(cpu_e4m3.decode_e4m3_scaled(q, s), q.float() * s)
-    assert torch.equal(R.dequantize_operand(q, s), q.float() * s)  # the reference's fp32 GEMM operand
+    assert torch.equal(C.dequantize_operand(q, s), q.float() * s)  # the CPU backend's fp32 GEMM operand
 
 
 def test_quantize_declines_what_it_cannot_index(decoder):
@@ -164,8 +168,8 @@ def test_quantize_declines_what_it_cannot_index(decoder):
     assert cpu_e4m3.quantize_e4m3(x, torch.ones(1, 1, 1)) is None  # broadcasts to more dims than x
     assert cpu_e4m3.quantize_e4m3(x, torch.ones(1, dtype=torch.float64)) is None
     assert cpu_e4m3.quantize_e4m3(x.requires_grad_(), torch.ones(1)) is None  # autograd records the torch ops
-    for s in (torch.ones(8), torch.ones(1, 1, 1)):  # and the reference quantize still broadcasts them
-        assert torch.equal(_bits(R.quantize(x.detach(), s, R.FP8Format.E4M3)), _bits(_torch_quantize(x.detach(), s)))
+    for s in (torch.ones(8), torch.ones(1, 1, 1)):  # and the CPU backend's quantize still broadcasts them
+        assert torch.equal(_bits(C.quantize(x.detach(), s, FP8Format.E4M3)), _bits(_torch_quantize(x.detach(), s)))
 
 
 @settings(max_examples=40, deadline=None)
@@ -176,25 +180,25 @@ def test_small_linear_is_the_sequential_definition(decoder, lead, k, n, per_row,
                                                    fp8_out, seed):
     """One C call for a small FP8 linear equals the definition written as fp32 torch ops one k at a time
     (operands dequantized first, every product and sum rounded, no fused multiply-add), bit for bit; with
-    ``out_scale`` its E4M3 output equals the reference quantize of that result; reference.fp8_linear takes it."""
+    ``out_scale`` its E4M3 output equals the quantize of that result; the CPU backend's fp8_linear takes it."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(*lead, k, generator=g)
     w = torch.randn(n, k, generator=g)
     xs = torch.rand(*lead, 1, generator=g) * 0.01 + 1e-3 if per_row else torch.tensor(0.004)
     ws = torch.rand(n, generator=g) * 0.01 + 1e-3 if per_channel else torch.tensor(0.003)
-    xq = R.quantize(x, xs, R.FP8Format.E4M3)
-    wq = R.quantize(w, ws.reshape(-1, 1) if per_channel else ws, R.FP8Format.E4M3)
+    xq = C.quantize(x, xs, FP8Format.E4M3)
+    wq = C.quantize(w, ws.reshape(-1, 1) if per_channel else ws, FP8Format.E4M3)
     b = torch.randn(n, generator=g) if bias else None
     r = torch.randn(*lead, n, generator=g) if residual else None
     out_s = torch.tensor(0.01) if fp8_out else None
     got = cpu_e4m3.small_linear(xq, xs, wq, ws, b, "relu" if relu else None, r, torch.float32, out_s, True)
     want = sequential_linear(xq, xs, wq, ws, b, relu, r)
     if fp8_out:
-        want = R.quantize(want, out_s, R.FP8Format.E4M3)
+        want = C.quantize(want, out_s, FP8Format.E4M3)
     assert got is not None and torch.equal(_bits(got) if fp8_out else got, _bits(want) if fp8_out else want)
-    via_reference = R.fp8_linear(xq, xs, wq, ws, bias=b, activation="relu" if relu else None, residual=r,
+    via_backend = C.fp8_linear(xq, xs, wq, ws, bias=b, activation="relu" if relu else None, residual=r,
                                  out_scale=out_s)
-    assert torch.equal(_bits(via_reference) if fp8_out else via_reference, _bits(got) if fp8_out else got)
+    assert torch.equal(_bits(via_backend) if fp8_out else via_backend, _bits(got) if fp8_out else got)
 
 
 def test_small_linear_declines_what_it_does_not_compute_exactly(decoder):
@@ -261,10 +265,10 @@ def test_small_gemm_is_the_c_one_whatever_the_epilogue(decoder, act, residual_sh
     xs, ws, b = torch.tensor(0.03), torch.rand(4, generator=g) * 0.1, torch.randn(4, generator=g)
     r = None if residual_shape is None else torch.randn(residual_shape, generator=g)
     out_s = torch.tensor(0.05) if fp8_out else None
-    got = R.fp8_linear(xq, xs, wq, ws, bias=b, activation=act, residual=r, out_scale=out_s)
+    got = C.fp8_linear(xq, xs, wq, ws, bias=b, activation=act, residual=r, out_scale=out_s)
     base = cpu_e4m3.small_linear(xq, xs, wq, ws, b, None, None, torch.float32, None, True)
     assert torch.equal(base, sequential_linear(xq, xs, wq, ws, b))
-    want = R.linear_epilogue(base.clone(), act, r, torch.float32, out_s, R.FP8Format.E4M3)
+    want = R.linear_epilogue(base.clone(), act, r, torch.float32, out_s, FP8Format.E4M3)
     assert torch.equal(_bits(got) if fp8_out else got, _bits(want) if fp8_out else want)
 
 
@@ -325,13 +329,13 @@ def test_every_quantize_is_x_times_the_reciprocal_on_built_ties(decoder, monkeyp
     assert torch.equal(_bits(cpu_e4m3.quantize_e4m3(x, s)), want)
     assert torch.equal(_bits(cpu_e4m3.quantize_e4m3(rows, s.expand(rows.shape[0], 1).contiguous())).flatten(),
                        want[: rows.numel()])  # the per-row loop
-    assert torch.equal(_bits(R.quantize(x, s, R.FP8Format.E4M3)), want)
-    assert torch.equal(_bits(lowering.quantize(x, s, R.FP8Format.E4M3)), want)
+    assert torch.equal(_bits(C.quantize(x, s, FP8Format.E4M3)), want)
+    assert torch.equal(_bits(lowering.quantize(x, s, FP8Format.E4M3)), want)
     monkeypatch.setenv(cpu_e4m3.ENV_VAR, "torch")
     cpu_e4m3.reset()
     try:
         assert cpu_e4m3.library() is None
-        assert torch.equal(_bits(R.quantize(x, s, R.FP8Format.E4M3)), want)
+        assert torch.equal(_bits(C.quantize(x, s, FP8Format.E4M3)), want)
     finally:
         monkeypatch.delenv(cpu_e4m3.ENV_VAR)
         cpu_e4m3.reset()
@@ -353,18 +357,18 @@ def test_the_torch_path_gives_the_same_bits_except_a_small_linears_sum_order(dec
     xb, wb = torch.randn(8, 640, generator=g), torch.randn(96, 640, generator=g)  # 5120 and 61440 elements
     xsm, wsm = torch.randn(3, 48, generator=g), torch.randn(20, 48, generator=g)
     xs, ws, b = torch.tensor(0.02), torch.rand(96, generator=g) * 0.01 + 1e-3, torch.randn(96, generator=g)
-    q = {k: R.quantize(v, xs if k[0] == "x" else ws[: v.shape[0], None], R.FP8Format.E4M3)
+    q = {k: C.quantize(v, xs if k[0] == "x" else ws[: v.shape[0], None], FP8Format.E4M3)
          for k, v in (("xb", xb), ("wb", wb), ("xsm", xsm), ("wsm", wsm))}
 
     def run() -> dict[str, torch.Tensor]:
-        out = {"ties": _bits(R.quantize(ties, s, R.FP8Format.E4M3)),
-               "upcast32": R.fp8_upcast(ALL_CODES[FINITE], torch.float32),
-               "upcast16": R.fp8_upcast(ALL_CODES[FINITE], torch.bfloat16),
-               "dequant": R.dequantize_operand(q["wb"], ws[:, None])}
+        out = {"ties": _bits(C.quantize(ties, s, FP8Format.E4M3)),
+               "upcast32": upcast.fp8_upcast(ALL_CODES[FINITE], torch.float32),
+               "upcast16": upcast.fp8_upcast(ALL_CODES[FINITE], torch.bfloat16),
+               "dequant": C.dequantize_operand(q["wb"], ws[:, None])}
         for path in ("fp32", "bf16"):
-            with R.cpu.use_cpu_gemm(path):
-                out[f"big_{path}"] = R.fp8_linear(q["xb"], xs, q["wb"], ws, bias=b, activation="relu")
-        out["small"] = R.fp8_linear(q["xsm"], xs, q["wsm"], ws[:20], bias=b[:20])
+            with use_cpu_gemm(path):
+                out[f"big_{path}"] = C.fp8_linear(q["xb"], xs, q["wb"], ws, bias=b, activation="relu")
+        out["small"] = C.fp8_linear(q["xsm"], xs, q["wsm"], ws[:20], bias=b[:20])
         return out
 
     with_c = run()

@@ -18,7 +18,9 @@ from sequential import sequential_linear
 
 from dbr_quant.formats import FP8Format, safe_scale
 from dbr_quant.kernels import use_cpu_gemm
+from dbr_quant.kernels.cpu import backend as C
 from dbr_quant.kernels.cpu import features as cpu
+from dbr_quant.kernels.cpu import upcast
 from dbr_quant.kernels.reference import dense as R
 
 U32, U16 = 2.0**-24, 2.0**-8  # unit roundoff of fp32 and of bf16 (8 significant bits)
@@ -104,7 +106,7 @@ def test_fp8_to_fp32_is_exact_for_every_code(reuse):
         for fmt in FP8Format:
             codes = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).reshape(16, 16)
             want = codes.float()
-            got = R.fp8_to_fp32(codes, reuse_buffer=reuse)
+            got = upcast.fp8_to_fp32(codes, reuse_buffer=reuse)
             assert got.dtype == torch.float32
             nan = want.isnan()
             if fmt is FP8Format.E4M3:
@@ -113,10 +115,10 @@ def test_fp8_to_fp32_is_exact_for_every_code(reuse):
                 assert torch.equal(got.isnan(), nan)  # E5M2 keeps NaN and ±inf
             assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))  # −0.0 included
     with pytest.raises(ValueError, match="fp8_upcast"):
-        R.fp8_upcast(codes, torch.float16)
+        upcast.fp8_upcast(codes, torch.float16)
 
 
-# ---------------------------------------------------------------- both paths against fp64
+# ---------------------------------------------------------------- both paths of the CPU backend against fp64
 
 
 def _fp8_grid(values: list[float], rows: int) -> torch.Tensor:
@@ -125,8 +127,8 @@ def _fp8_grid(values: list[float], rows: int) -> torch.Tensor:
 
 def _large(t: torch.Tensor) -> torch.Tensor:
     """``t`` with zero columns appended (sums unchanged) so the GEMM takes the CPU path's own kernel, not the
-    small-operand path (torch casts + fp32 GEMM) that operands of ≤ R.SMALL_OPERAND elements take."""
-    return torch.cat([t, torch.zeros(t.shape[0], R.SMALL_OPERAND + 1, dtype=t.dtype)], dim=1)
+    small-operand path (torch casts + fp32 GEMM) that operands of ≤ C.SMALL_OPERAND elements take."""
+    return torch.cat([t, torch.zeros(t.shape[0], C.SMALL_OPERAND + 1, dtype=t.dtype)], dim=1)
 
 
 @pytest.mark.parametrize("path", cpu.GEMM_PATHS)
@@ -136,9 +138,9 @@ def test_each_path_is_exact_up_to_its_one_output_rounding(path):
     x, w = _fp8_grid([15.0, 0.125], 1), _fp8_grid([15.0, 1.0], 1)
     one = torch.tensor(1.0)
     with use_cpu_gemm(path):
-        y = R.fp8_linear(_large(x), one, _large(w), one)
-        mm = R.fp8_matmul(_large(x), one, _large(w).t(), one)
-        small_y, small_mm = R.fp8_linear(x, one, w, one), R.fp8_matmul(x, one, w.t(), one)
+        y = C.fp8_linear(_large(x), one, _large(w), one)
+        mm = C.fp8_matmul(_large(x), one, _large(w).t(), one)
+        small_y, small_mm = C.fp8_linear(x, one, w, one), C.fp8_matmul(x, one, w.t(), one)
     assert y.item() == mm.item() == (225.125 if path == "fp32" else 225.0)
     assert small_y.item() == small_mm.item() == 225.125  # small operands: fp32 GEMM on either path
 
@@ -158,9 +160,9 @@ def test_exact_sums_come_out_exact_or_rounded_once(data, m, k, n, path):
     one = torch.tensor(1.0)
     exact = x.double() @ w.double().t()
     with use_cpu_gemm(path):
-        y = R.fp8_linear(_large(x), one, _large(w), one)
-        mm = R.fp8_matmul(_large(x).unsqueeze(0), one, _large(w).t().unsqueeze(0), one)[0]
-        small_y = R.fp8_linear(x, one, w, one)
+        y = C.fp8_linear(_large(x), one, _large(w), one)
+        mm = C.fp8_matmul(_large(x).unsqueeze(0), one, _large(w).t().unsqueeze(0), one)[0]
+        small_y = C.fp8_linear(x, one, w, one)
     want = exact.float() if path == "fp32" else exact.float().to(torch.bfloat16).float()
     assert torch.equal(y, want) and torch.equal(mm, want)
     assert torch.equal(small_y, exact.float())
@@ -192,7 +194,7 @@ def test_each_path_against_fp64_within_its_own_rounding(m, k, n, per_channel, ac
     b = torch.randn(n) if bias else None
     r = torch.randn(m, n) if residual else None
     with use_cpu_gemm(path):
-        got = R.fp8_linear(xq, xs, wq, ws, bias=b, activation=act, residual=r).double()
+        got = C.fp8_linear(xq, xs, wq, ws, bias=b, activation=act, residual=r).double()
     s = (xs * ws).double()  # the kernel multiplies the two scales in fp32 (that rounding is in the bound)
     acc = xq.double() @ wq.double().t() * s
     mag = xq.double().abs() @ wq.double().abs().t() * s.abs()
@@ -211,7 +213,7 @@ def test_each_path_batched_matmul_against_fp64(path):
     sa, sb = safe_scale(a.abs().amax(), fmt), safe_scale(b.abs().amax(), fmt)
     aq, bq = R.quantize(a, sa, fmt), R.quantize(b, sb, fmt)
     with use_cpu_gemm(path):
-        got = R.fp8_matmul(aq, sa, bq, sb).double()
+        got = C.fp8_matmul(aq, sa, bq, sb).double()
     s = (sa * sb).double()
     acc = aq.double() @ bq.double() * s
     mag = aq.double().abs() @ bq.double().abs() * s
@@ -223,8 +225,8 @@ def test_each_path_batched_matmul_against_fp64(path):
 @given(m=st.integers(1, 40), k=st.sampled_from([16, 96, 384]), n=st.sampled_from([8, 64, 200]),
        per_token=st.booleans(), per_channel=st.booleans(), bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_fp32_gemms_dequantize_operands_first(m, k, n, per_token, per_channel, bias, seed):
-    """The reference linear's fp32 GEMMs (the fp32 path at any size; small operands on either path) compute
-    compressed-tensors' arithmetic bit for bit, ``F.linear(q_x·s_x, q_w·s_w, b)``; ``exact=True`` keeps the
+    """The CPU backend's fp32 GEMMs (the fp32 path at any size; small operands on either path) compute
+    compressed-tensors' arithmetic bit for bit, ``F.linear(q_x·s_x, q_w·s_w, b)``; the reference keeps the
     GPU kernels' order, ``(q_x·q_wᵀ)·(s_x·s_w)`` (+ b in the same rounding step), also bit for bit."""
     g = torch.Generator().manual_seed(seed)
     fmt = FP8Format.E4M3
@@ -234,15 +236,15 @@ def test_fp32_gemms_dequantize_operands_first(m, k, n, per_token, per_channel, b
     xq, wq = R.quantize(x, xs, fmt), R.quantize(w, ws.unsqueeze(1) if per_channel else ws, fmt)
     b = torch.randn(n, generator=g) if bias else None
     loader = F.linear(xq.float() * xs, wq.float() * (ws.unsqueeze(1) if per_channel else ws), b)
-    large = xq.numel() > R.SMALL_OPERAND or wq.numel() > R.SMALL_OPERAND
+    large = xq.numel() > C.SMALL_OPERAND or wq.numel() > C.SMALL_OPERAND
     for path in cpu.GEMM_PATHS:
         with use_cpu_gemm(path):
-            got = R.fp8_linear(xq, xs, wq, ws, bias=b)
+            got = C.fp8_linear(xq, xs, wq, ws, bias=b)
         if large and path == "fp32":
             assert torch.equal(got, loader), path
         elif not large:  # one C call (cpu_e4m3.small_linear): the same operands, summed in k order
             assert torch.equal(got, sequential_linear(xq, xs, wq, ws, b)), path
             torch.testing.assert_close(got, loader, rtol=1e-5, atol=1e-5)
     gpu_order = F.linear(xq.float(), wq.float()) * (xs * ws)
-    assert torch.equal(R.fp8_linear(xq, xs, wq, ws, exact=True), gpu_order)
+    assert torch.equal(R.fp8_linear(xq, xs, wq, ws), gpu_order)
 

@@ -1,4 +1,5 @@
-"""The reference grouped FP8 GEMM (MoE experts) against an independent fp64 loop over (token, choice) pairs.
+"""The reference grouped FP8 GEMM (MoE experts) and the CPU backend's against an independent fp64 loop over
+(token, choice) pairs.
 
 The oracle never sorts: for token t's j-th choice e = topk_ids[t, j] it computes act(x·W[e]ᵀ·sx·sw[e] + b[e])
 in fp64 from the FP8 values, so it checks the routing plan, the per-expert scale indexing and the
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 from dbr_quant import kernels as K
 from dbr_quant.formats import FP8Format, safe_scale
+from dbr_quant.kernels.cpu import backend as cpu_backend
 from dbr_quant.kernels.reference import dense as R
 from dbr_quant.kernels.reference import grouped as RG
 from dbr_quant.kernels.routing import moe_route
@@ -135,11 +137,12 @@ def test_grouped_linear_matches_fp64_loop(tokens, experts, top_k, k, n, activati
     empty = tuple(range(min(n_empty, experts - top_k)))
     ids, r, x_in, xs, x_slot, xs_slot, w_q, ws, bias = _case(gen, tokens, experts, top_k, k, n, activation, x_kind,
                                                              w_kind, has_bias, x_sorted, empty)
-    got = RG.fp8_grouped_linear(x_in, xs, w_q, ws, r, x_sorted=x_sorted, bias=bias, activation=activation,
-                                exact=exact)
+    grouped_linear = RG.fp8_grouped_linear if exact else cpu_backend.fp8_grouped_linear
+    got = grouped_linear(x_in, xs, w_q, ws, r, x_sorted=x_sorted, bias=bias, activation=activation)
     want = oracle_slots(x_slot, xs_slot, w_q, ws, bias, activation, ids)[r.slots.long()]  # sorted row order
     assert got.shape == (r.num_rows, n) and got.dtype == torch.float32
-    # exact: fp32 accumulation order only; fast: the bf16-rounded accumulator (≤ 2⁻⁹ relative, ×2 margin)
+    # the reference: fp32 accumulation order only; the CPU backend: the bf16-rounded accumulator (≤ 2⁻⁹ relative,
+    # ×2 margin)
     rel = 1e-5 if exact else 2.0**-8
     tol = rel * (magnitude(x_slot, xs_slot, w_q, ws, bias, activation, ids) + want.abs().max().item()) + 1e-30
     assert (got.double() - want).abs().max().item() <= tol
@@ -158,7 +161,7 @@ def test_gated_fp8_output_is_the_fp64_result_quantized_with_each_experts_scale(t
     amax = want.abs().amax().float()
     h_scale = (amax / fmt.max * (0.5 + torch.rand(experts, generator=gen)) if per_expert_out
                else amax / fmt.max * 0.7)  # some values saturate
-    got = RG.fp8_grouped_linear(x_in, xs, w_q, ws, r, activation="swiglu", out_scale=h_scale, out_fmt=fmt, exact=True)
+    got = RG.fp8_grouped_linear(x_in, xs, w_q, ws, r, activation="swiglu", out_scale=h_scale, out_fmt=fmt)
     slot_scale = h_scale[ids.reshape(-1)] if per_expert_out else h_scale.expand(r.num_rows)
     want_q = (want * torch.reciprocal(slot_scale.float()).double()[:, None]).clamp(-fmt.max, fmt.max).float()
     want_q = want_q.to(fmt.dtype)[r.slots.long()]
@@ -180,7 +183,7 @@ def test_down_projection_scatter_adds_routing_weighted_rows_into_tokens(tokens, 
                                                              w_kind, has_bias, True, ())
     weights = torch.rand(tokens, top_k, generator=gen)
     got = RG.fp8_grouped_linear(x_in, xs, w_q, ws, r, x_sorted=True, bias=bias, topk_weights=weights,
-                                out_dtype=out_dtype, exact=True)
+                                out_dtype=out_dtype)
     rows = oracle_slots(x_slot, xs_slot, w_q, ws, bias, None, ids).reshape(tokens, top_k, -1)
     want = (rows * weights.double()[:, :, None]).sum(1)
     assert got.shape == (tokens, 16) and got.dtype == out_dtype

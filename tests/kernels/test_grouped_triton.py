@@ -1,4 +1,4 @@
-"""The Triton grouped FP8 GEMM (MoE experts) in the CPU interpreter against the reference (exact=True) and an
+"""The Triton grouped FP8 GEMM (MoE experts) in the CPU interpreter against the reference (exact) and an
 fp64 oracle, and compiled ahead of time for Hopper and Ada.
 
 Random routings draw experts without tokens, top_k up to 3 and single-token decode; the test config uses
@@ -60,14 +60,14 @@ def test_grouped_linear_matches_reference(tokens, experts, top_k, k, n, fmt_x, f
                                                              w_kind, has_bias, x_sorted, empty, fmt_x, fmt_w)
     kw = dict(x_sorted=x_sorted, bias=bias, activation=activation)
     if isinstance(out, FP8Format):
-        amax = R.amax(RG.fp8_grouped_linear(x_in, xs, w_q, ws, r, exact=True, **kw))
+        amax = R.amax(RG.fp8_grouped_linear(x_in, xs, w_q, ws, r, **kw))
         scale = amax / out.max * (0.5 + torch.rand(experts if per_expert_out else (), generator=gen)) + 1e-6
         kw.update(out_scale=scale, out_fmt=out)
     elif isinstance(out, str):
         kw.update(topk_weights=torch.rand(tokens, top_k, generator=gen))
     else:
         kw.update(out_dtype=out)
-    want = RG.fp8_grouped_linear(x_in, xs, w_q, ws, r, exact=True, **kw)
+    want = RG.fp8_grouped_linear(x_in, xs, w_q, ws, r, **kw)
     with use_backend("triton-interpret"):
         got = TG.fp8_grouped_linear(x_in, xs, w_q, ws, r, config=SMALL, deterministic=out == "scatter-det", **kw)
     if isinstance(out, FP8Format):
@@ -122,7 +122,7 @@ def test_many_experts_span_several_schedule_chunks():
         (torch.randn(experts, 2 * 20, 32, generator=gen) * 4).to(torch.float8_e4m3fn)
     xs, ws = torch.rand(tokens, 1, generator=gen) * 0.1, torch.rand(experts, 40, generator=gen) * 0.1
     h_scale = 0.02 + torch.rand(experts, generator=gen) * 0.02
-    want = RG.fp8_grouped_linear(x_q, xs, w_q, ws, r, activation="swiglu", out_scale=h_scale, exact=True)
+    want = RG.fp8_grouped_linear(x_q, xs, w_q, ws, r, activation="swiglu", out_scale=h_scale)
     x = torch.randn(tokens, 50, generator=gen)
     x_scale = torch.rand(experts, generator=gen) * 0.02 + 1e-3
     with use_backend("triton-interpret"):

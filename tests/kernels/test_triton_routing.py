@@ -88,7 +88,7 @@ def test_every_subgraph_kind_routes_to_its_triton_kernel_and_matches_reference(m
 def test_backend_resolution():
     from dbr_quant.kernels.dispatch import resolve_backend
 
-    assert resolve_backend(torch.device("cpu")) == "reference"
+    assert resolve_backend(torch.device("cpu")) == "cpu"
     with dq.kernels.use_backend("triton-interpret"):
         assert resolve_backend(torch.device("cpu")) == "triton-interpret"
     with pytest.raises(ValueError, match="unknown backend"):

@@ -1,4 +1,5 @@
-"""Building the C E4M3 kernels (kernels/cpu_e4m3.py) with the system C compiler, and caching the result.
+"""Building the C E4M3 kernels (``csrc/e4m3.c``, loaded by :mod:`dbr_quant.kernels.cpu.e4m3`) with the system C
+compiler, and caching the result.
 
 * The compiler: ``$CC`` split like a shell would (``CC="ccache gcc"``, ``CC="gcc -std=gnu11"``), else the
   first of cc, gcc, clang on PATH.

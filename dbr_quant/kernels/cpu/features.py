@@ -1,6 +1,7 @@
-"""The CPU GEMM path: which dtype the reference backend upcasts FP8 operands to before its GEMMs.
+"""The CPU GEMM path: which dtype the CPU backend (:mod:`dbr_quant.kernels.cpu.backend`) upcasts FP8 operands to
+before its GEMMs.
 
-No CPU has an FP8 GEMM, so the reference backend upcasts FP8 operands (exactly: every FP8 value is a
+No CPU has an FP8 GEMM, so the CPU backend upcasts FP8 operands (exactly: every FP8 value is a
 bf16 and an fp32 value) and runs a GEMM with fp32 accumulation in one of two dtypes:
 
 * ``bf16``: half the operand bytes; the GEMM result is rounded once to bf16 (relative ≤ 2⁻⁸). Fast only
@@ -10,7 +11,7 @@ bf16 and an fp32 value) and runs a GEMM with fp32 accumulation in one of two dty
 
 The choice: the innermost :func:`use_cpu_gemm` block (thread-local; tests), else ``$DBR_QUANT_CPU_GEMM``
 (``bf16`` | ``fp32`` | ``auto``; read once per process), else auto: bf16 where the CPU has native BF16
-dot products, fp32 otherwise (detected once per process). Devices other than the CPU keep bf16 (the reference backend
+dot products, fp32 otherwise (detected once per process). Devices other than the CPU keep bf16 (the CPU backend
 on CUDA below compute capability 8.9).
 """
 
@@ -21,8 +22,11 @@ import functools
 import os
 import threading
 from collections.abc import Iterator
+from typing import TypedDict
 
 import torch
+
+from dbr_quant.kernels.cpu import e4m3 as cpu_e4m3
 
 GEMM_PATHS = ("bf16", "fp32")  # plus "auto" (the default): chosen from the CPU's features
 ENV_VAR = "DBR_QUANT_CPU_GEMM"
@@ -49,8 +53,17 @@ def _torch_check(name: str) -> bool:
     return bool(check()) if check is not None else False
 
 
+class CpuFeatures(TypedDict):
+    capability: str  # torch's ATen vector capability, e.g. "AVX512"
+    avx2: bool
+    avx512: bool
+    avx512_bf16: bool
+    amx: bool
+    cpuinfo_flags: list[str]  # the _SHOWN_FLAGS that /proc/cpuinfo lists
+
+
 @functools.cache
-def cpu_features() -> dict[str, object]:
+def cpu_features() -> CpuFeatures:
     """What this CPU offers, as torch sees it (its ATen vector capability and CPUID checks) plus the
     relevant ``/proc/cpuinfo`` flags where that file exists (Linux)."""
     flags: list[str] = []
@@ -112,7 +125,7 @@ def current_gemm_path() -> str:
 
 
 def gemm_dtype(on: torch.Tensor | torch.device) -> torch.dtype:
-    """The dtype the reference backend upcasts FP8 operands to for a GEMM on the device of ``on`` (a
+    """The dtype the CPU backend upcasts FP8 operands to for a GEMM on the device of ``on`` (a
     tensor, or a device)."""
     if not (on.is_cpu if isinstance(on, torch.Tensor) else on.type == "cpu"):
         return torch.bfloat16
@@ -135,8 +148,6 @@ def use_cpu_gemm(path: str) -> Iterator[None]:
 def describe() -> str:
     """Two lines for benchmark and demo output: the GEMM path that runs, why, and the CPU features seen; whether
     the C E4M3 kernels run (else why not: torch ops take their place)."""
-    from dbr_quant.kernels.cpu import e4m3 as cpu_e4m3
-
     c_active, c_why = cpu_e4m3.status()
     forced = _tls.cpu_gemm
     if forced is None:

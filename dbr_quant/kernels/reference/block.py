@@ -1,5 +1,5 @@
-"""Block-scaled FP8 in plain torch (the DeepSeek-V3 / Qwen3-FP8 layout): the CPU path and the ground truth
-for the Triton block kernels.
+"""Block-scaled FP8 in plain torch (the DeepSeek-V3 / Qwen3-FP8 layout): the ground truth for the CPU backend's and
+the Triton block kernels (exact in the sense of :mod:`dbr_quant.kernels.reference.dense`).
 
 Layouts, identical to compressed-tensors ``FP8_BLOCK`` (``weight_scale``) and transformers FineGrainedFP8
 (``weight_scale_inv``, a dequantization scale despite its name), so checkpoints load without conversion:
@@ -10,29 +10,41 @@ Layouts, identical to compressed-tensors ``FP8_BLOCK`` (``weight_scale``) and tr
   group of ``g`` channels (default 128).
 
 Scales are ``formats.safe_scale(amax)`` = amax / fmt.max like the per-tensor/channel observers (all-zero
-block → 1; non-finite values ignored, as in ``reference.amax``). Edge blocks of a dimension that is not a
-multiple of the block use only their real elements. Quantization is ``reference.quantize`` (× the
+block → 1; non-finite values ignored, as in ``dense.amax``). Edge blocks of a dimension that is not a
+multiple of the block use only their real elements. Quantization is ``dense.quantize`` (× the
 reciprocal scale, round to nearest even, saturating) with the block's scale broadcast to every element.
 
 GEMM semantics (the DeepGEMM / vLLM ``w8a8_block_fp8_matmul`` structure): for every K block ``kb`` the
 partial product ``P_kb = x_q[:, kb] · w_q[:, kb]ᵀ`` of exact FP8 values accumulates in fp32, is multiplied by
 ``x_scale[m, kb] · w_scale[n // bn, kb]`` and added to an fp32 accumulator, in kb order. The activation group
 must equal the weight block's K size, so one activation scale covers each K block. Then the epilogue of
-``reference.fp8_linear`` (bias, activation, residual, output dtype or FP8 with a static scale).
+``dense.fp8_linear`` (bias, activation, residual, output dtype or FP8 with a static scale). The CPU backend runs
+the same loop on operands upcast for its GEMM path (:data:`Operands`): bit for bit on its fp32 path, each partial
+rounded once to bf16 on its bf16 path.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from dbr_quant.formats import FP8Format, safe_scale
-from dbr_quant.kernels.reference.dense import GATED, fp8_upcast, gemm_dtype, linear_epilogue, quantize
+from dbr_quant.kernels.reference.dense import GATED, Quantize, linear_epilogue, quantize
 
 DEFAULT_BLOCK = (128, 128)
 DEFAULT_GROUP = 128
+
+# (x_q rows, w_q rows of one GEMM, the whole weight) → the two GEMM operands: here the exact FP8 values in fp32;
+# the CPU backend upcasts to its GEMM path's dtype, decided on the whole weight (both halves of a gated one alike)
+Operands = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def exact_operands(x_q: torch.Tensor, w_q: torch.Tensor, whole_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 values as fp32 GEMM operands (torch's casts)."""
+    return x_q.float(), w_q.float()
 
 
 def check_block(block: tuple[int, int], what: str = "block") -> tuple[int, int]:
@@ -72,7 +84,7 @@ def block_amax(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> torch
     return a.reshape(a.shape[0] // bn, bn, a.shape[1] // bk, bk).amax(dim=(1, 3))
 
 
-def expand_block_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+def expand_block_scale(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int]) -> torch.Tensor:
     """One scale per element of an [N, K] weight from its [⌈N/bn⌉, ⌈K/bk⌉] block scales."""
     bn, bk = check_block(block)
     n, k = shape
@@ -116,7 +128,8 @@ def expand_group_scale(scale: torch.Tensor, k: int, group: int) -> torch.Tensor:
 
 def group_quantize(x: torch.Tensor, group: int = DEFAULT_GROUP,
                    fmt: FP8Format = FP8Format.E4M3) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token-group quantization: (fp8 like x, scale [..., ⌈K/group⌉])."""
+    """Dynamic per-token-group quantization: (fp8 like x, scale [..., ⌈K/group⌉]). Every element has its own
+    scale here, which the CPU backend's one-pass C quantize does not index: it runs this function too."""
     fmt = FP8Format.parse(fmt)
     scale = safe_scale(group_amax(x, group), fmt)
     if x.numel() == 0:
@@ -132,7 +145,7 @@ def group_dequantize(q: torch.Tensor, scale: torch.Tensor, group: int = DEFAULT_
 def layer_norm_group_quantize(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                               group: int = DEFAULT_GROUP, fmt: FP8Format = FP8Format.E4M3, *,
                               rms: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """LayerNorm / RMSNorm in fp32 (as ``reference.layer_norm_quantize``), then per-token-group dynamic
+    """LayerNorm / RMSNorm in fp32 (as ``dense.layer_norm_quantize``), then per-token-group dynamic
     quantization of the fp32 result: (normalized in x's dtype, fp8, scale [..., ⌈K/group⌉])."""
     xf = x.float()
     w = None if weight is None else weight.float()
@@ -169,23 +182,16 @@ def check_block_linear_operands(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: t
     return k, n, rows
 
 
-def block_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-               block: tuple[int, int], exact: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """fp32 ``Σ_kb (x_q[:, kb] · w_q[:, kb]ᵀ) · x_scale[:, kb] · w_scale[n // bn, kb]`` for x_q [M, K], x_scale
-    [M, KB], w_q [N, K], w_scale [⌈N/bn⌉, KB]. ``exact``: fp32 partial products; else GEMMs of the exact FP8
-    values in the CPU GEMM path's dtype (fp32 accumulate inside; on the bf16 path each partial is rounded once
-    to bf16, as reference.fp8_linear's fast path). ``dtype``: that GEMM dtype when the caller decided it for a
-    larger weight (the halves of a gated one run as the whole weight would)."""
+def block_gemm(x_c: torch.Tensor, x_scale: torch.Tensor, w_c: torch.Tensor, w_scale: torch.Tensor,
+               block: tuple[int, int]) -> torch.Tensor:
+    """fp32 ``Σ_kb (x_c[:, kb] · w_c[:, kb]ᵀ) · x_scale[:, kb] · w_scale[n // bn, kb]`` for the GEMM operands x_c
+    [M, K] and w_c [N, K] (the FP8 values, in fp32 or bf16: see :data:`Operands`; fp32 accumulation inside either
+    GEMM, a bf16 partial rounded once to bf16), x_scale [M, KB], w_scale [⌈N/bn⌉, KB]."""
     bn, bk = block
-    k, n = x_q.shape[-1], w_q.shape[0]
+    k, n = x_c.shape[-1], w_c.shape[0]
     w_cols = w_scale.float().repeat_interleave(bn, 0)[:n]  # [N, KB]: the scale of each output column
     xs = x_scale.float()
-    if exact:
-        x_c, w_c = x_q.float(), w_q.float()
-    else:
-        dtype = dtype or gemm_dtype(x_q, w_q)  # the CPU GEMM path's (bf16 only where the CPU has BF16 dot products)
-        x_c, w_c = fp8_upcast(x_q, dtype), fp8_upcast(w_q, dtype, reuse_buffer=True)  # scratch: read only here
-    acc = torch.zeros(x_q.shape[0], n, dtype=torch.float32, device=x_q.device)
+    acc = torch.zeros(x_c.shape[0], n, dtype=torch.float32, device=x_c.device)
     for kb, start in enumerate(range(0, k, bk)):
         part = F.linear(x_c[:, start:start + bk], w_c[:, start:start + bk]).float()
         acc += part * xs[:, kb, None] * w_cols[None, :, kb]  # (P·sx)·sw, the Triton kernel's order
@@ -205,27 +211,29 @@ def fp8_block_linear(
     out_dtype: torch.dtype = torch.float32,
     out_scale: torch.Tensor | None = None,
     out_fmt: FP8Format = FP8Format.E4M3,
-    exact: bool = False,
+    operands: Operands = exact_operands,
+    quantize: Quantize = quantize,
 ) -> torch.Tensor:
-    """Block-scaled FP8 GEMM with the epilogue of reference.fp8_linear: ``act(Σ_kb P_kb·sx·sw + bias) + residual``.
+    """Block-scaled FP8 GEMM with the epilogue of dense.fp8_linear: ``act(Σ_kb P_kb·sx·sw + bias) + residual``.
 
     ``x_scale`` [..., ⌈K/bk⌉] (from :func:`group_quantize` with group = bk), ``w_scale`` [⌈N/bn⌉, ⌈K/bk⌉].
     Gated activations take W stacked as [gate; up] (2N × K) with each half block-quantized on its own (as
     gate_proj and up_proj are stored in checkpoints): w_scale = [gate scales; up scales], 2·⌈N/bn⌉ rows.
-    With ``out_scale`` (a static per-tensor scale) the result is FP8 in ``out_fmt``.
+    With ``out_scale`` (a static per-tensor scale) the result is FP8 in ``out_fmt``. ``operands`` and
+    ``quantize`` are swappable (the CPU backend passes its upcasts and its C quantize).
     """
     bn, bk = check_block(block)
     gated = activation in GATED
     k, n, rows = check_block_linear_operands(x_q, x_scale, w_q, w_scale, (bn, bk), gated)
     lead = x_q.shape[:-1]
     x2, xs2 = x_q.reshape(-1, k), x_scale.reshape(-1, x_scale.shape[-1])
-    if gated:
-        halves = ((w_q[:n], w_scale[:rows]), (w_q[n:], w_scale[rows:]))
-        dtype = gemm_dtype(x2, w_q)  # decided on the whole [gate; up]: as an ungated GEMM of it would run
-        acc = torch.cat([block_gemm(x2, xs2, w, s, (bn, bk), exact, dtype) for w, s in halves], dim=-1)
-    else:
-        acc = block_gemm(x2, xs2, w_q, w_scale, (bn, bk), exact)
+    halves = ((w_q[:n], w_scale[:rows]), (w_q[n:], w_scale[rows:])) if gated else ((w_q, w_scale),)
+    parts = []
+    for w, s in halves:  # one half's operands at a time: a scratch buffer the CPU upcast reuses is read only here
+        x_c, w_c = operands(x2, w, w_q)
+        parts.append(block_gemm(x_c, xs2, w_c, s, (bn, bk)))
+    acc = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     if bias is not None:
         acc += bias.float()
     y = acc.reshape(*lead, acc.shape[-1])
-    return linear_epilogue(y, activation, residual, out_dtype, out_scale, FP8Format.parse(out_fmt))
+    return linear_epilogue(y, activation, residual, out_dtype, out_scale, FP8Format.parse(out_fmt), quantize)

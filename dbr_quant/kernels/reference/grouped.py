@@ -1,12 +1,13 @@
-"""Reference grouped FP8 GEMM for mixture-of-experts blocks: plain torch, exact FP8 semantics, the CPU path.
+"""Reference grouped FP8 GEMM for mixture-of-experts blocks: plain torch, exact FP8 semantics (as
+:mod:`dbr_quant.kernels.reference.dense` defines them), the ground truth of the CPU backend and the Triton kernel.
 
-A grouped GEMM runs every expert's rows (see :mod:`moe_routing`) against that expert's FP8 weight
+A grouped GEMM runs every expert's rows (see :mod:`dbr_quant.kernels.routing`) against that expert's FP8 weight
 ``w_q[e]`` [N, K] with the dense GEMM's semantics, so each expert's rows get exactly what
-:func:`reference.fp8_linear` gives them: FP8 operands, fp32 accumulation, ``acc·(sx·sw[e]) + b[e]``,
+:func:`dense.fp8_linear` gives them: FP8 operands, fp32 accumulation, ``acc·(sx·sw[e]) + b[e]``,
 then the activation (gated ones take ``w_q[e]`` stacked as [gate; up] and return ``silu(gate)·up``), then
 the output dtype or FP8 with the next projection's input scale. It is a loop over the experts that have
-rows, each step the dense reference GEMM (its bf16 fast path, or ``exact=True``): the rows of one expert
-are one GEMM, as in the Triton kernel.
+rows, each step one dense GEMM: the rows of one expert are one GEMM, as in the Triton kernel. The dense GEMM is
+swappable (``linear`` / ``block_linear``): the CPU backend runs this loop with its own.
 
 With ``topk_weights`` the result is not returned per row: each row is multiplied by its routing weight
 and added into its token's output row (``out[t] = Σ_j w[t, j]·y[t, j]``, fp32, rows added in sorted order
@@ -14,6 +15,8 @@ by ``index_add_``), which is an MoE block's down projection and combine in one s
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -38,7 +41,7 @@ def fp8_grouped_linear(
     out_fmt: FP8Format = FP8Format.E4M3,
     topk_weights: torch.Tensor | None = None,
     deterministic: bool = True,
-    exact: bool = False,
+    linear: Callable[..., torch.Tensor] = reference.fp8_linear,
 ) -> torch.Tensor:
     """Per expert ``e``: ``act(x_rows·w_q[e]ᵀ·sx·sw[e] + bias[e])`` for the rows ``routing`` gives it.
 
@@ -50,6 +53,7 @@ def fp8_grouped_linear(
     * ``topk_weights`` [T, top_k]: return [T, N] in ``out_dtype``, the routing-weighted sum over each
       token's experts (no ``out_scale`` then). The combine is always in a fixed order here
       (``deterministic`` is accepted for the backends' common signature).
+    * ``linear``: the dense GEMM each expert's rows run (``dense.fp8_linear``'s signature).
     """
     op = "fp8_grouped_linear"
     check_grouped_args(x_q, w_q, routing, x_sorted, activation, out_scale, topk_weights, op)
@@ -73,10 +77,10 @@ def fp8_grouped_linear(
         xs = xs_all[src] if kind == "row" else xs_all[e] if kind == "expert" else xs_all.reshape(())
         ws = ws_all if ws_all.dim() == 0 else ws_all[e].reshape(-1) if ws_all.shape[1] > 1 else ws_all[e, 0]
         os = None if os_all is None else os_all if os_all.dim() == 0 else os_all[e]
-        y_rows[lo:hi] = reference.fp8_linear(
+        y_rows[lo:hi] = linear(
             x_q[src], xs, w_q[e], ws, bias=None if bias is None else bias[e], activation=activation,
-            out_dtype=torch.float32 if scatter else out_dtype, out_scale=os, out_fmt=out_fmt, exact=exact)
-    if not scatter:
+            out_dtype=torch.float32 if scatter else out_dtype, out_scale=os, out_fmt=out_fmt)
+    if topk_weights is None:
         return y_rows
     y_rows.mul_(routing.row_weights(topk_weights)[:, None])
     out = torch.zeros((routing.num_tokens, n), dtype=torch.float32, device=x_q.device)
@@ -96,9 +100,9 @@ def fp8_grouped_block_linear(
     activation: str | None = None,
     out_dtype: torch.dtype = torch.float32,
     topk_weights: torch.Tensor | None = None,
-    exact: bool = False,
+    block_linear: Callable[..., torch.Tensor] = reference_block.fp8_block_linear,
 ) -> torch.Tensor:
-    """Block-scaled experts: per expert ``e``, :func:`reference_block.fp8_block_linear` of its rows with
+    """Block-scaled experts: per expert ``e``, ``block_linear`` (:func:`block.fp8_block_linear`) of its rows with
     ``w_scale[e]`` [⌈N/bn⌉, ⌈K/bk⌉] (gated: [gate; up] blocked half by half, 2·⌈N/2/bn⌉ rows) and the rows'
     per-token-group scales ``x_scale`` [rows, ⌈K/bk⌉] (token order, or sorted rows with ``x_sorted``), applied
     per K block in fp32. Output, ``topk_weights`` combine and ``x_sorted`` as :func:`fp8_grouped_linear`
@@ -124,28 +128,29 @@ def fp8_grouped_block_linear(
         if lo == hi:
             continue
         src = slice(lo, hi) if x_sorted else tokens[lo:hi]
-        y_rows[lo:hi] = reference_block.fp8_block_linear(
+        y_rows[lo:hi] = block_linear(
             x_q[src], x_scale[src], w_q[e], w_scale[e], block=(bn, bk), bias=None if bias is None else bias[e],
-            activation=activation, out_dtype=torch.float32 if scatter else out_dtype, exact=exact)
-    if not scatter:
+            activation=activation, out_dtype=torch.float32 if scatter else out_dtype)
+    if topk_weights is None:
         return y_rows
     y_rows.mul_(routing.row_weights(topk_weights)[:, None])
     out = torch.zeros((routing.num_tokens, n), dtype=torch.float32, device=x_q.device)
     return out.index_add_(0, tokens, y_rows).to(out_dtype)
 
 
-def moe_quantize(x: torch.Tensor, x_scale: torch.Tensor, routing: MoeRouting, fmt: FP8Format) -> torch.Tensor:
+def moe_quantize(x: torch.Tensor, x_scale: torch.Tensor, routing: MoeRouting, fmt: FP8Format,
+                 quantize: reference.Quantize = reference.quantize) -> torch.Tensor:
     """Per-expert static input scales: each sorted row is its token quantized with its expert's scale
     ``x_scale[e]`` ([E]), returned in sorted row order [T·top_k, K] (a token picked by two experts is
     quantized twice, once per scale). Scalar and per-token scales need no gather: use ``quantize`` /
-    ``dynamic_quantize`` on x and let the grouped GEMM gather."""
+    ``dynamic_quantize`` on x and let the grouped GEMM gather. ``quantize`` is swappable (the CPU backend's)."""
     if x_scale.dim() != 1 or x_scale.numel() != routing.num_experts:
         raise ValueError(f"moe_quantize: x_scale must hold one scale per expert ([{routing.num_experts}]), "
                          f"got shape {tuple(x_scale.shape)}")
     if x.dim() != 2 or x.shape[0] != routing.num_tokens:
         raise ValueError(f"moe_quantize: x must be [{routing.num_tokens}, K] (tokens of the routing), "
                          f"got {tuple(x.shape)}")
-    return reference.quantize(x[routing.tokens], x_scale.float()[routing.row_experts][:, None], fmt)
+    return quantize(x[routing.tokens], x_scale.float()[routing.row_experts][:, None], fmt)
 
 
 def check_grouped_args(x_q, w_q, routing, x_sorted, activation, out_scale, topk_weights, op) -> None:

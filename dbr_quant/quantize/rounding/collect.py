@@ -125,41 +125,6 @@ class HessianCollector:
         return result.qdata
 
 
-def sync_hessians(prepared: torch.nn.Module, group: Any = None) -> None:
-    """Data-parallel calibration: sum every GPTQ accumulator's folds (and token counts) across the ranks of
-    ``group``, so each rank rounds with the Hessians of all ranks' batches and stores the same weights.
-    ``convert`` calls it after ``sync_observers``; a no-op without torch.distributed, with one rank, without
-    GPTQ linears, or when already summed. Raises ``SyncError`` on every rank when the ranks collected for
-    different linears, or some rank calibrated again after a sum (its batches would count once per rank)."""
-    from dbr_quant.integrations.distributed import SyncError, _distributed, _gather_object
-
-    record = prepared.__dict__.get("_dbr_record") if isinstance(prepared, torch.nn.Module) else None
-    collector = getattr(record, "hessians", None)
-    if not isinstance(collector, HessianCollector) or not _distributed(group):
-        return
-    layout = sorted((fqn, acc.in_features, acc.folds) for fqn, acc in collector.accumulators.items())
-    states = _gather_object({"layout": layout, "synced": collector.synced_at is not None,
-                             "again": collector.synced_at not in (None, collector.forwards)}, group)
-    if any(s["again"] for s in states) or len({s["synced"] for s in states}) > 1:
-        raise SyncError("dbr_quant.convert(): a rank calibrated again after the GPTQ Hessians were summed across "
-                        "ranks; summing again would count the earlier batches once per rank. Prepare again.")
-    if all(s["synced"] for s in states):
-        return
-    for rank, s in enumerate(states):
-        if s["layout"] != layout:
-            mine, theirs = {e[0] for e in layout}, {e[0] for e in s["layout"]}
-            raise SyncError(f"dbr_quant.convert(): GPTQ Hessians differ between ranks: rank {rank} collected for "
-                            f"{sorted(theirs - mine)[:5]} but not {sorted(mine - theirs)[:5]} (or other shapes); "
-                            "every rank must calibrate batches that reach the same linears")
-    for fqn, _, _ in layout:
-        acc = collector.accumulators[fqn]
-        torch.distributed.all_reduce(acc.sums, group=group)
-        tokens = acc.tokens.to(acc.sums.device)
-        torch.distributed.all_reduce(tokens, group=group)
-        acc.tokens.copy_(tokens.cpu())
-    collector.synced_at = collector.forwards
-
-
 def collector_for(qconfig: QConfig, states: list) -> HessianCollector | None:
     """A collector when some recorded op's config asks for GPTQ, else None."""
     if any(HessianCollector.wants(op) for st in states for op in st.seen_ops):

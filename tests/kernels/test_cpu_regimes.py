@@ -1,5 +1,6 @@
-"""reference.fp8_linear / quantize in every regime they have, against an emulation from torch's own casts and
-fp64 math (#20, point 12: the other reference-kernel tests use shapes ≤ 40×70, so only the small path ran).
+"""The CPU backend's fp8_linear / quantize in every regime they have, against an emulation from torch's own casts and
+fp64 math (#20, point 12: the other kernel tests use shapes ≤ 40×70, so only the small path ran); the reference
+against the same emulation.
 
 Regimes: both operands ≤ cpu_e4m3.SMALL elements (one C call, fp32) or not (a torch GEMM: fp32 on operands
 dequantized first, or bf16 on the upcast codes with the scales applied to the accumulator; gated activations
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from dbr_quant.formats import FP8Format
+from dbr_quant.kernels.cpu import backend as C
 from dbr_quant.kernels.cpu import e4m3 as cpu_e4m3
 from dbr_quant.kernels.cpu.features import use_cpu_gemm
 from dbr_quant.kernels.reference import dense as R
@@ -61,7 +63,7 @@ def _act(y: torch.Tensor, activation: str | None) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("gemm", ["fp32", "bf16"])
+@pytest.mark.parametrize("gemm", ["fp32", "bf16", "reference"])  # the CPU backend's GEMM paths, and the reference
 @pytest.mark.parametrize("epilogue", EPILOGUES)
 def test_fp8_linear_equals_an_emulation_from_torch_casts(shape, gemm, epilogue, decode):
     m, k, n = SHAPES[shape]
@@ -83,9 +85,10 @@ def test_fp8_linear_equals_an_emulation_from_torch_casts(shape, gemm, epilogue, 
     want = _act(y, activation)
     want = want + r.double() if r is not None else want
     out_scale = (want.abs().max() / 448).float() if fp8_out else None  # the output's range, no saturation
-    with use_cpu_gemm(gemm):
-        got = R.fp8_linear(x_q, x_scale, w_q, w_scale, bias=b, activation=activation, residual=r,
-                           out_scale=out_scale, out_fmt=FP8Format.E4M3)
+    backend, path = (R, "fp32") if gemm == "reference" else (C, gemm)
+    with use_cpu_gemm(path):
+        got = backend.fp8_linear(x_q, x_scale, w_q, w_scale, bias=b, activation=activation, residual=r,
+                                 out_scale=out_scale, out_fmt=FP8Format.E4M3)
     # rounding allowed in the linear part: the bf16 GEMM's result rounded once to bf16 (2**-8 of itself), and
     # the accumulation's own rounding, of the size of |x_q·sx|·|w_q·sw|ᵀ (fp32 GEMMs: only that, ≈ k·2**-24);
     # an activation's slope is ≤ 1.2; a gated product scales the gate's error by |up| and the up's by |act(gate)|
@@ -115,7 +118,8 @@ def test_quantize_equals_torch_cast_at_every_size(shape, per_row, decode):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(shape, generator=g) * torch.logspace(-3, 3, shape[1])  # many binades
     scale = (x.abs().amax(-1, keepdim=True) if per_row else x.abs().amax()) / 448 * 1.37
-    got = R.quantize(x, scale, FP8Format.E4M3)
-    assert torch.equal(got.view(torch.uint8), _cast(x, scale).view(torch.uint8))
-    # and the exact way back: every code times its scale
-    assert torch.equal(R.dequantize(got, scale), got.float() * scale)
+    for backend in (R, C):
+        got = backend.quantize(x, scale, FP8Format.E4M3)
+        assert torch.equal(got.view(torch.uint8), _cast(x, scale).view(torch.uint8)), backend.__name__
+        # and the exact way back: every code times its scale
+        assert torch.equal(backend.dequantize(got, scale), got.float() * scale), backend.__name__
