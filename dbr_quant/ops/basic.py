@@ -178,24 +178,6 @@ def linear_kernel(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w
                                     **epilogue)
 
 
-def run_mlp(fc1_weight: tuple[torch.Tensor, torch.Tensor], fc1_bias: torch.Tensor | None, x_q: torch.Tensor,
-            x_scale: torch.Tensor, activation: str | None, fc2: Call, env: Env, residual: torch.Tensor | None,
-            out_dtype: torch.dtype, fc1_block: tuple[int, int] | None = None) -> torch.Tensor:
-    """fc1 (FP8 input given; its weight, possibly a stacked [gate; up]) → activation → fc2 (+ residual) as
-    one ``kernels.fp8_mlp``: FP8 from fc1's epilogue to fc2 with fc2's input scale (static). With a
-    block-scaled fc1 or fc2, the same FP8 hand-off as two linear kernels."""
-    assert fc2.op is not None, "executors run recorded ops"
-    h_fmt = fc2.op.qconfig.activation.format
-    h_scale = env.input_scale(fc2, "input", None)
-    w2_q, w2_scale, b2, fc2_block = linear_parts(fc2)
-    if fc1_block is not None or fc2_block is not None:
-        h = linear_kernel(x_q, x_scale, *fc1_weight, fc1_block, bias=fc1_bias, activation=activation,
-                          out_dtype=out_dtype, out_scale=h_scale, out_fmt=h_fmt)
-        return linear_kernel(h, h_scale, w2_q, w2_scale, fc2_block, bias=b2, residual=residual, out_dtype=out_dtype)
-    return kernels.fp8_mlp(x_q, x_scale, *fc1_weight, fc1_bias, activation, h_scale, h_fmt, w2_q, w2_scale, b2,
-                           residual, out_dtype)
-
-
 def run_matmul(call: Call, env: Env, *, a: torch.Tensor | None = None, b: torch.Tensor | None = None
                ) -> torch.Tensor:
     a = call.args[0] if a is None else a

@@ -23,7 +23,6 @@ from dbr_quant.ops.basic import (
     linear_parts,
     quantized_input,
     run_linear,
-    run_mlp,
     stacked_gate_up,
     weight_block,
 )
@@ -150,17 +149,30 @@ class LinearResidual(Fusion):
 
 
 def _mlp(fc1: Call, fc2: Call, env: Env, x: torch.Tensor, act: str | None, residual: torch.Tensor | None,
-         x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """fc1 → act → fc2: fc1's epilogue applies the activation and quantizes with fc2's input scale, so
-    FP8 goes from one GEMM to the next (quantize + 2 GEMMs; with a fused norm, norm + 2 GEMMs)."""
+         x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+         fc1_parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, int] | None] | None = None
+         ) -> torch.Tensor:
+    """fc1 → act → fc2 (+ residual), the one MLP executor: fc1's epilogue applies the activation and quantizes
+    with fc2's input scale (static), so FP8 goes from one GEMM to the next: one ``kernels.fp8_mlp`` (quantize
+    + 2 GEMMs; with a fused norm, norm + 2 GEMMs), or with a block-scaled fc1 or fc2 the same hand-off as two
+    linear kernels. ``x_fp8``: fc1's input already quantized (a norm's kernel did it); ``fc1_parts``: fc1's
+    (fp8 weight, scale, bias, block) when not its module's own (a stacked [gate; up], its act the gated one)."""
+    w1_q, w1_scale, b1, block1 = linear_parts(fc1) if fc1_parts is None else fc1_parts
+    x_q, x_scale = quantized_input(fc1, "input", x, env, block1) if x_fp8 is None else x_fp8
     assert fc2.op is not None, "executors run recorded ops"
-    if fc2.op.qconfig.dynamic:  # fc2's scale would depend on fc1's output: no FP8 hand-off
-        h = run_linear(fc1, env, x=x, activation=act, x_fp8=x_fp8)
+    cfg2 = fc2.op.qconfig
+    if cfg2.dynamic:  # fc2's scale would depend on fc1's output: no FP8 hand-off
+        h = linear_kernel(x_q, x_scale, w1_q, w1_scale, block1, bias=b1, activation=act, out_dtype=x.dtype)
         return run_linear(fc2, env, x=h, residual=residual)
-    w_q, w_scale, bias, block = linear_parts(fc1)
-    if x_fp8 is None:
-        x_fp8 = quantized_input(fc1, "input", x, env, block)
-    return run_mlp((w_q, w_scale), bias, *x_fp8, act, fc2, env, residual, x.dtype, fc1_block=block)
+    h_scale = env.input_scale(fc2, "input", None)
+    h_fmt = cfg2.activation.format
+    w2_q, w2_scale, b2, block2 = linear_parts(fc2)
+    if block1 is None and block2 is None:
+        return kernels.fp8_mlp(x_q, x_scale, w1_q, w1_scale, b1, act, h_scale, h_fmt, w2_q, w2_scale, b2, residual,
+                               x.dtype)
+    h = linear_kernel(x_q, x_scale, w1_q, w1_scale, block1, bias=b1, activation=act, out_dtype=x.dtype,
+                      out_scale=h_scale, out_fmt=h_fmt)
+    return linear_kernel(h, h_scale, w2_q, w2_scale, block2, bias=b2, residual=residual, out_dtype=x.dtype)
 
 
 @register_fusion
@@ -267,10 +279,10 @@ def _gated_mlp(gate: Call, up: Call, down: Call | None, env: Env, x: torch.Tenso
     biases = [linear_operands(c)[2] for c in (gate, up)]
     bias = None if biases == [None, None] else torch.cat(
         [b if b is not None else torch.zeros(n, device=x.device) for b, n in zip(biases, (w_q.shape[0] // 2,) * 2)])
-    if down is None or down.op is None or down.op.qconfig.dynamic:
+    if down is None or down.op is None:
         h = linear_kernel(x_q, x_scale, w_q, w_scale, block, bias=bias, activation=kernel_act, out_dtype=x.dtype)
         return h if down is None else run_linear(down, env, x=h, residual=residual)
-    return run_mlp((w_q, w_scale), bias, x_q, x_scale, kernel_act, down, env, residual, x.dtype, fc1_block=block)
+    return _mlp(gate, down, env, x, kernel_act, residual, (x_q, x_scale), (w_q, w_scale, bias, block))
 
 
 def _residual_after(graph: TraceGraph, last: Event) -> Event | None:

@@ -72,13 +72,8 @@ class ConvertRun(Run):
 
     # ------------------------------------------------------------------ placeholders
     def _scan(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, _Pending | None]:
-        """Swap resolved placeholders for values; return the pending subgraph an argument belongs to."""
-        if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):  # a module's one input: no walk
-            key = id(args[0])
-            value = self.resolved.get(key)
-            if value is not None:
-                return (value,), kwargs, None
-            return args, kwargs, self.placeholders.get(key)
+        """Swap resolved placeholders for values; return the pending subgraph an argument belongs to. (A recorded
+        op's one input, the common case, is looked up in ``_run_op`` itself.)"""
         hit: _Pending | None = None
         seen: list[int] = []  # the placeholders read, to catch one read twice
 
@@ -127,10 +122,11 @@ class ConvertRun(Run):
                 self.resolved[id(call.placeholder)] = out
         self.done.append(p)
 
-    def _step(self, p: _Pending, call: Call) -> torch.Tensor:
-        """Add ``call`` to its subgraph: run the fusion if it completes it, else return a placeholder (the
-        next free tensor of this thread's pool; no torch call, so nothing to suspend)."""
-        if len(p.calls) + 1 < len(p.subgraph.kinds):
+    def _step(self, p: _Pending, call: Call, last: bool) -> torch.Tensor:
+        """Add ``call`` to its subgraph: run the fusion if it completes it (``last``: the caller knows, from the
+        plan or the subgraph's kinds), else return a placeholder (the next free tensor of this thread's pool;
+        no torch call, so nothing to suspend)."""
+        if not last:
             n = self.n_placeholders
             pool = self.pool
             ph = pool[n] if n < len(pool) else _placeholder_tensor(n)
@@ -164,7 +160,15 @@ class ConvertRun(Run):
             args, kwargs = tuple(kwargs.values()), {}
         hit = None
         if self.placeholders or self.resolved:
-            args, kwargs, hit = self._scan(args, kwargs)
+            if len(args) == 1 and not kwargs:  # one input (a linear module's): two lookups, no walk
+                key = id(args[0])  # ids of live placeholders and resolved ones only: any object may be looked up
+                value = self.resolved.get(key)
+                if value is not None:
+                    args = (value,)
+                else:
+                    hit = self.placeholders.get(key)
+            else:
+                args, kwargs, hit = self._scan(args, kwargs)
         if fqn is None:
             fqn = self.op_fqn(kind)
         st = self.owners[-1]
@@ -197,9 +201,9 @@ class ConvertRun(Run):
                 if hit is not None:
                     call.args, call.kwargs = self._resolve_all(args, kwargs, hit)
                 p = self.pending[sg.id] = _Pending(sg)
-                return self._step(p, call)
+                return self._step(p, call, step.last)
             if p is not None and len(p.calls) == step.step and (hit is None or hit is p):
-                return self._step(p, call)
+                return self._step(p, call, step.last)
             if p is not None:
                 self.materialize(p)
         if hit is not None:
@@ -225,10 +229,10 @@ class ConvertRun(Run):
                 return args[0]
             args, kwargs, hit = self._scan(args, kwargs)
             if hit is not None:
-                kinds = hit.subgraph.kinds
-                expected = len(hit.calls) < len(kinds) and kinds[len(hit.calls)] == kind
+                kinds, n = hit.subgraph.kinds, len(hit.calls)
+                expected = n < len(kinds) and kinds[n] == kind
                 if expected and (kind != PASSTHROUGH or is_passthrough(func, args, kwargs)):  # train-mode dropout
-                    return self._step(hit, Call(kind, func, args, kwargs))
+                    return self._step(hit, Call(kind, func, args, kwargs), n + 1 == len(kinds))
                 args, kwargs = self._resolve_all(args, kwargs, hit)
             return func(*args, **kwargs)
         finally:
@@ -254,8 +258,8 @@ class ConvertRun(Run):
         role = _ROLES.get(type(module))
         if role is None:
             role = _role(type(module))
-        tag = d.get(TAG)
         if role is _PLAIN:
+            tag = d.get(TAG)
             if "_hf_hook" not in d and (tag is None or (tag.experts is None and not tag.norm)) \
                     and not ((self.placeholders or self.resolved) and has_hooks(module)):
                 return self.call_module(module, args, kwargs)  # the common case, decided by a few dict lookups
@@ -264,6 +268,7 @@ class ConvertRun(Run):
             # few lookups)
             if role is _LINEAR:
                 if "_hf_hook" not in d and "weight" in module._parameters:  # see mappings.is_linear_module
+                    tag = d.get(TAG)
                     return self._run_op(LINEAR, module, args, kwargs, tag.fqn if tag is not None else None)
             elif role is _ACT and len(args) == 1 and not kwargs and (
                     "_hf_hook" not in d or not has_opaque_hook(module)):  # accelerate's device hooks: transparent
@@ -271,17 +276,22 @@ class ConvertRun(Run):
                 # the module call and the torch-function trip: compute it on real input, or join the pending
                 # subgraph its input is a placeholder of; else (a resolved placeholder, a subgraph that
                 # expects another op) the module runs its forward
-                func, name = ACTIVATION_MODULES[type(module)]
+                func, name, default = ACTIVATION_MODULES[type(module)]
+                value = getattr(module, name)
+                kw = _NO_KWARGS if value == default else {name: value}  # a dict per call only when not the default
                 x = args[0]
                 p = self.placeholders.get(id(x))
                 if p is None:
                     if not self.resolved:
                         with _DisableTorchFunction():  # a functional activation calls no module: no `suspended`
-                            return func(x, **{name: getattr(module, name)})
-                elif len(p.calls) < len(p.subgraph.kinds) and p.subgraph.kinds[len(p.calls)] == ACT:
-                    return self._step(p, Call(ACT, func, args, {name: getattr(module, name)}))
+                            return func(x, **kw)
+                else:
+                    kinds, n = p.subgraph.kinds, len(p.calls)
+                    if n < len(kinds) and kinds[n] == ACT:
+                        return self._step(p, Call(ACT, func, args, kw), n + 1 == len(kinds))
                 return self.call_module(module, args, kwargs)
-        if "_hf_hook" in d and (is_linear_module(module) or (tag is not None and tag.norm)) and not has_hooks(module):
+        if "_hf_hook" in d and (is_linear_module(module) or ((tag := d.get(TAG)) is not None and tag.norm)) \
+                and not has_hooks(module):
             # accelerate (offload.py) loads weights in the forward wrapper that the FP8 path bypasses: load
             # them here and keep them until no pending fused subgraph can still read them
             args, kwargs = offload.onload(module, args, kwargs)
@@ -405,9 +415,10 @@ def placeholder_base(outermost: bool) -> int:
 
 
 # activation modules whose forward is one functional call: (module class) → (function, the keyword argument
-# it takes from the module's attribute of the same name)
-ACTIVATION_MODULES: dict[type[nn.Module], tuple[Callable[..., torch.Tensor], str]] = {
-    nn.ReLU: (F.relu, "inplace"),
-    nn.GELU: (F.gelu, "approximate"),
-    nn.SiLU: (F.silu, "inplace"),
+# it takes from the module's attribute of the same name, that argument's default: then it is not passed)
+ACTIVATION_MODULES: dict[type[nn.Module], tuple[Callable[..., torch.Tensor], str, object]] = {
+    nn.ReLU: (F.relu, "inplace", False),
+    nn.GELU: (F.gelu, "approximate", "none"),
+    nn.SiLU: (F.silu, "inplace", False),
 }
+_NO_KWARGS: dict[str, Any] = {}  # the keyword arguments of an activation module's call at its defaults (never written)

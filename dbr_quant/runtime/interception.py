@@ -57,6 +57,7 @@ class _ThreadRun(threading.local):
 _tls = _ThreadRun()
 _patch_lock = threading.Lock()
 _patch_depth = 0
+_DisableTorchFunction = torch._C.DisableTorchFunction  # entered per suspension: one global lookup
 # What Module._call_impl was when we swapped it (the stock one unless someone else wraps it too). We call
 # through it and put it back, rather than assuming the stock function.
 _outer_call = nn.Module._call_impl
@@ -193,7 +194,7 @@ class suspended:  # noqa: N801 - used like a function: ``with suspended(run):``
         self.saved: list[tuple[bool, Any]] = []  # per entry: (run.suspended before, its guard); one object nests
 
     def __enter__(self) -> None:
-        guard = torch._C.DisableTorchFunction()
+        guard = _DisableTorchFunction()
         guard.__enter__()
         self.saved.append((self.run.suspended, guard))
         self.run.suspended = True

@@ -154,11 +154,11 @@ class AutoQuantizationState(nn.Module):
 
     def frozen_scale(self, op: OpRecord, slot: str) -> torch.Tensor:
         """``scale`` without building the name per call (the runtime's hot path: a name lookup, a buffer lookup)."""
-        key = (op.index, slot)
-        name = self._scale_names.get(key)
-        if name is None:
-            name = self._scale_names[key] = f"scale_{observer_key(op.index, slot)}"
-        return self._buffers[name]  # type: ignore[return-value]  # a buffer freeze_scales registered: never None
+        try:
+            return self._buffers[self._scale_names[(op.index, slot)]]  # type: ignore[return-value]  # never None
+        except KeyError:  # the first read of this scale (a buffer that freeze_scales registered): name it once
+            name = self._scale_names[(op.index, slot)] = f"scale_{observer_key(op.index, slot)}"
+            return self._buffers[name]  # type: ignore[return-value]
 
     def observed_scale(self, op: OpRecord, slot: str) -> torch.Tensor:
         """The scale an activation's observer gives now (before convert freezes it)."""
