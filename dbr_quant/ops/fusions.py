@@ -41,6 +41,7 @@ from dbr_quant.ops.mappings import (
 )
 from dbr_quant.ops.patterns import FUSIONS, Event, Fusion, Step, TraceGraph, register_fusion, threads
 from dbr_quant.ops.tags import is_placeholder
+from dbr_quant.quantize.weights import FP8Weight
 
 
 def find_subgraphs(graph: TraceGraph) -> list[tuple[Fusion, list[Event]]]:
@@ -175,6 +176,27 @@ def _mlp(fc1: Call, fc2: Call, env: Env, x: torch.Tensor, act: str | None, resid
     return linear_kernel(h, h_scale, w2_q, w2_scale, block2, bias=b2, residual=residual, out_dtype=x.dtype)
 
 
+def _module_mlp(fc1: Call, fc2: Call, env: Env, act: str | None, residual: torch.Tensor | None) -> torch.Tensor:
+    """The MLP fusion's executor: for two converted linear modules with per-tensor / per-channel FP8 weights
+    and static input scales (the common case: its operands read in one go, one ``kernels.fp8_mlp``), else
+    :func:`_mlp`, the general executor it falls back to."""
+    m1, m2 = fc1.module, fc2.module
+    assert fc1.op is not None and fc2.op is not None, "executors run recorded ops"
+    if m1 is not None and m2 is not None:
+        p1, p2 = m1._parameters, m2._parameters
+        w1, w2 = p1.get("weight"), p2.get("weight")
+        c1, c2 = fc1.op.qconfig, fc2.op.qconfig
+        if type(w1) is FP8Weight and type(w2) is FP8Weight and w1.block is None and w2.block is None \
+                and not c1.dynamic and not c2.dynamic and "bias" in p1 and "bias" in p2:
+            x = fc1.args[0]
+            x_scale = env.input_scale(fc1, "input", x)
+            x_q = kernels.quantize(x, x_scale, c1.activation.format)
+            return kernels.fp8_mlp(x_q, x_scale, w1.qdata, w1.scale, p1["bias"], act,
+                                   env.input_scale(fc2, "input", None), c2.activation.format, w2.qdata, w2.scale,
+                                   p2["bias"], residual, x.dtype)
+    return _mlp(fc1, fc2, env, fc1.args[0], act, residual)
+
+
 @register_fusion
 class MLP(Fusion):
     """fc1 → activation → fc2 (→ + residual): fc1's epilogue hands fc2 its input in FP8."""
@@ -187,7 +209,7 @@ class MLP(Fusion):
         if len(calls) <= 4 and calls[1].kind == ACT and calls[2].kind == LINEAR:  # no passthrough ops between
             fc1, act, fc2 = calls[0], calls[1], calls[2]
             residual = _other_operand(calls[3]) if len(calls) == 4 else None
-            return _mlp(fc1, fc2, env, fc1.args[0], activation_name(act.func, act.args, act.kwargs), residual)
+            return _module_mlp(fc1, fc2, env, activation_name(act.func, act.args, act.kwargs), residual)
         fc1, fc2 = _calls(calls, LINEAR)
         adds = _calls(calls, ADD)
         residual = _other_operand(adds[0]) if adds else None

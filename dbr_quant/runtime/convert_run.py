@@ -284,7 +284,7 @@ class ConvertRun(Run):
                 if p is None:
                     if not self.resolved:
                         with _DisableTorchFunction():  # a functional activation calls no module: no `suspended`
-                            return func(x, **kw)
+                            return func(x) if kw is _NO_KWARGS else func(x, **kw)
                 else:
                     kinds, n = p.subgraph.kinds, len(p.calls)
                     if n < len(kinds) and kinds[n] == ACT:
