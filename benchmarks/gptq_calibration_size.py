@@ -59,7 +59,7 @@ import torch
 import dbr_quant as dq
 import dbr_quant.inspect as dqi
 from dbr_quant.examples.minilm import CALIBRATION_SENTENCES, EVAL_SENTENCES, encode, load_minilm, sentence_embeddings
-from dbr_quant.quantize.rounding.collect import gptq_report
+from dbr_quant.runtime.hessians import gptq_report
 
 sys.path.insert(0, os.path.dirname(__file__))
 from gptq_fallback_minilm import heldout  # noqa: E402  (the same held-out measurement)

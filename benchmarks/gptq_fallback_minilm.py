@@ -38,7 +38,7 @@ import torch.nn.functional as F
 import dbr_quant as dq
 import dbr_quant.inspect as dqi
 from dbr_quant.examples.minilm import CALIBRATION_SENTENCES, EVAL_SENTENCES, encode, load_minilm, sentence_embeddings
-from dbr_quant.quantize.rounding.collect import gptq_report
+from dbr_quant.runtime.hessians import gptq_report
 
 
 def heldout(converted, model, evaluation, ref, fallback=()) -> torch.Tensor:

@@ -22,9 +22,9 @@ from dbr_quant.ops.gate_up import stack_gate_up_weights
 from dbr_quant.ops.mappings import LINEAR, QUANTIZEABLE, is_container, is_transposed_linear, linear_weight
 from dbr_quant.ops.tags import TAG, ModuleTag, fqn_of
 from dbr_quant.qconfig import QConfig
-from dbr_quant.quantize.rounding import collect
-from dbr_quant.quantize.weight_quantization import all_finite, quantize_fp8_weight
+from dbr_quant.quantize.weight_quantization import all_finite, quantize_weight
 from dbr_quant.quantize.weights import attach_fp8_weight
+from dbr_quant.runtime import hessians as collect
 from dbr_quant.runtime import precision
 from dbr_quant.runtime.convert_run import ConvertRun
 from dbr_quant.runtime.interception import FAST_PATH_MODULES, current_run, disabled, intercepting, is_disabled
@@ -298,14 +298,14 @@ def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
                              "fix the weights or skip this module with QConfig(overrides=(Override(pattern=...,"
                              " skip=True),))")
         cfg = ops[0].qconfig.weight
-        q, scale, block = quantize_fp8_weight(w, cfg)  # per-channel/tensor in row blocks: temporaries of a block
-        if block is None and record.hessians is not None and any(op.qconfig.weight_rounding == "gptq" for op in ops):
-            q = record.hessians.round(fqn, type(module).__name__, w, cfg, scale, q)  # same scale, GPTQ's points
-        attach_fp8_weight(module, q, scale, w.dtype, transposed=is_transposed_linear(module), block=block,
-                          qconfig=cfg)
+        hessians = record.hessians if any(op.qconfig.weight_rounding == "gptq" for op in ops) else None
+        rounding = functools.partial(hessians.round, fqn, type(module).__name__) if hessians is not None else None
+        quantized = quantize_weight(w, cfg, rounding=rounding)  # per-channel/tensor in row blocks: bounded temporaries
+        attach_fp8_weight(module, quantized.qdata, quantized.scale, w.dtype, transposed=is_transposed_linear(module),
+                          block=quantized.block, qconfig=cfg)
         if home is not None:
             home.store(module)  # FP8 goes back where accelerate kept the weight; the module keeps meta
-        del w, q  # one layer at a time: the high-precision weight can go before the next one is read
+        del w, quantized  # one layer at a time: the high-precision weight can go before the next one is read
 
 
 def _loaded_weight(module: nn.Module, home: offload.WeightHome) -> torch.Tensor:

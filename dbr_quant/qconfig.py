@@ -7,6 +7,7 @@ unset (None) fields fall back to the global config. No string-keyed dicts, no pr
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -16,7 +17,6 @@ from torch import nn
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.block import check_block, check_group
 from dbr_quant.observers import ObserverConfig, RunningMax
-from dbr_quant.quantize.rounding.damping import DEFAULT_DAMPINGS
 
 Granularity = Literal["tensor", "channel", "token", "block", "group"]
 GRANULARITIES = ("tensor", "channel", "token", "block", "group")
@@ -24,6 +24,9 @@ WEIGHT_GRANULARITIES = ("tensor", "channel", "block")
 ACTIVATION_GRANULARITIES = ("tensor", "token", "group")
 WeightRounding = Literal["nearest", "gptq"]
 WEIGHT_ROUNDINGS = ("nearest", "gptq")
+# GPTQ's damping candidates, relative to the mean Hessian diagonal: a half-decade log grid from 1e-3 to 10, then
+# round-to-nearest (inf); cross-validated over calibration batches (quantize/rounding/damping.py)
+DEFAULT_DAMPINGS: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, math.inf)
 
 
 @dataclass(frozen=True)
@@ -153,7 +156,7 @@ class QConfig:
     amplifies the rounding of q·kᵀ (all-MiniLM-L6-v2: embedding cosine 0.9975 → 0.9970 with it on).
     weight_rounding: "nearest" rounds each linear weight to the nearest FP8 value; "gptq" rounds with GPTQ
     error feedback from the Hessian of the linear's calibration inputs, with the damping chosen by
-    cross-validation over calibration batches (``gptq`` holds its options; ``dbr_quant.quantize.rounding.collect``
+    cross-validation over calibration batches (``gptq`` holds its options; ``dbr_quant.runtime.hessians``
     says what calibration keeps). Same scales and FP8 layout as nearest: only which grid point each weight
     takes changes. Needs calibration batches also with ``dynamic=True``.
     """

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import dbr_quant as dq
-from dbr_quant.quantize.rounding.collect import gptq_report
 from dbr_quant.quantize.weights import fp8_weight_of
+from dbr_quant.runtime.hessians import gptq_report
 
 WORLD = 3
 DIM = 16

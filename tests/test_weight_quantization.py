@@ -1,16 +1,20 @@
-"""Weights quantized in row blocks equal the whole weight observed and quantized at once, bit for bit."""
+"""Weights quantized in row blocks equal the whole weight observed and quantized at once, bit for bit; a weight
+quantized on every call equals what convert stores."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 import dbr_quant as dq
 from dbr_quant import kernels
 from dbr_quant.formats import FP8Format
 from dbr_quant.quantize.weight_quantization import quantize_weight
+from dbr_quant.quantize.weights import FP8Weight
 
 OBSERVERS = [dq.RunningMax(), dq.MovingAverage(0.1), dq.AmaxHistory(4, margin=1), dq.Percentile(99.0),
              dq.MSE(num_candidates=6)]
@@ -35,7 +39,8 @@ def test_blocks_equal_the_whole_weight(observer, granularity, fmt, n, k, block, 
     if transposed:  # Hugging Face Conv1D: the [out, in] weight is a transposed view
         w = w.t().contiguous().t()
     cfg = dq.TensorQConfig(format=fmt, observer=observer, granularity=granularity)
-    q, scale = quantize_weight(w, cfg, block_elements=block)
+    quantized = quantize_weight(w, cfg, block_elements=block)
+    q, scale = quantized.qdata, quantized.scale
     q_ref, scale_ref = _whole(w, cfg)
     assert torch.equal(scale, scale_ref)
     assert q.dtype == fmt.dtype and q.is_contiguous() and q.shape == w.shape
@@ -46,6 +51,90 @@ def test_blocks_equal_the_whole_weight(observer, granularity, fmt, n, k, block, 
 def test_default_block_size_on_a_large_weight(granularity):
     w = torch.randn(600, 1000) * 3
     cfg = dq.TensorQConfig(observer=dq.RunningMax(), granularity=granularity)
-    q, scale = quantize_weight(w, cfg)  # 3 blocks of 262 rows
+    quantized = quantize_weight(w, cfg)  # 3 blocks of 262 rows
+    q, scale = quantized.qdata, quantized.scale
     q_ref, scale_ref = _whole(w, cfg)
     assert torch.equal(scale, scale_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+class _SharedWeight(nn.Module):
+    """``F.linear(x, self.w)`` plus another read of ``self.w``: the parameter stays high precision and the linear
+    quantizes it on every call (runtime/param_weights.py)."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.w = nn.Parameter(w.clone())
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return F.linear(x, self.w), self.w.abs().amax()
+
+
+def _converted(model: nn.Module, qconfig: dq.QConfig, x: torch.Tensor) -> nn.Module:
+    prepared = dq.prepare(model, (x,), qconfig)
+    dq.calibrate(prepared, [(x,)], progress=False)
+    return dq.convert(prepared)
+
+
+@pytest.mark.parametrize("observer", [dq.MSE(num_candidates=8), dq.Percentile(99.0), dq.AmaxHistory(4, margin=1),
+                                      dq.RunningMax()])
+@pytest.mark.parametrize("granularity", ["tensor", "channel"])
+def test_a_weight_quantized_per_call_uses_the_observer_convert_uses(observer, granularity, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 16, generator=g) * torch.logspace(-1, 1, 24)[:, None]
+    w[:, 0] *= 30  # an outlier in every row: percentile and MSE clip it
+    x = torch.randn(5, 16, generator=g)
+    qconfig = dq.QConfig(weight=dq.TensorQConfig(observer=observer, granularity=granularity))
+    shared = _converted(_SharedWeight(w), qconfig, x)
+    linear = nn.Linear(16, 24, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(w)
+    stored = _converted(linear, qconfig, x)
+    assert type(shared.w) is not FP8Weight and type(stored.weight) is FP8Weight  # per call vs stored by convert
+    per_call = quantize_weight(w, qconfig.weight, per_call=True)
+    assert torch.equal(per_call.scale, stored.weight.scale)
+    assert torch.equal(per_call.qdata.view(torch.uint8), stored.weight.qdata.view(torch.uint8))
+    weights_run = []
+    fp8_linear = kernels.fp8_linear
+
+    def spy(x_q, x_scale, w_q, w_scale, **kwargs):
+        weights_run.append((w_q, w_scale))
+        return fp8_linear(x_q, x_scale, w_q, w_scale, **kwargs)
+
+    monkeypatch.setattr(kernels, "fp8_linear", spy)
+    with torch.no_grad():
+        assert torch.equal(shared(x)[0], stored(x))
+    (shared_q, shared_scale), (stored_q, stored_scale) = weights_run
+    assert torch.equal(shared_scale, stored_scale)
+    assert torch.equal(shared_q.view(torch.uint8), stored_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize(("observer", "granularity"), [(o, g) for o in OBSERVERS for g in ("tensor", "channel")]
+                         + [(dq.RunningMax(), "block")])  # block scales: each block's amax (RunningMax only)
+def test_per_call_equals_convert(observer, granularity):
+    w = (torch.randn(300, 40) * 2).t()  # a transposed view, as a matmul's weight operand arrives
+    cfg = dq.TensorQConfig(observer=observer, granularity=granularity, block=(16, 32))
+    a, b = quantize_weight(w, cfg), quantize_weight(w, cfg, per_call=True, block_elements=64)
+    assert torch.equal(a.scale, b.scale) and a.block == b.block
+    assert torch.equal(a.qdata.view(torch.uint8), b.qdata.view(torch.uint8))
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("transposed", [False, True])
+@settings(max_examples=6, deadline=None)
+@given(n=st.integers(1, 300), k=st.integers(1, 70), seed=st.integers(0, 2**16))
+def test_dequantize_in_row_chunks_equals_whole(granularity, transposed, n, k, seed):
+    """A large weight's dequantize runs in row chunks (bounded fp32 temporaries): the same bits as one pass,
+    ragged last chunk and ragged last block row included."""
+    torch.manual_seed(seed)
+    cfg = dq.TensorQConfig(granularity=granularity, block=(16, 32))
+    q = quantize_weight(torch.randn(n, k) * 3, cfg)
+    w = FP8Weight(q.qdata, q.scale, torch.bfloat16, transposed=transposed, block=q.block)
+    whole = kernels.dequantize(w.qdata, w.elementwise_scale(), torch.bfloat16)
+    whole = whole.t() if transposed else whole
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("dbr_quant.quantize.weights.DEQUANTIZE_CHUNK", 40)  # many chunks of a few rows
+        with kernels.count_launches() as launches:
+            chunked = w.dequantize()
+    if n >= 64 and n * k > 40:  # more rows than one chunk takes (at most 40 // k rows, or two 16-row blocks)
+        assert launches["dequantize"] > 1
+    assert chunked.dtype == torch.bfloat16 and torch.equal(chunked.view(torch.int16), whole.view(torch.int16))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import re
 from typing import Any
 
@@ -19,6 +20,8 @@ import torch
 from torch import nn
 from torch.export import Dim
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.fx.graph import _PyTreeCodeGen
+from torch.utils._config_module import ConfigModule
 from torch.utils._pytree import tree_flatten, tree_map, tree_structure
 
 from dbr_quant.fx_rewriter.ops import GraphOps
@@ -30,6 +33,13 @@ __all__ = ["rewrite", "RewriteError", "compile_frozen", "gemm_path_cache_key"]
 
 class RewriteError(RuntimeError):
     """The model or the example inputs cannot be rewritten (the message says why and what to do)."""
+
+
+def _config(module: object) -> ConfigModule:
+    """A torch config module (``torch.compiler.config`` …) as what it is at run time, so its ``patch`` is typed
+    (torch installs it on the module object, where a type checker does not see it)."""
+    assert isinstance(module, ConfigModule)
+    return module
 
 
 def _spec(obj: Any) -> list[tuple]:
@@ -78,7 +88,7 @@ def _no_size_one_specialization(args: tuple, kwargs: dict) -> contextlib.Abstrac
         return contextlib.nullcontext()
     from torch.fx.experimental import _config as symbolic_shapes_config
 
-    return symbolic_shapes_config.patch(backed_size_oblivious=True)
+    return _config(symbolic_shapes_config).patch({"backed_size_oblivious": True})
 
 
 def rewrite(converted: nn.Module, example_inputs: Any = None, *,
@@ -140,8 +150,6 @@ def rewrite(converted: nn.Module, example_inputs: Any = None, *,
 
 def _data_dependent_message(e: Exception) -> str:
     """What to do when the model's own Python branches on a value computed from the data."""
-    import re
-
     first = str(e).splitlines()[0] if str(e) else type(e).__name__
     where = re.search(r"Caused by: \((.*?)\)", str(e))
     return ("rewrite(): the model's Python branches on a value computed from the input data ("
@@ -161,8 +169,10 @@ def _drop_constant_inputs(gm: torch.fx.GraphModule, constants: dict, args: tuple
             for user in list(node.users):
                 user.replace_input_with(node, constants[node.target])
             gm.graph.erase_node(node)
-    info = gm.graph._codegen.pytree_info  # the generated forward flattens its inputs by this spec
-    gm.graph._codegen.pytree_info = info._replace(
+    codegen = gm.graph._codegen
+    assert isinstance(codegen, _PyTreeCodeGen), "torch.export's graphs flatten their inputs with a pytree spec"
+    info = codegen.pytree_info  # the generated forward flattens its inputs by this spec
+    codegen.pytree_info = info._replace(
         orig_args=[a for a in info.orig_args if a not in constants], in_spec=tree_structure((args, kwargs)))
     gm.recompile()
 
@@ -172,8 +182,6 @@ def _without_kv_cache(model: nn.Module, kwargs: dict) -> dict:
     which an exported graph cannot return (and a cache that grows per call is not a fixed graph). Unless
     the caller chose, the graph is captured with ``use_cache=False``: it computes the outputs of a full
     forward (logits / hidden states) without a KV cache. Generation with a cache stays on the eager model."""
-    import inspect
-
     if "use_cache" in kwargs or "use_cache" not in inspect.signature(type(model).forward).parameters:
         return kwargs
     return {**kwargs, "use_cache": False}
@@ -191,8 +199,6 @@ def _inference_parameters(gm: nn.Module) -> None:
 
 def _named(model: nn.Module, dyn_args: tuple) -> dict[str, Any]:
     """export wants dynamic shapes keyed by the forward's parameter names."""
-    import inspect
-
     named: dict[str, Any] = {}
     for i, p in enumerate(list(inspect.signature(type(model).forward).parameters.values())[1:]):
         if p.kind is p.VAR_POSITIONAL:  # forward(self, *xs): export sees one input `xs`, a tuple
@@ -245,7 +251,8 @@ def gemm_path_cache_key(path: str | None = None) -> contextlib.AbstractContextMa
     speed). ``compile_frozen`` does this itself; wrap the first call of your own ``torch.compile(rewrite(m))``
     in it when you force a path (``use_cpu_gemm`` / ``$DBR_QUANT_CPU_GEMM``)."""
     tag = torch.compiler.config.cache_key_tag
-    return torch.compiler.config.patch(cache_key_tag=f"{tag}|dbr_quant_cpu_gemm={path or current_gemm_path()}")
+    key = f"{tag}|dbr_quant_cpu_gemm={path or current_gemm_path()}"
+    return _config(torch.compiler.config).patch("cache_key_tag", key)
 
 
 def compile_frozen(gm: torch.fx.GraphModule) -> FrozenCompiled:

@@ -236,8 +236,23 @@ LOWERINGS = {
 }
 
 
+_registered = False
+
+
+def ensure_lowerings() -> None:
+    """Register the inductor lowerings the first time any ``dbr_quant::`` op is traced (every fake calls this).
+
+    Not at import: importing inductor's decomposition table costs ~1.5 s, and ``import dbr_quant`` defines
+    the ops (so a saved ExportedProgram loads). Every path to inductor traces the ops with fake tensors
+    (dynamo, export) before inductor picks its decomposition table, so registering here is in time."""
+    global _registered
+    if not _registered:
+        _registered = True
+        register_inductor_lowerings()
+
+
 def register_inductor_lowerings() -> None:
-    """Add the decompositions to inductor's table (idempotent). Called when the custom ops are defined."""
+    """Add the decompositions to inductor's table (idempotent); see :func:`ensure_lowerings`."""
     from torch._inductor import decomposition
     from torch._inductor import lowering as inductor_lowering
 
@@ -252,6 +267,6 @@ def register_inductor_lowerings() -> None:
             inductor_lowering.make_fallback(op, warn=False, override_decomp=True)
     # inductor caches a copy of its table on first use; a model compiled before this import would keep
     # the stale copy, so drop it (a private cache: guarded, as its name may move between releases)
-    cached = getattr(decomposition, "fast_random_decomps", None)
-    if hasattr(cached, "cache_clear"):
-        cached.cache_clear()
+    clear = getattr(getattr(decomposition, "fast_random_decomps", None), "cache_clear", None)
+    if clear is not None:
+        clear()

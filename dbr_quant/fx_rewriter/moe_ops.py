@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from dbr_quant.formats import FP8Format
+from dbr_quant.fx_rewriter.lowering import ensure_lowerings
 from dbr_quant.fx_rewriter.oplib import define
 from dbr_quant.moe.compute import fp8_experts_compute
 
@@ -39,9 +40,7 @@ def fp8_moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13_q: Te
 @fp8_moe_experts.register_fake
 def _(x, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale, x_scale, h_scale, bias13, bias2, activation,
       fmt, per_token, out_dtype, block=None, group=False):
-    from dbr_quant.fx_rewriter.ops import _ensure_lowerings
-
-    _ensure_lowerings()
+    ensure_lowerings()
     torch._check(topk_ids.shape[0] == x.shape[0], lambda: "fp8_moe_experts: topk_ids must have one row per token")
     return x.new_empty((x.shape[0], w2_q.shape[1]), dtype=out_dtype)
 

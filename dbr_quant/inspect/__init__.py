@@ -29,7 +29,8 @@ from dbr_quant.inspect.features import (
     register_feature,
     unregister_feature,
 )
-from dbr_quant.inspect.inspector import Inspector, RecordedLayer, named_ops, recorded_layers
+from dbr_quant.inspect.inspector import Inspector
+from dbr_quant.inspect.layers import RecordedLayer, named_ops, recorded_layers
 from dbr_quant.inspect.sensitivity import (
     LayerSensitivity,
     Metrics,

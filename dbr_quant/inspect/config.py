@@ -206,7 +206,8 @@ class _Parser:
                              + f"; registered: {sorted(FEATURES)}", key_node)
         is_null = isinstance(node, yaml.ScalarNode) and self.value(node) is None
         entries = {} if is_null else self.mapping(node, f"parameters of {name}")
-        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        # register_feature made every registered class a dataclass; Feature itself is not one
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
         hints = typing.get_type_hints(cls)
         self.unknown(entries, tuple(fields) + ("enabled",), f"parameters of {name}")
         params = {k: self.typed(v, hints[k], f"{name}.{k}") for k, (_, v) in entries.items() if k != "enabled"}

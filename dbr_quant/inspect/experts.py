@@ -14,32 +14,38 @@ is not supported for expert tensors.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dbr_quant import kernels
-from dbr_quant.inspect.features import Feature, Quantized, TensorContext
-from dbr_quant.inspect.inspector import feature_pass
+from dbr_quant.inspect.features import Feature, Quantized, TensorContext, feature_pass
+from dbr_quant.inspect.layers import model_record, named_ops
+from dbr_quant.kernels.routing import MoeRouting
 from dbr_quant.moe.compute import flat_inputs
 from dbr_quant.moe.experts import MoeState, observer_of
 from dbr_quant.moe.siblings import ExpertState
-from dbr_quant.quantize.weight_quantization import quantize_experts
+from dbr_quant.moe.weights import expert_parameter
+from dbr_quant.quantize.weight_quantization import quantize_weight
 from dbr_quant.quantize.weights import FP8Weight
-from dbr_quant.runtime.state import observer_key
+from dbr_quant.runtime.state import SeenOp, observer_key
+
+if TYPE_CHECKING:  # the inspector calls run_experts with itself
+    from dbr_quant.inspect.inspector import Inspector
 
 
-def experts_flops(op: Any) -> int:
+def experts_flops(op: SeenOp) -> int:
     """FLOPs of one expert tensor (an op of kind ``experts``) per call at prepare()'s traced shapes:
     2 × routed rows × N × K, a routed row being one (token, top-k slot) pair — top_k × tokens rows over all
     experts, whichever experts they go to; the same count as an ``nn.Linear`` on those rows. 0 when the trace
     recorded no routing (the module was called with other arguments, moe/trace.py)."""
-    if not op.inputs or not op.outputs:
+    rows = op.inputs[0] if op.inputs else None
+    if rows is None or not op.outputs:
         return 0
-    rows, k = op.inputs[0].shape
-    return 2 * rows * k * op.outputs[0].shape[-1]
+    n_rows, k = rows.shape
+    return 2 * n_rows * k * op.outputs[0].shape[-1]
 
 
 def sibling_expert_flops(model: nn.Module, flops: dict[str, int]) -> dict[str, int]:
@@ -48,8 +54,6 @@ def sibling_expert_flops(model: nn.Module, flops: dict[str, int]) -> dict[str, i
     expert's record is a copy of a reached one's, shapes included. Each layer of a sibling group gets the
     group's traced FLOPs (over the reached experts: the rows really routed, top_k per token) divided by the
     number of experts — its share under uniform routing; the group's total stays what the trace computed."""
-    from dbr_quant.inspect.inspector import model_record, named_ops
-
     names = {id(op): n for n, op in named_ops(model)}
     groups: dict[tuple, list[tuple[str, bool]]] = {}
     for st in model_record(model).states:
@@ -65,7 +69,7 @@ def sibling_expert_flops(model: nn.Module, flops: dict[str, int]) -> dict[str, i
     return out
 
 
-def run_experts(inspector: Any, module: nn.Module, st: MoeState, x: torch.Tensor, ids: torch.Tensor,
+def run_experts(inspector: Inspector, module: nn.Module, st: MoeState, x: torch.Tensor, ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
     """One experts call inside an inspect session (see the module docstring)."""
     spec = st.spec
@@ -82,21 +86,21 @@ def run_experts(inspector: Any, module: nn.Module, st: MoeState, x: torch.Tensor
     return out.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
-def _projection(inspector: Any, module: nn.Module, st: MoeState, op: Any, rows: torch.Tensor, routing: Any,
-                offsets: list[int]) -> torch.Tensor:
+def _projection(inspector: Inspector, module: nn.Module, st: MoeState, op: SeenOp, rows: torch.Tensor,
+                routing: MoeRouting, offsets: list[int]) -> torch.Tensor:
     name = inspector.names.get(id(op))
-    features: tuple[Feature, ...] = (inspector.plan.get(name) or ()) if name is not None else ()
     layer = inspector.layers.get(name) if name is not None else None
-    fp8 = op.quantize and all(f.use_fp8(layer) is not False for f in features)
+    features: tuple[Feature, ...] = (inspector.plan.get(layer.name) or ()) if layer is not None else ()
+    fp8 = op.quantize and (layer is None or all(f.use_fp8(layer) is not False for f in features))
     index = st.seen_ops.index(op)
     pname = st.spec.names[index]
-    param = module._parameters[pname]
+    param = expert_parameter(module, pname)
     bias = module._parameters.get(f"{pname}_bias") if st.spec.has_bias else None
     w_hp = _hp_weight(param, st.spec.transposed)  # [E, N, K]
     for f in features:
         for tensor in ("input", "weight"):
             base = op.qconfig.weight if tensor == "weight" else op.qconfig.activation
-            if f.tensor_config(layer, tensor, base) != base:
+            if layer is not None and f.tensor_config(layer, tensor, base) != base:
                 raise NotImplementedError(f"dbr_quant.inspect: {type(f).name} changes the scaling of '{name}', an MoE "
                                           "expert tensor; expert tensors keep their format and granularity (select "
                                           "other layers for Scaling)")
@@ -108,7 +112,7 @@ def _projection(inspector: Any, module: nn.Module, st: MoeState, op: Any, rows: 
     want_q = fp8 or any(f.overrides("log_quantized") for f in features)
     for tensor, t in inputs.items():
         quantize = quantizers[tensor]
-        ctx = TensorContext(layer, tensor, inspector.step, fp8, inspector._logger(name, tensor), quantize) \
+        ctx = TensorContext(layer, tensor, inspector.step, fp8, inspector._logger(layer.name, tensor), quantize) \
             if layer is not None else None
         processed[tensor], q = feature_pass(features, ctx, t, tensor == "weight", want_q, fp8, quantize)
         if q is not None:
@@ -117,7 +121,8 @@ def _projection(inspector: Any, module: nn.Module, st: MoeState, op: Any, rows: 
     if bias is not None:
         y = y + bias[row_experts]
     if layer is not None:
-        ctx = TensorContext(layer, "output", inspector.step, fp8, inspector._logger(name, "output"), _no_quantizer)
+        ctx = TensorContext(layer, "output", inspector.step, fp8, inspector._logger(layer.name, "output"),
+                            _no_quantizer)
         for f in features:
             f.log_tensor(ctx, y)
         for f in features:
@@ -132,7 +137,7 @@ def _hp_weight(param: torch.Tensor, transposed: bool) -> torch.Tensor:
     return w.transpose(-2, -1) if transposed else w
 
 
-def _quantize_rows(st: MoeState, op: Any, index: int, rows: torch.Tensor | None, row_experts: torch.Tensor
+def _quantize_rows(st: MoeState, op: SeenOp, index: int, rows: torch.Tensor | None, row_experts: torch.Tensor
                    ) -> Quantized:
     """The rows with the scale FP8 execution uses: dynamic (per token or tensor), or static — the gate_up
     input scale, or each row's expert's down-input scale."""
@@ -150,7 +155,7 @@ def _quantize_rows(st: MoeState, op: Any, index: int, rows: torch.Tensor | None,
     return Quantized(kernels.quantize(rows, scale, cfg.format), scale, cfg.format)
 
 
-def _static_scale(st: MoeState, op: Any, index: int) -> torch.Tensor:
+def _static_scale(st: MoeState, op: SeenOp, index: int) -> torch.Tensor:
     if st.converted:
         return st.frozen_scale(op, "input")
     if index == 0:
@@ -158,19 +163,13 @@ def _static_scale(st: MoeState, op: Any, index: int) -> torch.Tensor:
     return st.down_scales()[0]  # what freeze_scales will store
 
 
-def _quantize_weight(st: MoeState, op: Any, param: torch.Tensor, w: torch.Tensor | None) -> Quantized:
+def _quantize_weight(st: MoeState, op: SeenOp, param: torch.Tensor, w: torch.Tensor | None) -> Quantized:
     """The stored FP8 weight (converted, ``w`` None), or ``w`` [E, N, K] quantized as convert does."""
     cfg = op.qconfig.weight
-    if w is None and type(param) is FP8Weight and param.block is not None:
-        return Quantized(param.qdata, param.scale, cfg.format, block=param.block)
     if w is None and type(param) is FP8Weight:
-        return Quantized(param.qdata, param.scale.unsqueeze(-1), cfg.format)
-    if w is None:
-        w = _hp_weight(param, st.spec.transposed)
-    q, scale = quantize_experts(w, cfg)  # as convert stores it
-    if cfg.granularity == "block":
-        return Quantized(q, scale, cfg.format, block=cfg.block)
-    return Quantized(q, scale.unsqueeze(-1).to(w.device), cfg.format)
+        return Quantized.weight(param.qdata, param.scale, cfg.format, param.block)
+    quantized = quantize_weight(_hp_weight(param, st.spec.transposed) if w is None else w, cfg)
+    return Quantized.weight(quantized.qdata, quantized.scale, cfg.format, quantized.block)
 
 
 def _gemm(x: dict[str, torch.Tensor], q: dict[str, Quantized] | None, offsets: list[int],

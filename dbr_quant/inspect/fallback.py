@@ -32,7 +32,8 @@ from typing import Any
 from torch import nn
 
 from dbr_quant.inspect.features import DisableFP8, Feature
-from dbr_quant.inspect.inspector import Inspector, attached, model_record, recorded_layers
+from dbr_quant.inspect.inspector import Inspector
+from dbr_quant.inspect.layers import attached, model_record, recorded_layers
 from dbr_quant.inspect.sensitivity import (
     LayerSensitivity,
     Metrics,

@@ -18,15 +18,17 @@ and once per layer call ``use_fp8(layer)`` (any ``False`` → the GEMM runs in h
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, TypeVar
+from typing import ClassVar, TypeVar, cast
 
 import torch
 
 from dbr_quant.formats import FP8Format
 from dbr_quant.inspect.stats import FP8_STATS, TENSOR_STATS, fp8_stats, tensor_stats
-from dbr_quant.qconfig import OpQConfig, TensorQConfig
+from dbr_quant.kernels.reference import block as reference_block
+from dbr_quant.qconfig import Granularity, OpQConfig, TensorQConfig
+from dbr_quant.quantize.weight_quantization import elementwise_block_scale
 
 ACTIVATION_TENSORS = ("input", "a", "b", "q", "k", "v")
 TENSOR_NAMES = ACTIVATION_TENSORS + ("weight", "output")
@@ -55,20 +57,30 @@ class Quantized:
     block: tuple[int, int] | None = None
     group: int | None = None
 
-    def elementwise_scale(self) -> torch.Tensor:
-        from dbr_quant.kernels.reference import block as reference_block
+    @staticmethod
+    def weight(qdata: torch.Tensor, scale: torch.Tensor, fmt: FP8Format, block: tuple[int, int] | None = None
+               ) -> Quantized:
+        """An FP8 weight from its stored scale ([N] per channel, 0-d per tensor, [E, N] / [E, 1] per expert, or
+        per block): the scale made broadcastable against ``data`` (a block scale stays per block)."""
+        if block is not None:
+            return Quantized(qdata, scale, fmt, block=block)
+        scale = scale.to(qdata.device)
+        return Quantized(qdata, scale.unsqueeze(-1) if scale.dim() else scale, fmt)
 
-        if self.block is not None and self.data.dim() == 3:  # MoE experts [E, N, K]: a block grid per expert
-            return torch.stack([reference_block.expand_block_scale(s, tuple(self.data.shape[1:]), self.block)
-                                for s in self.scale])
+    def elementwise_scale(self) -> torch.Tensor:
         if self.block is not None:
-            return reference_block.expand_block_scale(self.scale, tuple(self.data.shape), self.block)
+            return elementwise_block_scale(self.scale, self.data.shape, self.block)
         if self.group is not None:
             return reference_block.expand_group_scale(self.scale, self.data.shape[-1], self.group)
         return self.scale
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.data.float() * self.elementwise_scale().float()).to(dtype)
+
+
+# quantize(x) with a tensor's FP8 scale; quantize(None) on a weight: the FP8 weight as stored (or as convert
+# would store it)
+Quantizer = Callable[[torch.Tensor | None], Quantized]
 
 
 @dataclass(frozen=True)
@@ -113,6 +125,31 @@ class Feature:
         return getattr(type(self), hook) is not getattr(Feature, hook)
 
 
+def feature_pass(features: Sequence[Feature], ctx: TensorContext | None, t: torch.Tensor, is_weight: bool,
+                 want_q: bool, fp8: bool, quantize: Quantizer) -> tuple[torch.Tensor, Quantized | None]:
+    """One input tensor of a layer through the features: log it, let them process it, and when asked
+    quantize it (what FP8 would compute: a high-precision layer is measured on what FP8 would do) and let
+    them process and log the quantized form. Returns (processed tensor, quantized or None). ``ctx`` may be
+    None only without features."""
+    if ctx is None or not features:  # nothing to log or process: only the quantized form, when asked
+        return t, (quantize(None if is_weight else t) if want_q else None)
+    for f in features:
+        f.log_tensor(ctx, t)
+    p = t
+    for f in features:
+        p = f.process_tensor(ctx, p)
+    if not want_q:
+        return p, None
+    src = p if fp8 else t
+    q = quantize(None) if (is_weight and src is t) else quantize(src)
+    if fp8:
+        for f in features:
+            q = f.process_quantized(ctx, q)
+    for f in features:
+        f.log_quantized(ctx, src, q)
+    return p, q
+
+
 FEATURES: dict[str, type[Feature]] = {}
 F = TypeVar("F", bound=type[Feature])
 
@@ -128,7 +165,7 @@ def register_feature(cls: F | None = None, *, name: str | None = None, replace: 
         if not (isinstance(c, type) and issubclass(c, Feature)):
             raise TypeError(f"@register_feature needs a subclass of dbr_quant.inspect.Feature, got {c!r}")
         if not dataclasses.is_dataclass(c) or "__dataclass_params__" not in c.__dict__:
-            c = dataclass(frozen=True)(c)
+            c = cast(F, dataclass(frozen=True)(c))  # the same class, made a dataclass
         key = name or c.__name__
         if key in FEATURES and not replace and FEATURES[key] is not c:
             raise ValueError(f"a feature named {key!r} is already registered ({FEATURES[key].__qualname__}); "
@@ -262,4 +299,5 @@ class Scaling(Feature):
         if fmt is None and gran is None:
             return cfg
         # replace: a block / group layer keeps its block and group sizes when only the format changes
-        return dataclasses.replace(cfg, format=FP8Format.parse(fmt or cfg.format), granularity=gran or cfg.granularity)
+        granularity = cast(Granularity, gran or cfg.granularity)  # checked in __post_init__
+        return dataclasses.replace(cfg, format=FP8Format.parse(fmt or cfg.format), granularity=granularity)

@@ -24,10 +24,12 @@ from torch import nn
 
 from dbr_quant.inspect.experts import experts_flops, sibling_expert_flops
 from dbr_quant.inspect.features import DisableFP8, Feature
-from dbr_quant.inspect.inspector import Inspector, attached, named_ops, recorded_layers
+from dbr_quant.inspect.inspector import Inspector
+from dbr_quant.inspect.layers import attached, named_ops, recorded_layers
 from dbr_quant.inspect.stats import sqnr_db
 from dbr_quant.moe.experts import EXPERTS
-from dbr_quant.ops.mappings import LINEAR, MATMUL, SDPA
+from dbr_quant.ops.mappings import LINEAR, MATMUL, SDPA, is_transposed_linear
+from dbr_quant.quantize.weights import FP8Weight, fp8_weight_of
 from dbr_quant.runtime.interception import disabled
 from dbr_quant.runtime.state import SeenOp
 
@@ -104,7 +106,14 @@ def op_flops(op: SeenOp) -> int:
     counts its routed rows, top_k per token (``experts.experts_flops``)."""
     if op.kind == EXPERTS:
         return experts_flops(op)
-    shape = lambda i: op.inputs[i].shape if len(op.inputs) > i and op.inputs[i] is not None else None  # noqa: E731
+
+    def shape(i: int) -> tuple[int, ...]:
+        info = op.inputs[i] if len(op.inputs) > i else None
+        if info is None:
+            raise ValueError(f"dbr_quant.inspect: the trace recorded no input {i} of {op.kind} op {op.fqn!r}, so "
+                             "its FLOPs are unknown; prepare the model again with inputs that reach it")
+        return tuple(info.shape)
+
     if op.kind == LINEAR:  # x (…, K) → y (…, N): 2·numel(x)·N
         return 2 * math.prod(shape(0)) * op.outputs[0].shape[-1]
     if op.kind == MATMUL:  # a (…, m, k) @ b → out (…, m, n): 2·numel(out)·k
@@ -196,14 +205,13 @@ class _Evaluator:
 
 def _original_weights(model: nn.Module, reference: nn.Module) -> dict[int, torch.Tensor]:
     """id(linear module with an FP8 weight) → the weight of the same-named module of ``reference``, [N, K]."""
-    from dbr_quant.ops.mappings import is_transposed_linear
-    from dbr_quant.quantize.weights import FP8Weight, fp8_weight_of
-
     ref = dict(reference.named_modules())
     out = {}
     for name, mod in model.named_modules():
         src = ref.get(name)
-        w = getattr(src, "weight", None) if src is not None and fp8_weight_of(mod) is not None else None
+        if src is None or fp8_weight_of(mod) is None:
+            continue
+        w = getattr(src, "weight", None)
         if isinstance(w, torch.Tensor) and not w.is_meta and type(w) is not FP8Weight:
             w = w.detach()
             out[id(mod)] = w.t() if is_transposed_linear(src) else w

@@ -20,7 +20,8 @@ from torch import nn
 
 from dbr_quant.inspect.config import InspectConfig, load_config
 from dbr_quant.inspect.features import Feature
-from dbr_quant.inspect.inspector import Inspector, attached, recorded_layers
+from dbr_quant.inspect.inspector import Inspector
+from dbr_quant.inspect.layers import attached, recorded_layers
 
 RECORD_KEYS = ("step", "layer", "tensor", "stat", "value")
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from dbr_quant.observers import AmaxObserver
-from dbr_quant.quantize.rounding.collect import HessianCollector
+from dbr_quant.runtime.hessians import HessianCollector
 from dbr_quant.runtime.state import observer_key
 
 __all__ = ["sync_observers", "sync_hessians", "SyncError"]

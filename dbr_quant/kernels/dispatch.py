@@ -1,7 +1,9 @@
-"""Backend selection and launch counting: the one place that decides which implementation runs.
+"""Backend selection, launch counting and graph capture: this thread's settings that every kernel call reads.
 
-Every kernel entry point in ``dbr_quant.kernels`` calls :func:`backend_for` and bumps the launch
-counter, so tests can assert that a fusion fired and how many kernels a forward launched.
+Every kernel entry point in ``dbr_quant.kernels`` runs the backend :func:`resolve_backend` picks for its
+tensors' device (``kernels._impl`` inlines the common case), records its launches with :func:`record_launch`
+(so tests can assert that a fusion fired and how many kernels a forward launched), and while
+:func:`capture_with` is active calls the graph op table instead of running.
 """
 
 from __future__ import annotations
@@ -50,11 +52,6 @@ def _env_backend() -> str | None:
         raise ValueError(f"{ENV_VAR}={name!r} is not a backend; use one of {BACKENDS}")
     _env_cache.append(name)
     return name
-
-
-def reread_environment() -> None:
-    """Read $DBR_QUANT_BACKEND again on the next kernel call (it is read once, then cached)."""
-    _env_cache.clear()
 
 
 def current_backend() -> str:

@@ -13,7 +13,8 @@ It reports the original dtype and shape, so model code reading ``experts.gate_up
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -21,11 +22,26 @@ from torch import nn
 from dbr_quant.moe.experts import MoeState, experts_spec
 from dbr_quant.ops.tags import experts_of
 from dbr_quant.qconfig import TensorQConfig
-from dbr_quant.quantize.weight_quantization import quantize_experts
+from dbr_quant.quantize.weight_quantization import quantize_weight
 from dbr_quant.quantize.weights import FP8Weight, attach_fp8_weight
 
 
-def quantize_expert_weights(model: nn.Module, record: Any) -> None:
+class StatesRecord(Protocol):
+    """What convert passes: the model record (``runtime.runs.ModelRecord``) with every module's state."""
+
+    @property
+    def states(self) -> Sequence[object]: ...
+
+
+def expert_parameter(module: nn.Module, name: str) -> torch.Tensor:
+    """An experts module's 3-D weight (``experts_spec`` names only parameters the module has)."""
+    w = module._parameters[name]
+    if w is None:
+        raise ValueError(f"dbr_quant: the experts module {type(module).__name__} has no parameter {name!r}")
+    return w
+
+
+def quantize_expert_weights(model: nn.Module, record: StatesRecord) -> None:
     """``convert``: each quantized experts module's 3-D weights become FP8 with one scale per expert and
     output channel (weight granularity "channel"; "tensor" = one per expert)."""
     for st in record.states:
@@ -33,7 +49,7 @@ def quantize_expert_weights(model: nn.Module, record: Any) -> None:
             continue
         module = model.get_submodule(st.fqn)
         for op, name in zip(st.seen_ops, st.spec.names):
-            w = module._parameters[name].detach()
+            w = expert_parameter(module, name).detach()
             if type(w) is FP8Weight:
                 continue
             if not torch.isfinite(w).all():
@@ -41,9 +57,9 @@ def quantize_expert_weights(model: nn.Module, record: Any) -> None:
                                  f"skip it with QConfig(overrides=(Override(pattern=..., skip=True),))")
             w3 = w.transpose(-2, -1).contiguous() if st.spec.transposed else w  # [E, N, K]
             cfg = op.qconfig.weight
-            q, scale = quantize_experts(w3, cfg)
-            attach_fp8_param(module, name, q, scale, w.dtype, st.spec.transposed,
-                             cfg.block if cfg.granularity == "block" else None, qconfig=cfg)
+            quantized = quantize_weight(w3, cfg)
+            attach_fp8_param(module, name, quantized.qdata, quantized.scale, w.dtype, st.spec.transposed,
+                             quantized.block, qconfig=cfg)
 
 
 def attach_fp8_param(module: nn.Module, name: str, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
@@ -62,7 +78,7 @@ def expert_weight_bytes(model: nn.Module) -> tuple[int, int]:
         if spec is None:
             continue
         for name in spec.names:
-            w = mod._parameters[name]
+            w = expert_parameter(mod, name)
             total += (w.qdata.numel() * w.qdata.element_size() + w.scale.numel() * w.scale.element_size()
                       if type(w) is FP8Weight else w.numel() * w.element_size())
             count += 1

@@ -19,6 +19,7 @@ from dbr_quant.ops.call import linear_hp_weight as linear_hp_weight  # where run
 from dbr_quant.ops.mappings import LINEAR, MATMUL, MATMUL_AS_LINEAR, SDPA, linear_bias, linear_weight
 from dbr_quant.ops.straight_through import run_straight_through, substitute, wants_gradient
 from dbr_quant.ops.tags import tag_of
+from dbr_quant.quantize.weight_quantization import quantize_weight
 from dbr_quant.quantize.weights import FP8Weight, adjacent_rows, fp8_weight_of
 
 _is_grad_enabled = torch._C.is_grad_enabled  # read once per quantized op
@@ -83,7 +84,8 @@ def weight_block(call: Call) -> tuple[int, int] | None:
 
 
 def fp8_weight(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
-    """The FP8 weight and its scale: stored on the module by convert, else quantized now (dynamic).
+    """The FP8 weight and its scale: stored on the module by convert, else quantized now as convert would store
+    it (the weight observer's scale: the cheap dynamic-scale kernel where the observer's scale is the amax).
     Block-scaled (see :func:`weight_block`): scale [⌈N/bn⌉, ⌈K/bk⌉]."""
     stored = stored_fp8_weight(call.module) if call.module is not None else None
     if stored is not None:
@@ -93,12 +95,9 @@ def fp8_weight(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
         if not w.transposed:
             return w.qdata, w.scale
         w = w.dequantize()  # stored in the other orientation: its scales run along this GEMM's reduction
-    wcfg = call.op.qconfig.weight
-    if wcfg.granularity == "block":
-        return kernels.block_quantize_weight(w, wcfg.block, wcfg.format)
-    per_channel = wcfg.granularity == "channel"
-    scale = kernels.dynamic_scale(w, wcfg.format, per_token=per_channel)
-    return kernels.quantize(w, scale, wcfg.format), scale.reshape(-1) if per_channel else scale
+    assert w is not None and call.op is not None, "executors run recorded linear ops, which read a weight"
+    quantized = quantize_weight(w, call.op.qconfig.weight, per_call=True)
+    return quantized.qdata, quantized.scale
 
 
 def linear_parts(call: Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, int] | None]:

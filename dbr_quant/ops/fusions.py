@@ -216,12 +216,13 @@ class MLP(Fusion):
         return _mlp(fc1, fc2, env, fc1.args[0], _activation(calls), residual)
 
 
-def _norm_arguments(norm: Call) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, float | None,
-                                          bool] | None:
+def _norm_arguments(norm: Call) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, float, bool] | None:
     """(x, weight, bias, eps, rms) of an F.layer_norm / F.rms_norm call over the last dimension only, or of
     a recognised RMSNorm module."""
     if norm.module is not None:
-        return norm.args[0], norm.module._parameters["weight"], None, rms_norm_module_eps(norm.module), True
+        eps = rms_norm_module_eps(norm.module)
+        assert eps is not None, "the trace recognises a norm module by its eps (tracer._norm_module_call)"
+        return norm.args[0], norm.module._parameters["weight"], None, eps, True
     rms = norm.func is F.rms_norm
     names = ("input", "normalized_shape", "weight", "eps") if rms else (
         "input", "normalized_shape", "weight", "bias", "eps")

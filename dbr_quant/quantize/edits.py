@@ -15,26 +15,43 @@ What writes into ``module.weight`` after convert, and what it gets:
 * What raises: an edit that changes the shape, produces NaN/inf, or writes a weight that accelerate keeps
   offloaded (its bytes live in accelerate's weights map); ``FP8Weight(tensor)`` without scales (accelerate's
   ``set_module_tensor_to_device(..., value=tensor)``).
+
+``weights.FP8Weight`` routes each such write here (``__torch_dispatch__`` of a mutating op, ``.data =``,
+``w[i] = v``, ``copy_``); this module reads the weight through :class:`EditableWeight`, so it never imports the
+class and the two import one way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-from torch.utils._pytree import tree_map
 
-from dbr_quant import kernels
 from dbr_quant.formats import FP8Format
 from dbr_quant.qconfig import TensorQConfig
-from dbr_quant.quantize.weight_quantization import all_finite, quantize_experts, quantize_weight
-from dbr_quant.quantize.weights import FP8Weight
+from dbr_quant.quantize.weight_quantization import all_finite, quantize_weight
 
-__all__ = ["weight_config", "edit", "edit_in_place", "set_data"]
+__all__ = ["EditableWeight", "weight_config", "edit", "requantize"]
 
 
-def weight_config(w: FP8Weight) -> TensorQConfig:
+class EditableWeight(Protocol):
+    """What an edit reads and writes of an FP8 weight (``weights.FP8Weight``, which calls this module: an edit
+    never needs the class itself)."""
+
+    qdata: torch.Tensor
+    scale: torch.Tensor
+    transposed: bool
+    block: tuple[int, int] | None
+    qconfig: TensorQConfig | None
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor: ...
+
+
+def weight_config(w: EditableWeight) -> TensorQConfig:
     """The weight config ``w`` was quantized with: the one convert stored, else (a weight loaded from a
     checkpoint) the one its layout implies, with amax scales as compressed-tensors computes them."""
     if w.qconfig is not None:
@@ -46,18 +63,9 @@ def weight_config(w: FP8Weight) -> TensorQConfig:
     return TensorQConfig(format=fmt, granularity="tensor" if w.scale.dim() == 0 or experts_per_tensor else "channel")
 
 
-def _quantize_like(w: FP8Weight, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(FP8 data, scale) of ``values`` (in ``qdata``'s layout) with ``w``'s rule: the quantizers convert uses."""
-    cfg = weight_config(w)
-    if values.dim() == 3:
-        return quantize_experts(values, cfg)
-    if cfg.granularity == "block":
-        return kernels.block_quantize_weight(values, cfg.block, cfg.format)
-    return quantize_weight(values, cfg)
-
-
-def _store(w: FP8Weight, values: torch.Tensor, what: str) -> None:
-    """Quantize ``values`` (``w``'s logical layout) into ``w``'s own ``qdata`` and ``scale``, in place."""
+def requantize(w: EditableWeight, values: torch.Tensor, what: str) -> None:
+    """Quantize ``values`` (``w``'s logical layout) into ``w``'s own ``qdata`` and ``scale``, in place, with
+    ``w``'s rule (:func:`weight_config`, the quantizer convert uses)."""
     if tuple(values.shape) != tuple(w.shape):
         raise RuntimeError(f"dbr_quant: {what} would make an FP8 weight {list(w.shape)} {list(values.shape)}; a "
                            "converted weight keeps its shape (call dq.disabled() or convert the edited model again)")
@@ -74,56 +82,15 @@ def _store(w: FP8Weight, values: torch.Tensor, what: str) -> None:
     if not all_finite(values.reshape(-1, values.shape[-1])):
         raise ValueError(f"dbr_quant: {what} would put NaN/inf into an FP8 weight {list(w.shape)}; the weight "
                          "is left as it was")
-    q, scale = _quantize_like(w, values)
-    w.qdata.copy_(q)
+    quantized = quantize_weight(values, weight_config(w))
+    w.qdata.copy_(quantized.qdata)
     # a per-tensor scale stored per row (a stacked [gate; up] buffer) takes the one value in every row
+    scale = quantized.scale
     w.scale.copy_(scale.reshape(()) if scale.numel() == 1 else scale.reshape(w.scale.shape))
 
 
-def edit(w: FP8Weight, fn: Callable[[torch.Tensor], Any], what: str) -> None:
+def edit(w: EditableWeight, fn: Callable[[torch.Tensor], Any], what: str) -> None:
     """Run ``fn`` on ``w``'s fp32 values (in place), then re-quantize the result into ``w``."""
     high = w.dequantize(torch.float32)
     fn(high)
-    _store(w, high, what)
-
-
-def _written(func: Any, args: tuple, kwargs: dict) -> list[FP8Weight]:
-    """The FP8 weights among the arguments ``func`` writes into (``self`` of ``add_``, ``out=``)."""
-    found: list[FP8Weight] = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
-        if isinstance(value, FP8Weight) and all(value is not w for w in found):
-            found.append(value)
-    return found
-
-
-def edit_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
-    """``func`` writes into FP8 weights: run it on their fp32 values, re-quantize each. None if it writes none."""
-    written = _written(func, args, kwargs)
-    if not written:
-        return None
-    high = {id(w): w.dequantize(torch.float32) for w in written}
-    unwrap = lambda t: high.get(id(t), t.dequantize()) if isinstance(t, FP8Weight) else t  # noqa: E731
-    out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
-    for w in written:
-        _store(w, high[id(w)], f"aten.{func.__name__}")
-    back = {id(high[id(w)]): w for w in written}
-    return tree_map(lambda t: back.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
-
-
-def set_data(w: FP8Weight, value: torch.Tensor) -> None:
-    """``param.data = value``: another FP8 weight is taken as it is (it shares the bytes, as torch's ``.data =``
-    does); high-precision values are re-quantized into ``w``."""
-    if value.shape != w.shape:
-        raise RuntimeError(f"dbr_quant: `.data =` a {list(value.shape)} tensor on an FP8 weight {list(w.shape)}; a "
-                           "converted weight keeps its shape (call dq.disabled() or convert the edited model again)")
-    if not isinstance(value, FP8Weight):
-        edit(w, lambda high: high.copy_(value), "`.data = tensor`")
-        return
-    if value.dtype != w.dtype:
-        raise RuntimeError(f"dbr_quant: `.data =` an FP8 weight reporting {value.dtype} on one reporting {w.dtype}; "
-                           "change the compute dtype with module.to(dtype)")
-    w.qdata, w.scale, w.transposed, w.block, w.qconfig = (value.qdata, value.scale, value.transposed, value.block,
-                                                          value.qconfig)
+    requantize(w, high, what)

@@ -25,15 +25,19 @@ import copy
 import hashlib
 import pickle
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, SupportsIndex, cast
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map
 
-if TYPE_CHECKING:
-    from dbr_quant.qconfig import TensorQConfig
+from dbr_quant import kernels
+from dbr_quant.qconfig import TensorQConfig
+from dbr_quant.quantize.edits import edit, requantize
+from dbr_quant.quantize.weight_quantization import elementwise_block_scale
+
+DEQUANTIZE_CHUNK = 1 << 22  # elements per chunk of a large weight's dequantize (fp32 temporaries: 16 MiB)
 
 aten = torch.ops.aten
 
@@ -50,7 +54,7 @@ class FP8Weight(torch.Tensor):
     ``[E, 1]``, or ``[E, ⌈out/bn⌉, ⌈in/bk⌉]`` with ``block``); ``transposed`` then swaps the last two dims
     (experts stored ``[E, in, out]``). ``qconfig`` is the weight config convert quantized it with (None when
     loaded from a checkpoint): an in-place edit (``add_``, ``.data +=``, ``copy_``, ``normal_``, …) re-quantizes
-    with it (``weight_edits.py``).
+    with it (``edits.py``).
     """
 
     qdata: torch.Tensor
@@ -91,19 +95,29 @@ class FP8Weight(torch.Tensor):
 
     @property
     def data(self) -> FP8Weight:
-        return torch._C.TensorBase.data.__get__(self)  # an FP8Weight sharing qdata and scale (aten.detach below)
+        # an FP8Weight sharing qdata and scale (aten.detach below); ``data`` is a C getset descriptor, which the
+        # stubs type as a Tensor
+        return torch._C.TensorBase.data.__get__(self)  # type: ignore[attr-defined]
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
-        """``param.data = value`` (PEFT's merge): high-precision values are re-quantized into this weight."""
-        from dbr_quant.quantize.edits import set_data
-
-        set_data(self, value)
+        """``param.data = value``: another FP8 weight is taken as it is (it shares the bytes, as torch's ``.data =``
+        does); high-precision values (PEFT's merge) are re-quantized into this weight."""
+        if value.shape != self.shape:
+            raise RuntimeError(f"dbr_quant: `.data =` a {list(value.shape)} tensor on an FP8 weight "
+                               f"{list(self.shape)}; a converted weight keeps its shape (call dq.disabled() or convert "
+                               "the edited model again)")
+        if not isinstance(value, FP8Weight):
+            edit(self, lambda high: high.copy_(value), "`.data = tensor`")
+            return
+        if value.dtype != self.dtype:
+            raise RuntimeError(f"dbr_quant: `.data =` an FP8 weight reporting {value.dtype} on one reporting "
+                               f"{self.dtype}; change the compute dtype with module.to(dtype)")
+        self.qdata, self.scale, self.transposed, self.block, self.qconfig = (
+            value.qdata, value.scale, value.transposed, value.block, value.qconfig)
 
     def __setitem__(self, index: Any, value: Any) -> None:
         """``weight[i] = v``: the edited values are re-quantized into this weight (not a temporary copy)."""
-        from dbr_quant.quantize.edits import edit
-
         v = value.dequantize(torch.float32) if isinstance(value, FP8Weight) else value
         edit(self, lambda high: high.__setitem__(index, v), "`weight[...] = value`")
 
@@ -112,7 +126,8 @@ class FP8Weight(torch.Tensor):
         by ``data_ptr()``, and every wrapper would otherwise answer 0)."""
         return self.qdata.data_ptr()
 
-    def __repr__(self) -> str:
+    # Tensor.__repr__ takes tensor_contents=; mypy flags any typed override of it, even the identical signature
+    def __repr__(self) -> str:  # type: ignore[override]
         gran = ("per-tensor" if self.scale.dim() == 0 else "per-channel" if self.block is None
                 else f"{self.block[0]}x{self.block[1]} block")
         return (f"FP8Weight(shape={list(self.shape)}, dtype={self.dtype}, storage={self.qdata.dtype}, {gran} scale, "
@@ -130,11 +145,11 @@ class FP8Weight(torch.Tensor):
         out = FP8Weight(copy.deepcopy(self.qdata, memo), copy.deepcopy(self.scale, memo), self.dtype, self.transposed,
                         self.block, qconfig=self.qconfig)
         if isinstance(self, nn.Parameter):
-            out = nn.Parameter(out, requires_grad=False)
+            out = cast(FP8Weight, nn.Parameter(out, requires_grad=False))  # a parameter keeps the subclass
         memo[id(self)] = out
         return out
 
-    def __reduce_ex__(self, protocol: int):  # pickle (joblib, Ray, mlflow), copy, torch.save(model)
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, tuple]:  # pickle (joblib, Ray), copy, torch.save
         # qdata and scale travel as views of their storage's bytes: torch cannot pickle a float8 storage
         # (its legacy storage format has no float8 class), and one byte tensor per storage keeps a stacked
         # [gate; up] pair sharing one buffer after loading (pickle's memo and torch.save both store it once)
@@ -154,20 +169,36 @@ class FP8Weight(torch.Tensor):
         return hashlib.blake2b(pickle.dumps(payload), digest_size=16).hexdigest()
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The high-precision values ``qdata × scale`` in ``dtype`` (default: the reported dtype)."""
-        from dbr_quant import kernels
-
-        w = kernels.dequantize(self.qdata, self.elementwise_scale(), dtype or self.dtype)
+        """The high-precision values ``qdata × scale`` in ``dtype`` (default: the reported dtype). A large 2-D
+        weight is dequantized in row chunks into its output: the kernel's fp32 temporaries (and a block weight's
+        per-element scales) then take at most ``DEQUANTIZE_CHUNK`` elements instead of 4 bytes per weight
+        element (load_pretrained's trace dequantizes each linear once; its peak is the FP8 model + one layer)."""
+        dtype = dtype or self.dtype
+        q = self.qdata
+        if q.dim() != 2 or q.numel() <= DEQUANTIZE_CHUNK or kernels.graph_ops() is not None or is_fake(q):
+            w = kernels.dequantize(q, self.elementwise_scale(), dtype)
+        else:
+            step = max(1, DEQUANTIZE_CHUNK // q.shape[1])
+            if self.block is not None:  # whole block rows per chunk
+                step = max(1, step // self.block[0]) * self.block[0]
+            w = torch.empty(q.shape, dtype=dtype, device=q.device)
+            for start in range(0, q.shape[0], step):
+                rows = q[start:start + step]
+                w[start:start + step] = kernels.dequantize(rows, self._rows_scale(start, rows.shape), dtype)
         return w.transpose(-2, -1) if self.transposed else w
+
+    def _rows_scale(self, start: int, shape: torch.Size) -> torch.Tensor:
+        """:meth:`elementwise_scale` for the rows ``start:start + shape[0]`` of a 2-D ``qdata``."""
+        if self.block is not None:
+            first = start // self.block[0]
+            count = -(-shape[0] // self.block[0])
+            return elementwise_block_scale(self.scale[first:first + count], tuple(shape), self.block)
+        return self.scale[start:start + shape[0]].unsqueeze(-1) if self.scale.dim() else self.scale
 
     def elementwise_scale(self) -> torch.Tensor:
         """``scale`` broadcastable against ``qdata`` [out, in]: 0-d, [out, 1], or one per element for blocks."""
         if self.block is not None:
-            from dbr_quant.kernels.reference.block import expand_block_scale
-
-            if self.qdata.dim() == 3:  # MoE experts: scale [E, ⌈N/bn⌉, ⌈K/bk⌉], each expert blocked on its own
-                return torch.stack([expand_block_scale(s, tuple(self.qdata.shape[1:]), self.block) for s in self.scale])
-            return expand_block_scale(self.scale, tuple(self.qdata.shape), self.block)
+            return elementwise_block_scale(self.scale, self.qdata.shape, self.block)
         return self.scale.unsqueeze(-1) if self.scale.dim() else self.scale
 
     def _like(self, qdata: torch.Tensor | None = None, scale: torch.Tensor | None = None,
@@ -175,7 +206,8 @@ class FP8Weight(torch.Tensor):
         return FP8Weight(self.qdata if qdata is None else qdata, self.scale if scale is None else scale,
                          self.dtype if dtype is None else dtype, self.transposed, self.block, qconfig=self.qconfig)
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # the stubs type Tensor.__torch_function__ as a classmethod; torch's own subclasses assign this function
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -194,9 +226,7 @@ class FP8Weight(torch.Tensor):
             if out is not None:
                 return out
         if func._schema.is_mutable:  # add_, mul_, zero_, normal_, out=…: re-quantize what it writes
-            from dbr_quant.quantize.edits import edit_in_place
-
-            edited = edit_in_place(func, args, kwargs)
+            edited = _edit_in_place(func, args, kwargs)
             if edited is not None:
                 return edited
         # any other use as a tensor: the dequantized high-precision values
@@ -204,9 +234,31 @@ class FP8Weight(torch.Tensor):
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
 
-def _rebuild(qdata, scale, dtype, transposed, is_param, block=None):
-    w = FP8Weight(qdata, scale, dtype, transposed, block)
-    return nn.Parameter(w, requires_grad=False) if is_param else w
+def _written(func: Any, args: tuple, kwargs: dict) -> list[FP8Weight]:
+    """The FP8 weights among the arguments ``func`` writes into (``self`` of ``add_``, ``out=``)."""
+    found: list[FP8Weight] = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        if isinstance(value, FP8Weight) and all(value is not w for w in found):
+            found.append(value)
+    return found
+
+
+def _edit_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func`` writes into FP8 weights: run it on their fp32 values, re-quantize each (``edits.py``). None if
+    it writes none."""
+    written = _written(func, args, kwargs)
+    if not written:
+        return None
+    high = {id(w): w.dequantize(torch.float32) for w in written}
+    unwrap = lambda t: high.get(id(t), t.dequantize()) if isinstance(t, FP8Weight) else t  # noqa: E731
+    out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+    for w in written:
+        requantize(w, high[id(w)], f"aten.{func.__name__}")
+    back = {id(high[id(w)]): w for w in written}
+    return tree_map(lambda t: back.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
 
 
 # storage → its bytes as one uint8 tensor, alive while a pickle holds it: the same storage reduces to the same
@@ -253,10 +305,8 @@ def _to_copy(w: FP8Weight, *, dtype=None, device=None, layout=None, pin_memory=N
 
 
 def _copy_(dst: FP8Weight, src: torch.Tensor, non_blocking: bool = False) -> FP8Weight:
-    """Another FP8 weight's bytes and scales as they are; high-precision values re-quantized (weight_edits.py)."""
+    """Another FP8 weight's bytes and scales as they are; high-precision values re-quantized (edits.py)."""
     if not isinstance(src, FP8Weight):
-        from dbr_quant.quantize.edits import edit
-
         edit(dst, lambda high: high.copy_(src), "copy_ of high-precision values")
         return dst
     if src.block != dst.block:
@@ -363,7 +413,7 @@ def attach_fp8_weight(module: nn.Module, qdata: torch.Tensor, scale: torch.Tenso
 
 
 def _fp8_parameters(module: nn.Module) -> list[tuple[str, FP8Weight]]:
-    return [(name, w) for name, w in module._parameters.items() if type(w) is FP8Weight]
+    return [(name, cast(FP8Weight, w)) for name, w in module._parameters.items() if type(w) is FP8Weight]
 
 
 def _state_dict_hook(module, state_dict, prefix, local_metadata):
@@ -418,7 +468,7 @@ def fp8_weight_bytes(model: nn.Module) -> int:
     total = 0
     for m in model.modules():
         for t in (t for _, w in _fp8_parameters(m) for t in (w.qdata, w.scale)):
-            key = (t.untyped_storage().data_ptr(), t.storage_offset())
+            key = (t.untyped_storage().data_ptr(), int(t.storage_offset()))
             if key not in seen:
                 seen.add(key)
                 total += t.numel() * t.element_size()

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from dbr_quant.ops.mappings import LINEAR, MATMUL_AS_LINEAR
-from dbr_quant.quantize.weight_quantization import all_finite, quantize_fp8_weight
+from dbr_quant.quantize.weight_quantization import all_finite, quantize_weight
 from dbr_quant.quantize.weights import FP8Weight, attach_fp8_weight
 
 # calls that read a tensor's metadata, never its values (the trace sees ``w.shape`` as ``__get__``)
@@ -166,10 +166,10 @@ def quantize_param_weights(m: nn.Module, ops: list) -> None:
         if not all_finite(w):
             raise ValueError(f"convert(): the parameter '{name}' (a weight of {', '.join(op.fqn for op in refs)}) "
                              "has NaN/inf values; fix the weights or skip those ops with QConfig(overrides=...)")
-        q, scale, block = quantize_fp8_weight(w, cfg)
+        quantized = quantize_weight(w, cfg)
         for mod, held_as in holders[id(p)]:
-            attach_fp8_weight(mod, q, scale, p.dtype, transposed=transposed, block=block, name=held_as,
-                              qconfig=cfg)
+            attach_fp8_weight(mod, quantized.qdata, quantized.scale, p.dtype, transposed=transposed,
+                              block=quantized.block, name=held_as, qconfig=cfg)
 
 
 def _block_aligned(rows: tuple[int, int], block_rows: int, n: int) -> bool:

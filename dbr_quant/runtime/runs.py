@@ -25,7 +25,7 @@ from dbr_quant.ops.mappings import FUNC_KINDS, INDEXED, LINEAR, MATMUL, SDPA, ca
 from dbr_quant.ops.patterns import Subgraph
 from dbr_quant.ops.tags import TAG, experts_of, fqn_of, tag_of
 from dbr_quant.qconfig import QConfig
-from dbr_quant.quantize.rounding.collect import HessianCollector
+from dbr_quant.runtime.hessians import HessianCollector
 from dbr_quant.runtime.interception import has_hooks, has_pre_hooks, original_call, routing_functions, suspended
 from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
 
@@ -225,7 +225,7 @@ class CalibrateRun(Run):
             return
         op = self.next_op(st, kind, self.op_fqn(kind, module), self.warns(kind))
         if op is not None and module is not None and self.record.hessians is not None:
-            self.record.hessians.observe(self, op, call_args, kwargs)  # GPTQ rounding (rounding/collect.py)
+            self.record.hessians.observe(self, op, call_args, kwargs)  # GPTQ rounding (runtime/hessians.py)
         if op is None or not op.quantize or op.qconfig.dynamic:
             return
         values = observed_inputs(kind, call_args, kwargs)

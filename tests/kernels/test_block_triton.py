@@ -1,4 +1,4 @@
-"""The block-scaled Triton kernels in the CPU interpreter against kernels.reference_block, and compiled ahead of
+"""The block-scaled Triton kernels in the CPU interpreter against kernels.reference.block, and compiled ahead of
 time for Hopper (wgmma) and Ada (mma.sync).
 
 * fp8_block_linear: small 16×16×32 tiles and small scale blocks (bn 16…128 with tiles straddling them, bk 32…96)

@@ -17,8 +17,8 @@ from torch import nn
 import dbr_quant as dq
 from dbr_quant.fx_rewriter import rewrite
 from dbr_quant.quantize.rounding import HessianAccumulator, gptq_quantize
-from dbr_quant.quantize.rounding.collect import gptq_report
 from dbr_quant.quantize.weights import fp8_weight_of
+from dbr_quant.runtime.hessians import gptq_report
 
 D = 32
 
@@ -152,7 +152,7 @@ def test_nearest_keeps_no_hessians_and_override_picks_the_gptq_linears():
 
 
 def test_module_by_module_passes_merge_into_the_one_pass_model():
-    """Where all Hessians do not fit at once (rounding/collect.py): one calibrate/convert pass per group of
+    """Where all Hessians do not fit at once (runtime/hessians.py): one calibrate/convert pass per group of
     linears, GPTQ only for that group; calibration runs in fp32, so each group's bytes and every scale equal
     the single pass's, and the passes' state_dicts merge into the one-pass model."""
     model, batches = _model(), _batches(6)

@@ -9,7 +9,7 @@ and a search of the PTX for FP8 tensor-core instructions (``wgmma … e4m3``/``e
 ``mma … e4m3``/``e5m2`` on sm_89). Exits non-zero if a kernel fails to compile, spills registers, or a
 GEMM/attention kernel lacks FP8 tensor-core instructions.
 
-The kernel modules are every ``dbr_quant/kernels/triton_*.py`` with an ``AOT_CONFIGS`` table (a new
+The kernel modules are every ``dbr_quant/kernels/triton/*.py`` with an ``AOT_CONFIGS`` table (a new
 module is picked up by defining one). Compiles run in worker processes started with "spawn", one compile
 at a time per process, sharing nothing with the calling process (e.g. a long pytest run) nor with each
 other. Compiling in threads of one process failed now and then: Triton's front end calls ``ast.parse``
@@ -78,7 +78,10 @@ def ptxas_stats(ptx: str, arch: int) -> tuple[int, int]:
             f.write(ptx)
         out = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}{suffix}", path, "-o", f"{tmp}/k.o"],
                              capture_output=True, text=True, check=True).stderr
-    registers = int(re.search(r"Used (\d+) registers", out).group(1))
+    used = re.search(r"Used (\d+) registers", out)
+    if used is None:
+        raise RuntimeError(f"ptxas -v printed no register count for sm_{arch}: {out[-500:]}")
+    registers = int(used.group(1))
     spills = re.search(r"(\d+) bytes spill stores", out)
     return registers, int(spills.group(1)) if spills else 0
 
@@ -121,12 +124,13 @@ def compile_one(mod: ModuleType, entry: tuple, arch: int) -> Result:
 def error_chain(e: BaseException) -> str:
     """Every exception in the chain, outermost first. Triton wraps an error inside a called @jit function
     in a CompilationError that only names the call site ("at 77:14"); the cause says what failed."""
-    parts = []
-    while e is not None and len(parts) < 8:
-        text = str(e).strip()
+    parts: list[str] = []
+    link: BaseException | None = e
+    while link is not None and len(parts) < 8:
+        text = str(link).strip()
         first = text.splitlines()[0][:160] if text else ""
-        parts.append(f"{type(e).__name__}: {first}")
-        e = e.__cause__ or e.__context__
+        parts.append(f"{type(link).__name__}: {first}")
+        link = link.__cause__ or link.__context__
     return " <- ".join(parts)
 
 

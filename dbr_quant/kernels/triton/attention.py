@@ -80,7 +80,7 @@ def _attn_fwd(
     both: q's scale multiplies rows of S, k's columns. ``Scalars`` = [1/p_scale, p_scale·v_scale] is read
     from memory, so no host sync is needed. BLOCK_D pads HEAD_DIM 16 to 32, the smallest K of an FP8 MMA.
     tl.max / tl.sum / tl.zeros are @jit helpers that the interpreter (run without $TRITON_INTERPRET, see
-    triton_common.Kernel) refuses to call, so the kernel uses tl.reduce with Triton's own combine
+    common.Kernel) refuses to call, so the kernel uses tl.reduce with Triton's own combine
     functions (the interpreter maps those to numpy) and tl.full; compiled, the code is the same.
     """
     start_m = tl.program_id(0)
@@ -222,6 +222,7 @@ def fp8_attention(
     out = torch.empty((B, Hq, Lq, D), dtype=torch.float32, device=q_q.device)
     if out.numel() == 0:
         return out
+    mask_strides: tuple[int, ...]
     if attn_mask is None:
         kind, mask, mask_strides = 0, scalars, (0, 0, 0, 0)
     else:

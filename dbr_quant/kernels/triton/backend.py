@@ -1,21 +1,21 @@
-"""The ``triton`` / ``triton-interpret`` backend: every kernel entry point mapped to its Triton kernel.
+"""The ``triton`` / ``triton-interpret`` backend: each kernel in the table (``kernels.table``) that names a
+Triton kernel (``TritonKernel``), as a function of this module with the kernel's signature that calls it.
 
-Same signatures as ``reference`` (``reference_block`` for the block-scaled ops). ``dequantize`` (only used
-by the high-precision path) stays plain torch.
-The kernel modules are imported on first use, so CPU-only users never pay Triton's import cost.
+The kernel modules are imported on first use, so CPU-only users never pay Triton's import cost (and a
+missing triton package is an error that says what to do, raised when a Triton kernel is first called).
 """
 
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
+from typing import Any
 
-import torch
-
-from dbr_quant.formats import FP8Format
-from dbr_quant.kernels.reference import dense as reference
+from dbr_quant.kernels.op_table import KernelOp, build_function, call_arguments
+from dbr_quant.kernels.table import TABLE
 
 
-def _mod(name: str):
+def _mod(name: str) -> ModuleType:
     try:
         return importlib.import_module(f"dbr_quant.kernels.triton.{name}")
     except ModuleNotFoundError as e:
@@ -26,64 +26,15 @@ def _mod(name: str):
                           "(kernels.use_backend('reference') / DBR_QUANT_BACKEND=reference)") from e
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
-    return _mod("quantize").quantize(x, scale, fmt)
+def _forwarder(op: KernelOp[Any]) -> Any:
+    """``op``'s function here: ``_mod(module).<function>(<op's arguments>)``, one element of its result
+    where the kernel computes more (``dynamic_scale``: the scale of ``dynamic_quantize``)."""
+    kernel = op.triton
+    assert kernel is not None
+    pick = "" if kernel.output is None else f"[{kernel.output}]"
+    body = [f"return _mod({kernel.module!r}).{kernel.function or op.name}({call_arguments(op.parameters)}){pick}"]
+    return build_function(op.name, op.parameters, body, module_globals=globals(), doc=op.doc,
+                          annotations=op.declaration.__annotations__)
 
 
-def dynamic_quantize(x: torch.Tensor, fmt: FP8Format, per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _mod("quantize").dynamic_quantize(x, fmt, per_token)
-
-
-def dynamic_scale(x: torch.Tensor, fmt: FP8Format, per_token: bool) -> torch.Tensor:
-    return dynamic_quantize(x, fmt, per_token)[1]
-
-
-dequantize = reference.dequantize
-
-
-def fp8_linear(x_q, x_scale, w_q, w_scale, *, bias=None, activation=None, residual=None,
-               out_dtype=torch.float32, out_scale=None, out_fmt=FP8Format.E4M3):
-    kw = {} if out_scale is None else {"out_scale": out_scale, "out_fmt": out_fmt}
-    return _mod("gemm").fp8_linear(x_q, x_scale, w_q, w_scale, bias=bias, activation=activation,
-                                          residual=residual, out_dtype=out_dtype, **kw)
-
-
-def fp8_matmul(a_q, a_scale, b_q, b_scale):
-    return _mod("gemm").fp8_matmul(a_q, a_scale, b_q, b_scale)
-
-
-def fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, *, attn_mask=None, is_causal=False,
-                  softmax_scale=None, p_scale=None, fmt=FP8Format.E4M3):
-    return _mod("attention").fp8_attention(q_q, q_scale, k_q, k_scale, v_q, v_scale, attn_mask=attn_mask,
-                                                  is_causal=is_causal, softmax_scale=softmax_scale,
-                                                  p_scale=p_scale, fmt=fmt)
-
-
-def layer_norm_quantize(x, weight, bias, eps, scale, fmt, *, rms=False):
-    return _mod("norm").layer_norm_quantize(x, weight, bias, eps, scale, fmt, rms=rms)
-
-
-def fp8_grouped_linear(x_q, x_scale, w_q, w_scale, routing, *, x_sorted=False, bias=None, activation=None,
-                       out_dtype=torch.float32, out_scale=None, out_fmt=FP8Format.E4M3, topk_weights=None,
-                       deterministic=False):
-    return _mod("grouped_gemm").fp8_grouped_linear(
-        x_q, x_scale, w_q, w_scale, routing, x_sorted=x_sorted, bias=bias, activation=activation,
-        out_dtype=out_dtype, out_scale=out_scale, out_fmt=out_fmt, topk_weights=topk_weights,
-        deterministic=deterministic)
-
-
-def moe_quantize(x, x_scale, routing, fmt):
-    return _mod("grouped_gemm").moe_quantize(x, x_scale, routing, fmt)
-def group_quantize(x: torch.Tensor, group: int, fmt: FP8Format) -> tuple[torch.Tensor, torch.Tensor]:
-    return _mod("group_quantize").group_quantize(x, group, fmt)
-
-
-def layer_norm_group_quantize(x, weight, bias, eps, group, fmt, *, rms=False):
-    return _mod("group_quantize").layer_norm_group_quantize(x, weight, bias, eps, group, fmt, rms=rms)
-
-
-def fp8_block_linear(x_q, x_scale, w_q, w_scale, *, block, bias=None, activation=None, residual=None,
-                     out_dtype=torch.float32, out_scale=None, out_fmt=FP8Format.E4M3):
-    return _mod("block_gemm").fp8_block_linear(x_q, x_scale, w_q, w_scale, block=block, bias=bias,
-                                                      activation=activation, residual=residual, out_dtype=out_dtype,
-                                                      out_scale=out_scale, out_fmt=out_fmt)
+globals().update({op.name: _forwarder(op) for op in TABLE if op.triton is not None})

@@ -9,6 +9,7 @@ The result matches ``torch.Tensor.to(torch.float8_e4m3fn / e5m2)`` after clampin
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import triton
@@ -82,8 +83,8 @@ def fp8_constants(fmt: FP8Format) -> dict[str, float | int]:
     return {"FP8_MAX": 57344.0, "MANTISSA_BITS": 2, "MIN_NORMAL": 2.0**-14, "EXP_BIAS": 15}
 
 
-def triton_dtype(fmt: FP8Format):
-    return tl.float8e4nv if fmt is FP8Format.E4M3 else tl.float8e5
+def on_interpreter() -> bool:
+    return current_backend() == "triton-interpret"
 
 
 class Kernel:
@@ -91,26 +92,32 @@ class Kernel:
 
     The interpreter is chosen per launch from the current backend, so one process can run both (the
     environment variable TRITON_INTERPRET is not needed).
+
+    ``do_not_specialize`` names int arguments the JIT is not to specialize. Triton compiles a separate
+    variant for every int argument equal to 1 (it becomes a constexpr). For unit strides along K and N that
+    is wanted (contiguous → vector loads and cp.async pipelining), and the GEMM wrappers guarantee them; for
+    M (= 1 when decoding) or scale strides (0 or 1: per-tensor or per-row) it would only multiply the
+    variants, so the GEMMs list those and the modules' ``AOT_CONFIGS`` hold exactly the variants launched.
     """
 
-    def __init__(self, fn) -> None:
+    def __init__(self, fn: Callable[..., None], do_not_specialize: tuple[str, ...] = ()) -> None:
         self.fn = fn
-        self.jit = triton.jit(fn)
+        self.jit = triton.jit(fn, do_not_specialize=do_not_specialize)
 
     @functools.cached_property
     def interpreted(self) -> InterpretedFunction:
         return InterpretedFunction(self.fn)
 
-    def __getitem__(self, grid):
-        handle = self.interpreted if current_backend() == "triton-interpret" else self.jit
-        return handle[grid]
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., object]:
+        return (self.interpreted if on_interpreter() else self.jit)[grid]
 
 
-def on_interpreter() -> bool:
-    return current_backend() == "triton-interpret"
+# one row of a kernel module's AOT_CONFIGS (read by kernels.triton.aot): (kernel name, description, kernel,
+# ASTSource signature, constexprs)
+AotEntry = tuple[str, str, Kernel, dict[str, str], dict[str, object]]
 
 
-def check_device(*tensors: torch.Tensor) -> None:
+def check_device(*tensors: torch.Tensor | None) -> None:
     """The interpreter runs on CPU tensors, the compiled kernels on CUDA ones."""
     want = "cpu" if on_interpreter() else "cuda"
     for t in tensors:

@@ -1,17 +1,17 @@
 """Triton per-token-group dynamic FP8 quantization, alone and fused behind LayerNorm / RMSNorm.
 
-The activation side of block-scaled FP8 (see reference_block): one scale per token per group of ``group``
+The activation side of block-scaled FP8 (see reference.block): one scale per token per group of ``group``
 channels (128 in DeepSeek-V3 / Qwen3-FP8), computed from the data, scale layout [..., ⌈K/group⌉] row-major.
 
-* :func:`group_quantize` equals ``reference_block.group_quantize`` bit for bit: the group amax ignores
+* :func:`group_quantize` equals ``reference.block.group_quantize`` bit for bit: the group amax ignores
   non-finite values (max is order-independent, so it is exact), the scale is ``div_rn(amax, fmt.max)`` with
-  safe_scale's guards (:func:`triton_quantize.scale_from_amax`), the reciprocal ``div_rn(1, scale)`` is
-  IEEE like torch.reciprocal, and the bytes come from :func:`triton_quantize.quantize_bits`.
+  safe_scale's guards (:func:`quantize.scale_from_amax`), the reciprocal ``div_rn(1, scale)`` is
+  IEEE like torch.reciprocal, and the bytes come from :func:`quantize.quantize_bits`.
   One program quantizes a tile of rows × one group, so a group is read once (amax and quantize from registers).
-* :func:`layer_norm_group_quantize` is ``reference_block.layer_norm_group_quantize`` in one kernel: row
-  statistics as in triton_norm (so equal to the reference up to fp32 rounding of the statistics), then each
+* :func:`layer_norm_group_quantize` is ``reference.block.layer_norm_group_quantize`` in one kernel: row
+  statistics as in kernels.triton.norm (so equal to the reference up to fp32 rounding of the statistics), then each
   group is normalized, stored, reduced to its scale and quantized while still in registers. Its (fp8, scale)
-  equal ``reference_block.group_quantize`` of its own fp32 ``normalized`` output bit for bit.
+  equal ``reference.block.group_quantize`` of its own fp32 ``normalized`` output bit for bit.
 
 Any group size: the tile is padded to a power of two and masked; the ragged last group uses its real channels.
 """
@@ -47,7 +47,7 @@ AOT_GROUPS = (128,)  # the group size of the checkpoints in use; other sizes com
 
 @device_function
 def _row_max(x):
-    """Max along the last axis of a 2-d block (see triton_quantize.block_max for why not tl.max)."""
+    """Max along the last axis of a 2-d block (see quantize.block_max for why not tl.max)."""
     return tl.reduce(x, 1, tl.standard._elementwise_max)
 
 
@@ -103,7 +103,7 @@ def _tile(group: int) -> tuple[int, int]:
 
 def group_quantize(x: torch.Tensor, group: int = DEFAULT_GROUP,
                    fmt: FP8Format = FP8Format.E4M3) -> tuple[torch.Tensor, torch.Tensor]:
-    """``reference_block.group_quantize`` on the device, one launch: (fp8 like x, fp32 scale [..., ⌈K/group⌉])."""
+    """``reference.block.group_quantize`` on the device, one launch: (fp8 like x, fp32 scale [..., ⌈K/group⌉])."""
     check_device(x)
     group, fmt = check_group(group), FP8Format.parse(fmt)
     if x.dim() == 0:

@@ -1,10 +1,10 @@
 """Triton grouped FP8 GEMM for mixture-of-experts blocks: every expert's rows in one launch.
 
-Matches :mod:`reference_grouped` (``exact=True``): per expert, the dense kernel's math (FP8 operands
+Matches :mod:`reference.grouped` (``exact=True``): per expert, the dense kernel's math (FP8 operands
 into ``tl.dot``, fp32 accumulator, ``acc·(sx·sw[e]) + b[e]``, activation or gated ``act(gate)·up``, then
 fp32/bf16/fp16, FP8 with the next projection's input scale, or the routing-weighted scatter-add).
 
-Tile schedule (ragged rows per expert, no padding). :func:`moe_routing.moe_route` sorts rows by expert
+Tile schedule (ragged rows per expert, no padding). :func:`kernels.routing.moe_route` sorts rows by expert
 and gives ``expert_offsets``; expert ``e`` needs ``ceil(rows_e / BLOCK_M)`` row tiles. Each program
 derives the schedule from the offsets itself (:func:`_tile_of`: a prefix sum of tiles per expert over
 chunks of 64 experts, then "how many experts end at or before my tile"), so a launch needs no host-side
@@ -41,26 +41,10 @@ from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
 from dbr_quant.kernels.reference.grouped import check_grouped_args
 from dbr_quant.kernels.routing import MoeRouting, expert_out_scale, expert_weight_scale, input_scale_kind
-from dbr_quant.kernels.triton.common import Kernel, check_device, device_function, fp8_bits, fp8_constants, round_to_fp8
-from dbr_quant.kernels.triton.gemm import (
-    _OUT_KINDS,
-    _OUT_PTR,
-    _PTR,
-    CONFIGS,
-    GemmConfig,
-    _activate,
-    _activation_kind,
-    _bf16_bits,
-    _check_size,
-    _describe,
-    _fp8_format,
-    _GemmKernel,
-    _grouped_tile,
-    _signature,
-    _unit_stride,
-    pick_config,
-)
-from dbr_quant.kernels.triton.quantize import block_max, block_sum, quantize_bits
+from dbr_quant.kernels.triton import gemm_core as core
+from dbr_quant.kernels.triton.common import AotEntry, Kernel, check_device, device_function, fp8_constants
+from dbr_quant.kernels.triton.gemm import CONFIGS, pick_config
+from dbr_quant.kernels.triton.quantize import LOADED_DTYPES, block_max, block_sum, quantize_bits
 
 __all__ = ["AOT_CONFIGS", "aot_attrs", "aot_options", "fp8_grouped_linear", "moe_quantize"]
 
@@ -109,48 +93,25 @@ def _fp8_grouped_gemm_kernel(
     (2N × K) and the CTA holds both accumulators, as the dense kernel (act(gate)·up formed in registers).
     Scales are indexed through strides that are 0 where they do not vary: x by expert (stride_xe) or by
     input row (stride_xr), W by expert (stride_se) and channel (stride_sn), the FP8 output by expert."""
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), max_tiles * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = core.grouped_tile(tl.program_id(0), max_tiles * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
     e, row0, row_end, valid = _tile_of(pid_m, expert_offsets_ptr, num_experts, BLOCK_M, CHUNK)
     if not valid:
         return
     rm = row0 + tl.arange(0, BLOCK_M)  # sorted rows of expert e
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     mask_m = rm < row_end
     mask_n = rn < N
     slot = tl.load(slots_ptr + rm, mask=mask_m, other=0)  # token · top_k + choice
     a_row = slot // top_k if GATHER else rm
-    a_ptrs = a_ptr + a_row[:, None] * stride_am + rk[None, :] * stride_ak
-    # 64-bit expert offset: E·N·K exceeds 2**31 for large MoEs (the offsets within one expert do not)
-    w_ptrs = w_ptr + e.to(tl.int64) * stride_we + rk[:, None] * stride_wk + rn[None, :] * stride_wn
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    if GATED:
-        up_ptrs = w_ptrs + N * stride_wn
-        acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    for k in range(0, (K + BLOCK_K - 1) // BLOCK_K):
-        k_left = K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & (rk[None, :] < k_left), other=0.0)
-        w_mask = (rk[:, None] < k_left) & mask_n[None, :]
-        acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc)
-        if GATED:
-            acc_up = tl.dot(a, tl.load(up_ptrs, mask=w_mask, other=0.0), acc_up)
-            up_ptrs += BLOCK_K * stride_wk
-        a_ptrs += BLOCK_K * stride_ak
-        w_ptrs += BLOCK_K * stride_wk
-
-    # epilogue in the reference's order: acc·(sx·sw) + bias → activation → output
-    xs = tl.load(x_scale_ptr + e * stride_xe + a_row * stride_xr, mask=mask_m, other=0.0)
-    ws_ptrs = w_scale_ptr + e * stride_se + rn * stride_sn
-    y = acc * (xs[:, None] * tl.load(ws_ptrs, mask=mask_n, other=0.0)[None, :])
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + e * stride_be + rn, mask=mask_n, other=0.0)[None, :]
-    if GATED:
-        up = acc_up * (xs[:, None] * tl.load(ws_ptrs + N * stride_sn, mask=mask_n, other=0.0)[None, :])
-        if HAS_BIAS:
-            up += tl.load(bias_ptr + e * stride_be + N + rn, mask=mask_n, other=0.0)[None, :]
-        y = _activate(y, ACTIVATION) * up
-    else:
-        y = _activate(y, ACTIVATION)
+    # 64-bit expert offset: E·N·K exceeds 2**31 for large MoEs (the offsets within one expert do not);
+    # SCALE_N, SCALE_K = 1, 0: scales per tensor/expert/row/channel, applied after the loop
+    acc, acc_up = core.main_loop(a_ptr, w_ptr + e.to(tl.int64) * stride_we, x_scale_ptr, w_scale_ptr, a_row, rn,
+                                 mask_m, mask_n, N, K, N,
+                                 stride_am, stride_ak, stride_wn, stride_wk, stride_xr, stride_sn,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, GATED, 1, 0)
+    y = core.scale_bias_activation(acc, acc_up, x_scale_ptr + e * stride_xe, w_scale_ptr + e * stride_se,
+                                   bias_ptr + e * stride_be, a_row, rn, mask_m, mask_n, N, stride_xr, stride_sn,
+                                   ACTIVATION, GATED, HAS_BIAS, 0)
     mask = mask_m[:, None] & mask_n[None, :]
     if OUT_KIND == "scatter_add" or OUT_KIND == "scatter_store":
         y = y * tl.load(route_w_ptr + slot, mask=mask_m, other=0.0)[:, None]
@@ -160,15 +121,10 @@ def _fp8_grouped_gemm_kernel(
             tl.atomic_add(out_ptrs, y, mask=mask, sem="relaxed")
         else:
             tl.store(out_ptrs, y, mask=mask)
-    else:
+    else:  # an FP8 output takes the next projection's input scale, per expert or shared
         out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on
-        if OUT_KIND == "fp8":  # the next projection's input scale (per expert or shared), exact RNE, bytes
-            q = round_to_fp8(y * tl.load(inv_out_scale_ptr + e * stride_ie), FP8_MAX, MANTISSA_BITS, MIN_NORMAL)
-            tl.store(out_ptrs, fp8_bits(q, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS), mask=mask)
-        elif OUT_KIND == "bf16":
-            tl.store(out_ptrs, _bf16_bits(y), mask=mask)
-        else:
-            tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        core.store_tile(y, out_ptrs, inv_out_scale_ptr + e * stride_ie, mask,
+                        OUT_KIND, FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
 
 
 def _moe_quantize_kernel(x_ptr, slots_ptr, expert_offsets_ptr, inv_ptr, q_ptr, K, num_experts, top_k,
@@ -188,13 +144,12 @@ def _moe_quantize_kernel(x_ptr, slots_ptr, expert_offsets_ptr, inv_ptr, q_ptr, K
                  mask=mask)
 
 
-GROUPED_KERNEL = _GemmKernel(_fp8_grouped_gemm_kernel, (
+GROUPED_KERNEL = Kernel(_fp8_grouped_gemm_kernel, (
     "num_experts", "top_k", "max_tiles", "stride_xe", "stride_xr", "stride_se", "stride_sn", "stride_be", "stride_ie"))
-MOE_QUANTIZE_KERNEL = _GemmKernel(_moe_quantize_kernel, ("num_experts", "top_k"))
-_LOADED = (torch.float32, torch.bfloat16, torch.float16)
+MOE_QUANTIZE_KERNEL = Kernel(_moe_quantize_kernel, ("num_experts", "top_k"))
 
 
-def pick_grouped_config(rows: int, num_experts: int) -> GemmConfig:
+def pick_grouped_config(rows: int, num_experts: int) -> core.GemmConfig:
     """The dense GEMM's config for the average rows per expert (no autotuning: must run interpreted)."""
     return pick_config(triton.cdiv(rows, num_experts))
 
@@ -214,24 +169,22 @@ def fp8_grouped_linear(
     out_fmt: FP8Format | str = FP8Format.E4M3,
     topk_weights: torch.Tensor | None = None,
     deterministic: bool = False,
-    config: GemmConfig | None = None,
+    config: core.GemmConfig | None = None,
 ) -> torch.Tensor:
-    """:func:`reference_grouped.fp8_grouped_linear` in one launch (two with ``deterministic`` scatter).
+    """:func:`reference.grouped.fp8_grouped_linear` in one launch (two with ``deterministic`` scatter).
 
     ``config`` overrides the block config (tests use small tiles to get many ragged tiles per expert).
     """
     op = "fp8_grouped_linear"
-    check_device(x_q, x_scale, w_q, w_scale, bias, out_scale, topk_weights, routing.slots)
-    _fp8_format(x_q, "x_q")
-    _fp8_format(w_q, "w_q")
+    core.check_linear(op, x_q, w_q, None, x_scale, w_scale, bias, out_scale, topk_weights, routing.slots)
     check_grouped_args(x_q, w_q, routing, x_sorted, activation, out_scale, topk_weights, op)
     num_e, n_w, k = w_q.shape
     gated = activation in GATED
     n = n_w // 2 if gated else n_w
     rows, dev = routing.num_rows, x_q.device
-    a = _unit_stride(x_q, 1)
-    w_q = _unit_stride(w_q, 2)
-    _check_size(a, w_q[0])  # offsets within one expert's weight and within A are 32-bit
+    a = core.unit_stride(x_q, 1)
+    w_q = core.unit_stride(w_q, 2)
+    core.check_size(a, w_q[0])  # offsets within one expert's weight and within A are 32-bit
     if max(rows, routing.num_tokens) * n >= 2**31:
         raise ValueError(f"{op}: output too large for 32-bit offsets ({rows} rows × {n})")
 
@@ -266,9 +219,9 @@ def fp8_grouped_linear(
         out = torch.empty((rows, n), dtype=fmt_o.dtype, device=dev)
         out_view = out.view(torch.uint8)
     else:
-        if out_dtype not in _OUT_KINDS:
-            raise TypeError(f"{op}: out_dtype must be one of {list(_OUT_KINDS)} (or pass out_scale for FP8)")
-        kind_o = _OUT_KINDS[out_dtype]
+        if out_dtype not in core.OUT_KINDS:
+            raise TypeError(f"{op}: out_dtype must be one of {list(core.OUT_KINDS)} (or pass out_scale for FP8)")
+        kind_o = core.OUT_KINDS[out_dtype]
         out = torch.empty((rows, n), dtype=out_dtype, device=dev)
         out_view = out.view(torch.uint16) if kind_o == "bf16" else out
 
@@ -283,8 +236,8 @@ def fp8_grouped_linear(
             n, k, num_e, routing.top_k, max_tiles,
             a.stride(0), a.stride(1), w_q.stride(0), w_q.stride(1), w_q.stride(2), out.stride(0), out.stride(1),
             stride_xe, stride_xr, stride_se, stride_sn, 0 if b is None else b.stride(0), stride_ie,
-            **cfg.constexprs(), CHUNK=EXPERT_CHUNK, ACTIVATION=_activation_kind(activation), GATED=gated,
-            HAS_BIAS=b is not None, GATHER=not x_sorted, OUT_KIND=kind_o, **fp8_constants(fmt_o),
+            **cfg.constexprs(), CHUNK=EXPERT_CHUNK, GATHER=not x_sorted,
+            **core.epilogue_constexprs(activation, b is not None, fmt_o if kind_o == "fp8" else kind_o),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if kind_o == "scatter_store":  # the fixed-order combine over each token's top_k slots
@@ -295,7 +248,7 @@ def fp8_grouped_linear(
 
 
 def moe_quantize(x: torch.Tensor, x_scale: torch.Tensor, routing: MoeRouting, fmt: FP8Format) -> torch.Tensor:
-    """:func:`reference_grouped.moe_quantize` (per-expert scales, sorted rows out) in one launch."""
+    """:func:`reference.grouped.moe_quantize` (per-expert scales, sorted rows out) in one launch."""
     check_device(x, x_scale, routing.slots)
     if x_scale.dim() != 1 or x_scale.numel() != routing.num_experts:
         raise ValueError(f"moe_quantize: x_scale must hold one scale per expert ([{routing.num_experts}]), "
@@ -303,7 +256,7 @@ def moe_quantize(x: torch.Tensor, x_scale: torch.Tensor, routing: MoeRouting, fm
     if x.dim() != 2 or x.shape[0] != routing.num_tokens:
         raise ValueError(f"moe_quantize: x must be [{routing.num_tokens}, K] (tokens of the routing), "
                          f"got {tuple(x.shape)}")
-    x_c = _unit_stride(x if x.dtype in _LOADED else x.float(), 1)
+    x_c = core.unit_stride(x if x.dtype in LOADED_DTYPES else x.float(), 1)
     q = torch.empty((routing.num_rows, x.shape[1]), dtype=fmt.dtype, device=x.device)
     if q.numel():
         inv = torch.reciprocal(x_scale.float()).contiguous()  # reference.quantize's own reciprocal bits
@@ -319,35 +272,33 @@ def moe_quantize(x: torch.Tensor, x_scale: torch.Tensor, routing: MoeRouting, fm
 _GROUPED_OUTS = ("fp32", "bf16", "fp16", *FP8Format, "scatter_add", "scatter_store")
 
 
-def _grouped_entry(cfg, fmt_a, fmt_w, activation, has_bias, gather, out):
+def _grouped_entry(cfg: core.GemmConfig, fmt_a: FP8Format, fmt_w: FP8Format, activation: str | None, has_bias: bool,
+                   gather: bool, out: str | FP8Format) -> AotEntry:
     """One AOT_CONFIGS row for fp8_grouped_linear; ``out`` is an OUT_KIND name or an FP8Format."""
-    kind = "fp8" if isinstance(out, FP8Format) else out
-    gated = activation in GATED
-    cfg = cfg.gated() if gated else cfg
-    out_ptr = "*fp32" if kind.startswith("scatter") else _OUT_PTR[kind]
-    ptrs = {"a_ptr": _PTR[fmt_a], "w_ptr": _PTR[fmt_w], "out_ptr": out_ptr, "x_scale_ptr": "*fp32",
-            "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "inv_out_scale_ptr": "*fp32", "slots_ptr": "*i32",
-            "route_w_ptr": "*fp32", "expert_offsets_ptr": "*i32"}
-    sig, consts = _signature(GROUPED_KERNEL, ptrs, ("stride_ak", "stride_wk", "stride_on"))
-    consts.update(cfg.constexprs(), CHUNK=EXPERT_CHUNK, ACTIVATION=_activation_kind(activation), GATED=gated,
-                  HAS_BIAS=has_bias, GATHER=gather, OUT_KIND=kind,
-                  **fp8_constants(out if kind == "fp8" else FP8Format.E4M3))
-    out_name = f"fp8{out.value}" if kind == "fp8" else kind
-    desc = (f"{_describe(cfg)} | {fmt_a.value}x{fmt_w.value} act={activation} bias={int(has_bias)}"
-            f" rows={'gathered' if gather else 'sorted'} out={out_name}")
+    epilogue = core.epilogue_constexprs(activation, has_bias, out)
+    cfg = cfg.gated() if epilogue["GATED"] else cfg
+    kind = str(epilogue["OUT_KIND"])
+    out_ptr = "*fp32" if kind.startswith("scatter") else core.OUT_PTR[kind]
+    ptrs = {"a_ptr": core.PTR[fmt_a], "w_ptr": core.PTR[fmt_w], "out_ptr": out_ptr,
+            "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "inv_out_scale_ptr": "*fp32",
+            "slots_ptr": "*i32", "route_w_ptr": "*fp32", "expert_offsets_ptr": "*i32"}
+    sig, consts = core.signature(GROUPED_KERNEL, ptrs, ("stride_ak", "stride_wk", "stride_on"))
+    consts.update(cfg.constexprs(), CHUNK=EXPERT_CHUNK, GATHER=gather, **epilogue)
+    desc = (f"{core.describe(cfg)} | {fmt_a.value}x{fmt_w.value} act={activation} bias={int(has_bias)}"
+            f" rows={'gathered' if gather else 'sorted'} out={core.out_name(out)}")
     return ("_fp8_grouped_gemm_kernel", desc, GROUPED_KERNEL, sig, consts)
 
 
-def _moe_quantize_entry(x_dtype: str, fmt: FP8Format):
+def _moe_quantize_entry(x_dtype: str, fmt: FP8Format) -> AotEntry:
     ptrs = {"x_ptr": f"*{x_dtype}", "slots_ptr": "*i32", "expert_offsets_ptr": "*i32", "inv_ptr": "*fp32",
             "q_ptr": "*u8"}
-    sig, consts = _signature(MOE_QUANTIZE_KERNEL, ptrs, ())
+    sig, consts = core.signature(MOE_QUANTIZE_KERNEL, ptrs, ())
     consts.update(BLOCK=QUANT_BLOCK, CHUNK=EXPERT_CHUNK, **fp8_constants(fmt))
     return ("_moe_quantize_kernel", f"moe_quantize x={x_dtype} {fmt.value} BLOCK={QUANT_BLOCK} warps=4",
             MOE_QUANTIZE_KERNEL, sig, consts)
 
 
-def _aot_configs() -> list[tuple[str, str, Kernel, dict, dict]]:
+def _aot_configs() -> list[AotEntry]:
     fmts = list(FP8Format)
     grouped = itertools.product(CONFIGS.values(), fmts, fmts, (None,) + ACTIVATIONS + GATED, (False, True),
                                 (True, False), _GROUPED_OUTS)
@@ -355,21 +306,17 @@ def _aot_configs() -> list[tuple[str, str, Kernel, dict, dict]]:
     return [_grouped_entry(*args) for args in grouped] + [_moe_quantize_entry(*args) for args in quant]
 
 
-AOT_CONFIGS: list[tuple[str, str, Kernel, dict, dict]] = _aot_configs()
+AOT_CONFIGS: list[AotEntry] = _aot_configs()
 
 
-def aot_attrs(entry: tuple[str, str, Kernel, dict, dict]) -> dict:
+def aot_attrs(entry: AotEntry) -> dict:
     """ASTSource ``attrs`` for the common aligned case (pointers, K, N and leading strides multiples of 16),
     as the JIT would specialize them: without them loads are neither vectorized nor cp.async-pipelined."""
-    sig = entry[3]
-    aligned = {"N", "K", "stride_am", "stride_we", "stride_wn", "stride_om", "stride_xm"}
-    return {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
-            if ty.startswith("*") or (ty == "i32" and name in aligned)}
+    return core.aligned_attrs(entry, ("N", "K", "stride_am", "stride_we", "stride_wn", "stride_om", "stride_xm"))
 
 
-def aot_options(entry: tuple[str, str, Kernel, dict, dict]) -> dict[str, int]:
+def aot_options(entry: AotEntry) -> dict[str, int]:
     """``num_warps``/``num_stages`` an AOT_CONFIGS entry is launched with (triton.compile options)."""
     if entry[0] == "_moe_quantize_kernel":
         return {"num_warps": 4, "num_stages": 3}  # Triton's launch defaults, which moe_quantize uses
-    cfg = CONFIGS[entry[1].split()[0].removesuffix("-gated")]  # descriptions start with the config's name
-    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    return core.config_options(CONFIGS, entry)

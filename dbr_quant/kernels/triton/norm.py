@@ -101,7 +101,10 @@ def affine_params(x: torch.Tensor, weight: torch.Tensor | None,
         if p.shape != x.shape[-1:]:
             raise ValueError(f"weight/bias of shape {tuple(p.shape)} do not match the hidden size {x.shape[-1]}")
     dtype = x.dtype if all(p.dtype == x.dtype for p in params) else torch.float32
-    return tuple(None if p is None else p.to(dtype).contiguous() for p in (weight, bias))
+    def cast(p: torch.Tensor | None) -> torch.Tensor | None:
+        return None if p is None else p.to(dtype).contiguous()
+
+    return cast(weight), cast(bias)
 
 
 def layer_norm_quantize(

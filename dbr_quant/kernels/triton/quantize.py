@@ -3,7 +3,7 @@
 Semantics are :func:`reference.quantize` / :func:`reference.dynamic_scale`, bit for bit:
 
 * ``q = saturate(x * reciprocal(scale))`` rounded to nearest even, via :func:`round_to_fp8` (never
-  Triton's own fp8 cast, see triton_common). Static reciprocals are computed by torch on the host side,
+  Triton's own fp8 cast, see kernels.triton.common). Static reciprocals are computed by torch on the host side,
   so they are the reference's own bits; in-kernel ones use ``div_rn`` (IEEE, not the GPU's fast ``/``).
 * dynamic scales are ``safe_scale(amax)``: ``amax / fmt.max`` (``div_rn``: IEEE like torch on CPU),
   1 when that is 0, clamped to ≥ fp32 tiny. amax ignores non-finite values, as ``reference.amax``.
@@ -30,12 +30,10 @@ QUANT_BLOCK = 1024  # elements per program of the elementwise kernels
 AMAX_BLOCK = 4096  # elements per program (and per atomic) of the per-tensor amax kernel
 TOKEN_BLOCKS = (256, 1024, 4096)  # chunk sizes of the one-program-per-row kernel
 LOADED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-FP32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny
-FP32_MAX = 3.4028234663852886e38
 
 
 # ----------------------------------------------------------------------------------------------------
-# device helpers (also used by triton_norm)
+# device helpers (also used by norm, group_quantize and grouped_gemm)
 
 
 @device_function
@@ -223,7 +221,7 @@ def aot_signature(kernel: Kernel, types: dict[str, str]) -> dict[str, str]:
 
 
 def _aot_configs() -> list[tuple[str, str, Kernel, dict, dict]]:
-    configs = []
+    configs: list[tuple[str, str, Kernel, dict, dict]] = []
     for ty in TRITON_DTYPES.values():
         sig = aot_signature(AMAX, {"x_ptr": f"*{ty}", "amax_ptr": "*fp32", "numel": "i32"})
         configs.append(("amax", f"x={ty} BLOCK={AMAX_BLOCK}", AMAX, sig, {"BLOCK": AMAX_BLOCK}))

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference import dense as reference
+from dbr_quant.qconfig import DEFAULT_DAMPINGS
 from dbr_quant.quantize.rounding.gptq import (
     HessianNotPositiveDefiniteError,
     WeightGranularity,
@@ -31,8 +32,6 @@ from dbr_quant.quantize.rounding.gptq import (
 )
 from dbr_quant.quantize.rounding.hessian import HessianAccumulator
 
-# relative to the mean Hessian diagonal; a half-decade log grid from 1e-3 to 10, then round-to-nearest
-DEFAULT_DAMPINGS: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, math.inf)
 # used when there are fewer than 2 non-empty folds to cross-validate with (the value CV picked on MiniLM)
 FALLBACK_DAMPING = 1.0
 

@@ -186,7 +186,7 @@ def _check_hessian(hessian: Tensor, in_features: int) -> Tensor:
     return hessian.double()
 
 
-def _resolve_scale(w32: Tensor, fmt: FP8Format, granularity: str, scale: Tensor | None) -> Tensor:
+def _resolve_scale(w32: Tensor, fmt: FP8Format, granularity: WeightGranularity, scale: Tensor | None) -> Tensor:
     _check_granularity(granularity)
     if scale is None:
         return weight_scale(w32, fmt, granularity)
