@@ -298,8 +298,8 @@ def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
                              "fix the weights or skip this module with QConfig(overrides=(Override(pattern=...,"
                              " skip=True),))")
         cfg = ops[0].qconfig.weight
-        gptq = record.hessians is not None and any(op.qconfig.weight_rounding == "gptq" for op in ops)
-        rounding = functools.partial(record.hessians.round, fqn, type(module).__name__) if gptq else None
+        hessians = record.hessians if any(op.qconfig.weight_rounding == "gptq" for op in ops) else None
+        rounding = functools.partial(hessians.round, fqn, type(module).__name__) if hessians is not None else None
         quantized = quantize_weight(w, cfg, rounding=rounding)  # per-channel/tensor in row blocks: bounded temporaries
         attach_fp8_weight(module, quantized.qdata, quantized.scale, w.dtype, transposed=is_transposed_linear(module),
                           block=quantized.block, qconfig=cfg)

@@ -1,7 +1,8 @@
-"""The converted runtime's precompiled plan (dbr_quant/runtime/plan.py) and the fast paths that use it
-(convert_run.ConvertRun ``_linear_fast`` / ``_act_fast``, fusions ``_static_mlp``): they must fire on plain
-models, compute exactly what the general path computes, read weights and scales per call, and hand anything
-unusual to the general path."""
+"""The converted runtime's precompiled plan (dbr_quant/runtime/plan.py) and the one path that uses it
+(convert_run.ConvertRun ``_run_op``): the plan's step at the cursor must serve every op of a plain model, the
+per-class selection of linear and activation modules (``module_call``) must compute exactly what the per-call
+checks (``_module_call``) compute, weights and scales are read per call, and anything unusual falls back to
+the general matching (``Run.match_position``: warnings, ``UnseenOpError``)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from torch import nn
 
 import dbr_quant as dq
 from dbr_quant.kernels import count_launches
-from dbr_quant.ops import fusions
 from dbr_quant.runtime import convert_run
 from dbr_quant.runtime.state import UnseenOpError
 
@@ -36,25 +36,28 @@ def _convert(model: nn.Module, example: torch.Tensor, **qc) -> nn.Module:
     return dq.convert(p)
 
 
-class _GeneralPathCounter:
-    """Counts entries into the general (pre-plan) linear path of the convert run."""
+class _MatchingCounter:
+    """Counts the ops the plan did not expect at its cursor (the general matching, ``Run.match_position``)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls = 0
-        original = convert_run.ConvertRun._linear_call
+        original = convert_run.ConvertRun.match_position
 
-        def counted(run, module, args, kwargs):
+        def counted(run, *args):
             self.calls += 1
-            return original(run, module, args, kwargs)
+            return original(run, *args)
 
-        monkeypatch.setattr(convert_run.ConvertRun, "_linear_call", counted)
+        monkeypatch.setattr(convert_run.ConvertRun, "match_position", counted)
+
+
+class _NoRole(dict):
+    def get(self, cls, default=None):
+        return "other"
 
 
 def _general_path_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Switch the plan's fast paths off: every op takes the path the runtime had before the plan."""
-    monkeypatch.setattr(convert_run.ConvertRun, "_linear_fast", lambda self, module, d, x: NotImplemented)
-    monkeypatch.setattr(convert_run.ConvertRun, "_act_fast", lambda self, module, x: NotImplemented)
-    monkeypatch.setattr(fusions, "_static_mlp", lambda *args: NotImplemented)
+    """Switch the per-class selection off: every module takes the per-call checks of ``_module_call``."""
+    monkeypatch.setattr(convert_run, "_ROLES", _NoRole())
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -77,27 +80,27 @@ class Residual(nn.Module):
 @settings(max_examples=8, deadline=None)
 @given(layers=st.integers(1, 5), width=st.sampled_from([8, 16, 24]), act=st.sampled_from(sorted(ACTS)),
        bias=st.booleans(), residual=st.booleans(), batch=st.integers(1, 3), dynamic=st.booleans())
-def test_plan_fast_paths_equal_the_general_path_bit_for_bit(layers, width, act, bias, residual, batch, dynamic):
+def test_selection_by_class_equals_the_per_call_checks_bit_for_bit(layers, width, act, bias, residual, batch, dynamic):
     torch.manual_seed(layers * 31 + width)
     model = (Residual(width, act) if residual else _stack(layers, width, act, bias)).eval()
     x = torch.randn(batch, width)
     c = _convert(model, x, dynamic=dynamic)
     with torch.no_grad():
-        fast = c(x)
+        selected = c(x)
     with pytest.MonkeyPatch.context() as mp, torch.no_grad():
         _general_path_only(mp)
         general = c(x)
-    assert torch.equal(_bits(fast), _bits(general))
+    assert torch.equal(_bits(selected), _bits(general))
 
 
 def test_plan_fires_on_a_plain_stack_and_launches_the_same_kernels(monkeypatch):
     torch.manual_seed(0)
     c = _convert(_stack(6, 16, "relu", True).eval(), torch.randn(1, 16))
-    counter = _GeneralPathCounter(monkeypatch)
+    counter = _MatchingCounter(monkeypatch)
     x = torch.randn(1, 16)
     with torch.no_grad(), count_launches() as launches:
         c(x)
-    assert counter.calls == 0, "every linear of a plain stack should take the plan's fast path"
+    assert counter.calls == 0, "every linear of a plain stack should be the step at its plan's cursor"
     plan = dq.quant_state(c).plan
     assert [s.kind for s in plan.steps] == ["linear"] * 6
     assert [(s.step, s.last) for s in plan.steps] == [(0, False), (2, True)] * 3  # three fc1 → relu → fc2 MLPs
@@ -172,12 +175,12 @@ def test_a_changed_op_sequence_leaves_the_plan_for_the_general_path(mode, monkey
     c.mode = mode
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fast = c(x)
+        selected = c(x)
     with pytest.MonkeyPatch.context() as mp, torch.no_grad(), warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         _general_path_only(mp)
         general = c(x)
-    assert torch.equal(fast, general)
+    assert torch.equal(selected, general)
     unseen = [str(w.message) for w in caught if "never saw" in str(w.message)]
     if mode == "extra":  # the untraced linear is named, with its module, and runs in high precision
         assert len(unseen) == 1 and "'linear' (extra_fc)" in unseen[0] and "<root>" in unseen[0]
@@ -210,7 +213,7 @@ def test_hooks_added_after_convert_take_the_general_path_and_see_real_tensors():
     assert torch.allclose(out, ref, rtol=0.05, atol=0.05)  # fc1's FP8 hand-off to fc2 is now unfused
 
 
-def test_many_threads_on_the_fast_path_get_the_single_threaded_outputs():
+def test_many_threads_on_the_plan_get_the_single_threaded_outputs():
     torch.manual_seed(0)
     c = _convert(_stack(8, 16, "silu", True).eval(), torch.randn(1, 16))
     g = torch.Generator().manual_seed(3)

@@ -23,12 +23,12 @@ from dbr_quant.inspect.features import Feature, LayerInfo, Quantized, Quantizer,
 from dbr_quant.inspect.layers import RecordedLayer
 from dbr_quant.moe.experts import MoeState
 from dbr_quant.ops.basic import Call, Env, linear_hp_weight, linear_operands, run_basic, sdpa_arguments
+from dbr_quant.ops.call import OpRecord
 from dbr_quant.ops.mappings import LINEAR, MATMUL
 from dbr_quant.qconfig import TensorQConfig
 from dbr_quant.quantize.weight_quantization import quantize_weight
 from dbr_quant.quantize.weights import fp8_weight_of
 from dbr_quant.runtime.runs import observed_inputs
-from dbr_quant.runtime.state import SeenOp
 
 LogSink = Callable[[int, str, str, str, float], None]  # step, layer, tensor, stat, value
 
@@ -63,7 +63,7 @@ class Inspector:
         return run_experts(self, module, st, x, ids, weights)
 
     # ------------------------------------------------------------------ the per-layer pipeline
-    def _run(self, call: Call, op: SeenOp, env: Env, features: tuple[Feature, ...], layer: LayerInfo) -> torch.Tensor:
+    def _run(self, call: Call, op: OpRecord, env: Env, features: tuple[Feature, ...], layer: LayerInfo) -> torch.Tensor:
         fp8 = all(f.use_fp8(layer) is not False for f in features)
         want_q = fp8 or any(f.overrides("log_quantized") for f in features)
         if call.kind == LINEAR:
@@ -104,7 +104,7 @@ class Inspector:
         return cfg
 
     # ------------------------------------------------------------------ quantization
-    def _quantizer(self, call: Call, op: SeenOp, env: Env, name: str, cfg: TensorQConfig, t: torch.Tensor
+    def _quantizer(self, call: Call, op: OpRecord, env: Env, name: str, cfg: TensorQConfig, t: torch.Tensor
                    ) -> Quantizer:
         """quantize(x) with this tensor's scale; quantize(None) on a weight gives the cached FP8 weight."""
         if name == "weight":
@@ -132,7 +132,7 @@ class Inspector:
             return Quantized(kernels.quantize(x, scale, cfg.format), scale, cfg.format)
         return activation
 
-    def _fp8_weight(self, call: Call, op: SeenOp, cfg: TensorQConfig, env: Env) -> Quantized:
+    def _fp8_weight(self, call: Call, op: OpRecord, cfg: TensorQConfig, env: Env) -> Quantized:
         m = call.module
         key = (id(op), cfg) if m is not None else None
         if key is not None and key in self._weights:
@@ -155,7 +155,7 @@ class Inspector:
         return q
 
     # ------------------------------------------------------------------ the GEMM
-    def _gemm(self, call: Call, op: SeenOp, x: dict[str, torch.Tensor], q: dict[str, Quantized] | None
+    def _gemm(self, call: Call, op: OpRecord, x: dict[str, torch.Tensor], q: dict[str, Quantized] | None
               ) -> torch.Tensor:
         if call.kind == LINEAR:
             _, _, bias = linear_operands(call)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dbr_quant.moe.experts import EXPERTS, ExpertsSpec, MoeState, bind_call
-from dbr_quant.ops.fusions import Event
+from dbr_quant.ops.patterns import Event
 from dbr_quant.ops.tags import TAG, ModuleTag
 from dbr_quant.qconfig import OpQConfig, QConfig
 from dbr_quant.runtime.state import AutoQuantizationState, SeenOp, TensorInfo, observer_key
@@ -87,7 +87,7 @@ def keep_router_high_precision(run: TracedRun, routing: tuple[torch.Tensor, ...]
             continue
         seen.add(ev_index)
         ev = run.events[ev_index]
-        if ev.op is not None and ev.op.kind == "linear":
+        if isinstance(ev.op, SeenOp) and ev.op.kind == "linear":  # a trace's events hold SeenOps
             _keep_high_precision(run, ev.op)
             continue  # the router's input is the block's input: stop there
         todo.extend(i for i in (*ev.arg_ids, *ev.kwarg_ids) if i is not None)

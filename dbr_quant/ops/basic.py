@@ -7,62 +7,22 @@ out activation scales and FP8 weights; the arithmetic itself is in ``dbr_quant.k
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from dbr_quant import kernels
-from dbr_quant.ops.mappings import LINEAR, MATMUL, MATMUL_AS_LINEAR, SDPA, linear_weight
+from dbr_quant.ops.call import Call, Env
+from dbr_quant.ops.call import linear_hp_weight as linear_hp_weight  # where runs and inspect read it
+from dbr_quant.ops.mappings import LINEAR, MATMUL, MATMUL_AS_LINEAR, SDPA, linear_bias, linear_weight
 from dbr_quant.ops.straight_through import run_straight_through, substitute, wants_gradient
 from dbr_quant.ops.tags import tag_of
 from dbr_quant.quantize.weight_quantization import quantize_weight
 from dbr_quant.quantize.weights import FP8Weight, adjacent_rows, fp8_weight_of
-from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
 
 _is_grad_enabled = torch._C.is_grad_enabled  # read once per quantized op
-
-
-@dataclass(slots=True, init=False)  # created per intercepted op: slots and a hand-written __init__ (no
-class Call:                          # __post_init__ frame) make it cheaper to build and read
-    """One intercepted call as it arrived at run time."""
-
-    kind: str
-    func: Any  # the torch function, or the nn.Linear module for module calls
-    args: tuple
-    kwargs: dict
-    op: SeenOp | None = None
-    state: AutoQuantizationState | None = None
-    placeholder: Any = None  # what this call returned while its subgraph was still pending
-    module: nn.Module | None = field(init=False, repr=False)  # func, when the call is a module call
-
-    def __init__(self, kind: str, func: Any, args: tuple, kwargs: dict, op: SeenOp | None = None,
-                 state: AutoQuantizationState | None = None, placeholder: Any = None) -> None:
-        self.kind = kind
-        self.func = func
-        self.args = args
-        self.kwargs = kwargs
-        self.op = op
-        self.state = state
-        self.placeholder = placeholder
-        self.module = func if isinstance(func, nn.Module) else None
-
-    def run_original(self, args: tuple | None = None, kwargs: dict | None = None) -> Any:
-        """The high-precision op as the user wrote it (FP8 weights dequantized)."""
-        args = self.args if args is None else args
-        kwargs = self.kwargs if kwargs is None else kwargs
-        m = self.module
-        if m is None:
-            return self.func(*args, **kwargs)
-        if self.kind == LINEAR:
-            return torch.nn.functional.linear(args[0], *linear_hp_weight(m))
-        return type(m).forward(m, *args, **kwargs)  # a recognised norm module's own body
-
-
-class Env(Protocol):
-    def input_scale(self, call: Call, slot: str, x: torch.Tensor | None) -> torch.Tensor:
-        """The scale for an activation; ``x`` may be None for static scales (needed when dynamic)."""
 
 
 def stored_fp8_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -83,6 +43,8 @@ def stacked_gate_up(gate: Call, up: Call) -> tuple[torch.Tensor, torch.Tensor] |
     if g is None or u is None or (tag := tag_of(u)) is None or tag.stacked_after is not g:
         return None
     gw, uw = fp8_weight_of(g), fp8_weight_of(u)
+    if gw is None or uw is None:
+        return None
     q = adjacent_rows(gw.qdata, uw.qdata)
     s = adjacent_rows(gw.scale, uw.scale)
     if q is None or s is None:
@@ -90,19 +52,11 @@ def stacked_gate_up(gate: Call, up: Call) -> tuple[torch.Tensor, torch.Tensor] |
     return q, s
 
 
-def linear_hp_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The weight and bias of an nn.Linear in high precision (dequantized when stored in FP8), as (N×K)."""
-    w = fp8_weight_of(module)
-    if w is None:
-        return linear_weight(module), module.bias
-    return kernels.dequantize(w.qdata, w.elementwise_scale(), w.dtype), module.bias
-
-
 def linear_operands(call: Call) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(x, weight-or-None-if-stored-FP8, bias) of a linear call, module or functional."""
     if call.module is not None:
         m = call.module
-        return call.args[0], None if fp8_weight_of(m) is not None else linear_weight(m), m.bias
+        return call.args[0], None if fp8_weight_of(m) is not None else linear_weight(m), linear_bias(m)
     args, kw = call.args, call.kwargs
     x = args[0]
     if call.func in MATMUL_AS_LINEAR:  # x @ W (W a parameter, mappings.call_kind): the linear's weight is Wᵀ
@@ -124,6 +78,7 @@ def weight_block(call: Call) -> tuple[int, int] | None:
     w = fp8_weight_of(call.module) if call.module is not None else _stored(linear_operands(call)[1])
     if w is not None:
         return w.block
+    assert call.op is not None, "executors run recorded ops"
     wcfg = call.op.qconfig.weight
     return wcfg.block if wcfg.granularity == "block" else None
 
@@ -140,6 +95,7 @@ def fp8_weight(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
         if not w.transposed:
             return w.qdata, w.scale
         w = w.dequantize()  # stored in the other orientation: its scales run along this GEMM's reduction
+    assert w is not None and call.op is not None, "executors run recorded linear ops, which read a weight"
     quantized = quantize_weight(w, call.op.qconfig.weight, per_call=True)
     return quantized.qdata, quantized.scale
 
@@ -150,11 +106,11 @@ def linear_parts(call: Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
     converted ``nn.Linear`` costs two dict lookups here, then its ``FP8Weight``'s fields)."""
     m = call.module
     if m is not None:
-        w = m._parameters.get("weight")
-        if type(w) is FP8Weight:
-            params = m._parameters
-            bias = params["bias"] if "bias" in params else m.bias
-            return w.qdata, w.scale, bias, w.block
+        params = m._parameters
+        param = params.get("weight")
+        if type(param) is FP8Weight:  # a converted linear module, whose bias is a parameter (or None) but oddly
+            bias = params["bias"] if "bias" in params else linear_bias(m)
+            return param.qdata, param.scale, bias, param.block
     _, w, bias = linear_operands(call)
     stored = _stored(w)
     if stored is not None:
@@ -168,16 +124,24 @@ def linear_parts(call: Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
 PER_TOKEN_SLOTS = ("input", "a", "q", "k")
 
 
-def quantized_input(call: Call, slot: str, x: torch.Tensor, env: Env) -> tuple[torch.Tensor, torch.Tensor]:
+def quantized_input(call: Call, slot: str, x: torch.Tensor, env: Env, block: tuple[int, int] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8, scale) of an activation: a static scale from the env, or a dynamic one in the same kernel.
     "group" activations outside a block linear's input (matmul / attention operands) are quantized per token
-    where the slot allows it (the finest granularity those kernels take), else per tensor."""
+    where the slot allows it (the finest granularity those kernels take), else per tensor. The input of a
+    linear whose weight is block-scaled (``block``): scale [..., ⌈K/bk⌉], dynamic per-token groups in one
+    launch for "group" activations, else the op's own scheme with its scale repeated per group."""
+    assert call.op is not None, "executors run recorded ops"
     cfg = call.op.qconfig
     if cfg.dynamic:
+        if block is not None and cfg.activation.granularity == "group":
+            return kernels.group_quantize(x, block[1], cfg.activation.format)
         per_token = cfg.activation.granularity in ("token", "group") and slot in PER_TOKEN_SLOTS
-        return kernels.dynamic_quantize(x, cfg.activation.format, per_token)
-    scale = env.input_scale(call, slot, x)
-    return kernels.quantize(x, scale, cfg.activation.format), scale
+        x_q, scale = kernels.dynamic_quantize(x, cfg.activation.format, per_token)
+    else:
+        scale = env.input_scale(call, slot, x)
+        x_q = kernels.quantize(x, scale, cfg.activation.format)
+    return (x_q, scale) if block is None else (x_q, as_group_scale(scale, x_q, block[1]))
 
 
 def as_group_scale(scale: torch.Tensor, x_q: torch.Tensor, group: int) -> torch.Tensor:
@@ -190,17 +154,6 @@ def as_group_scale(scale: torch.Tensor, x_q: torch.Tensor, group: int) -> torch.
     return scale.reshape(scale.shape if scale.dim() == x_q.dim() else ()).expand(want).contiguous()
 
 
-def quantized_block_input(call: Call, x: torch.Tensor, env: Env, block: tuple[int, int]
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8, scale [..., ⌈K/bk⌉]) of a block linear's input: dynamic per-token-group quantization in one launch
-    for "group" activations, else the op's own scheme with its scale repeated per group."""
-    cfg = call.op.qconfig
-    if cfg.dynamic and cfg.activation.granularity == "group":
-        return kernels.group_quantize(x, block[1], cfg.activation.format)
-    x_q, x_scale = quantized_input(call, "input", x, env)
-    return x_q, as_group_scale(x_scale, x_q, block[1])
-
-
 def run_linear(call: Call, env: Env, *, x: torch.Tensor | None = None, activation: str | None = None,
                residual: torch.Tensor | None = None, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
                out_scale: torch.Tensor | None = None, out_fmt=None) -> torch.Tensor:
@@ -209,12 +162,7 @@ def run_linear(call: Call, env: Env, *, x: torch.Tensor | None = None, activatio
     w_q, w_scale, bias, block = linear_parts(call)
     x = call.args[0] if x is None else x
     kw = {} if out_scale is None else {"out_scale": out_scale, "out_fmt": out_fmt}
-    if x_fp8 is not None:
-        x_q, x_scale = x_fp8
-    elif block is not None:
-        x_q, x_scale = quantized_block_input(call, x, env, block)
-    else:
-        x_q, x_scale = quantized_input(call, "input", x, env)
+    x_q, x_scale = quantized_input(call, "input", x, env, block) if x_fp8 is None else x_fp8
     return linear_kernel(x_q, x_scale, w_q, w_scale, block, bias=bias, activation=activation,
                          residual=residual, out_dtype=x.dtype, **kw)
 
@@ -227,22 +175,6 @@ def linear_kernel(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w
         return kernels.fp8_linear(x_q, x_scale, w_q, w_scale, **epilogue)
     return kernels.fp8_block_linear(x_q, as_group_scale(x_scale, x_q, block[1]), w_q, w_scale, block=block,
                                     **epilogue)
-
-
-def run_mlp(fc1_weight: tuple[torch.Tensor, torch.Tensor], fc1_bias: torch.Tensor | None, x_q: torch.Tensor,
-            x_scale: torch.Tensor, activation: str | None, fc2: Call, env: Env, residual: torch.Tensor | None,
-            out_dtype: torch.dtype, fc1_block: tuple[int, int] | None = None) -> torch.Tensor:
-    """fc1 (FP8 input given; its weight, possibly a stacked [gate; up]) → activation → fc2 (+ residual) as
-    one ``kernels.fp8_mlp``: FP8 from fc1's epilogue to fc2 with fc2's input scale (static). With a
-    block-scaled fc1 or fc2, the same FP8 hand-off as two linear kernels."""
-    h_scale = env.input_scale(fc2, "input", None)
-    w2_q, w2_scale, b2, fc2_block = linear_parts(fc2)
-    if fc1_block is not None or fc2_block is not None:
-        h = linear_kernel(x_q, x_scale, *fc1_weight, fc1_block, bias=fc1_bias, activation=activation,
-                          out_dtype=out_dtype, out_scale=h_scale, out_fmt=fc2.op.qconfig.activation.format)
-        return linear_kernel(h, h_scale, w2_q, w2_scale, fc2_block, bias=b2, residual=residual, out_dtype=out_dtype)
-    return kernels.fp8_mlp(x_q, x_scale, *fc1_weight, fc1_bias, activation, h_scale,
-                           fc2.op.qconfig.activation.format, w2_q, w2_scale, b2, residual, out_dtype)
 
 
 def run_matmul(call: Call, env: Env, *, a: torch.Tensor | None = None, b: torch.Tensor | None = None
@@ -264,6 +196,7 @@ def sdpa_arguments(call: Call) -> dict[str, Any]:
 
 
 def run_sdpa(call: Call, env: Env) -> torch.Tensor:
+    assert call.op is not None, "executors run recorded ops"
     a = sdpa_arguments(call)
     q, k, v = a["query"], a["key"], a["value"]
     q_q, q_s = quantized_input(call, "q", q, env)
@@ -277,16 +210,17 @@ def run_sdpa(call: Call, env: Env) -> torch.Tensor:
     return out.to(q.dtype)
 
 
-EXECUTORS = {LINEAR: run_linear, MATMUL: run_matmul, SDPA: run_sdpa}
+EXECUTORS: dict[str, Callable[[Call, Env], torch.Tensor]] = {LINEAR: run_linear, MATMUL: run_matmul, SDPA: run_sdpa}
 
 
 def run_basic(call: Call, env: Env) -> torch.Tensor:
     """Run one recorded op: in FP8 when it is quantized, else as written."""
-    if call.op is None or not call.op.quantize:
+    op = call.op
+    if op is None or not op.quantize:
         return call.run_original()
     if _is_grad_enabled() and (tensors := wants_gradient((call,))) is not None:
         # the FP8 value, the high-precision op's gradient (straight_through.py)
         return run_straight_through(lambda: EXECUTORS[call.kind](call, env), lambda sub: call.run_original(
             tuple(substitute(a, sub) for a in call.args), {k: substitute(v, sub) for k, v in call.kwargs.items()}),
-            tensors, lambda: f"{call.kind} {call.op.fqn}")
+            tensors, lambda: f"{call.kind} {op.fqn}")
     return EXECUTORS[call.kind](call, env)

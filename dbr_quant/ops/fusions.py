@@ -1,4 +1,5 @@
-"""The fusion registry: which recorded op sequences run as one subgraph, and how.
+"""The built-in fusions (which recorded op sequences run as one subgraph, and how) and the matching of the
+registered ones over a trace. The pattern language and the registry are in patterns.py.
 
 A fusion is a pattern over the trace (a head op and the ops that consume its output, one after the
 other) plus ``run``: an implementation that must equal running its ops one by one (``reference``).
@@ -10,28 +11,22 @@ code or hooks can observe. See docs/extending.md for the recipe.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from dbr_quant import kernels
 from dbr_quant.ops.basic import (
-    Call,
-    Env,
     linear_kernel,
     linear_operands,
     linear_parts,
-    quantized_block_input,
     quantized_input,
-    run_basic,
     run_linear,
-    run_mlp,
     stacked_gate_up,
     weight_block,
 )
+from dbr_quant.ops.call import Call, Env
 from dbr_quant.ops.mappings import (
     ACT,
     ADD,
@@ -40,158 +35,13 @@ from dbr_quant.ops.mappings import (
     MATMUL,
     MUL,
     NORM,
-    PASSTHROUGH,
     SOFTMAX,
     activation_name,
     rms_norm_module_eps,
 )
-from dbr_quant.ops.straight_through import run_straight_through, substitute, wants_gradient
+from dbr_quant.ops.patterns import FUSIONS, Event, Fusion, Step, TraceGraph, register_fusion, threads
 from dbr_quant.ops.tags import is_placeholder
 from dbr_quant.quantize.weights import FP8Weight
-from dbr_quant.runtime.state import SeenOp
-
-
-@dataclass
-class Event:
-    """One call seen during the trace (any torch function, or an nn.Linear module call)."""
-
-    index: int
-    kind: str | None
-    func: Any
-    arg_ids: tuple[int | None, ...]  # trace ids of the positional tensor args (None for non-tensors)
-    kwarg_ids: tuple[int, ...]
-    output: int | None
-    op: SeenOp | None = None
-    detail: dict = field(default_factory=dict)
-    written: int | None = None  # the tensor an in-place op (``add_``, ``+=``, ``x[i] = v``, ``out=``) writes into
-
-    def quantized(self, kind: str) -> bool:
-        return self.kind == kind and self.op is not None and self.op.quantize
-
-
-@dataclass
-class TraceGraph:
-    """Dataflow of one traced forward: who consumes each tensor, and which tensors escape."""
-
-    events: list[Event]
-    consumers: dict[int, list[int]]
-    escaped: set[int]  # returned to the caller, or seen by a module that has hooks
-    taken: set[int] = field(default_factory=set)  # events already in a subgraph
-    storage: Sequence[int | None] = ()  # trace id → its storage (views share one; None: unknown, may alias any)
-
-    def sole_consumer(self, tid: int | None) -> Event | None:
-        """The one event that reads ``tid``, if it is free: a consumer taken by an earlier subgraph ends a
-        pattern there (an optional tail step is then skipped) instead of failing the whole match."""
-        if tid is None or tid in self.escaped:
-            return None
-        users = self.consumers.get(tid, ())
-        return self.events[users[0]] if len(users) == 1 and users[0] not in self.taken else None
-
-
-@dataclass(frozen=True)
-class Step:
-    """One op of a chain pattern: its kind, whether it may be absent, and an extra condition."""
-
-    kind: str
-    optional: bool = False
-    accepts: Callable[[Event, Event], bool] = lambda ev, prev: True
-
-
-class Fusion:
-    """Base class: a chain pattern (override ``match`` for non-chains) and a fused ``run``."""
-
-    name: str = ""
-    steps: tuple[Step, ...] = ()
-    head_readers: int = 1  # how many ops of the subgraph read the head's output (a norm feeding gate and up: 2)
-
-    def match(self, graph: TraceGraph, head: Event) -> list[Event] | None:
-        if not _accepts(self.steps[0], head, None):
-            return None
-        matched, cur, i = [head], head, 1
-        while i < len(self.steps):
-            nxt = graph.sole_consumer(cur.output)
-            while nxt is not None and nxt.kind == PASSTHROUGH and nxt.detail.get("passthrough"):
-                matched.append(nxt)
-                cur, nxt = nxt, graph.sole_consumer(nxt.output)
-            step = self.steps[i]
-            if nxt is not None and _accepts(step, nxt, cur):
-                matched.append(nxt)
-                cur, i = nxt, i + 1
-            elif step.optional:
-                i += 1
-            else:
-                return None
-        while matched[-1].kind == PASSTHROUGH:
-            matched.pop()
-        return matched if len(matched) > 1 else None
-
-    def run(self, calls: Sequence[Call], env: Env) -> torch.Tensor:
-        """The fused implementation; the default is the reference itself."""
-        return self.reference(calls, env)
-
-    @staticmethod
-    def reference(calls: Sequence[Call], env: Env) -> torch.Tensor:
-        """Run the ops one by one (each quantized op on its own), feeding outputs forward."""
-        values: dict[int, torch.Tensor] = {}
-        out = None
-        for call in calls:
-            args = tuple(values.get(id(a), a) for a in call.args)
-            kwargs = {k: values.get(id(v), v) for k, v in call.kwargs.items()}
-            out = run_basic(Call(call.kind, call.func, args, kwargs, call.op, call.state), env)
-            values[id(call.placeholder)] = out
-        return out
-
-
-    def high_precision(self, calls: Sequence[Call], sub: dict[int, torch.Tensor]) -> torch.Tensor:
-        """The ops as the user wrote them, FP8 weights dequantized, with the tensors ``sub`` maps (by id)
-        replaced: the reference whose gradient the FP8 subgraph carries when one is wanted (straight_through.py)."""
-        values: dict[int, torch.Tensor] = dict(sub)
-        out = None
-        for call in calls:
-            args = tuple(substitute(a, values) for a in call.args)
-            kwargs = {k: substitute(v, values) for k, v in call.kwargs.items()}
-            out = Call(call.kind, call.func, args, kwargs).run_original()
-            values[id(call.placeholder)] = out
-        return out
-
-    def run_with_gradient(self, calls: Sequence[Call], env: Env) -> torch.Tensor:
-        """:meth:`run`, with straight-through gradients when the caller wants them (grad mode on and some
-        tensor the subgraph reads requires grad)."""
-        tensors = wants_gradient(calls)
-        if tensors is None:
-            return self.run(calls, env)
-        return run_straight_through(lambda: self.run(calls, env), lambda sub: self.high_precision(calls, sub),
-                                    tensors, lambda: self.describe(calls))
-
-    def describe(self, calls: Sequence[Call]) -> str:
-        """The subgraph for messages: the fusion's name and its ops' module paths."""
-        return f"the fused {self.name} subgraph (" + ", ".join(c.op.fqn for c in calls if c.op is not None) + ")"
-
-
-def _accepts(step: Step, ev: Event, prev: Event | None) -> bool:
-    if ev.kind != step.kind:
-        return False
-    if ev.kind in (LINEAR, MATMUL) and (ev.op is None or not ev.op.quantize):
-        return False
-    if prev is not None and not _threads(ev, prev.output):
-        return False
-    return step.accepts(ev, prev)
-
-
-def _threads(ev: Event, tid: int | None) -> bool:
-    """``ev`` reads ``tid`` (the previous op's output) in exactly one of its tensor arguments: in ``y + y``
-    or ``y * y`` it is also the other operand, which a fused kernel reads from outside the subgraph."""
-    return tid is not None and (*ev.arg_ids, *ev.kwarg_ids).count(tid) == 1
-
-
-FUSIONS: list[Fusion] = []
-
-
-def register_fusion(cls: type[Fusion]) -> type[Fusion]:
-    """Class decorator: add a fusion to the registry (longest patterns are tried first)."""
-    FUSIONS.append(cls())
-    FUSIONS.sort(key=lambda f: -len(f.steps))
-    return cls
 
 
 def find_subgraphs(graph: TraceGraph) -> list[tuple[Fusion, list[Event]]]:
@@ -239,23 +89,23 @@ def _self_contained(graph: TraceGraph, fusion: Fusion, matched: list[Event]) -> 
 
 
 # --------------------------------------------------------------------------- step conditions
-def _first_arg(ev: Event, prev: Event) -> bool:
-    return ev.arg_ids[:1] == (prev.output,)
+def _first_arg(ev: Event, prev: Event | None) -> bool:
+    return prev is not None and ev.arg_ids[:1] == (prev.output,)
 
 
-def _residual(ev: Event, prev: Event) -> bool:
+def _residual(ev: Event, prev: Event | None) -> bool:
     """``a + b`` with both tensors of the same shape, no ``alpha`` (a residual connection)."""
     ids = [i for i in ev.arg_ids[:2] if i is not None]
     return len(ids) == 2 and not ev.kwarg_ids and ev.detail.get("same_shape", False) \
         and "alpha" not in ev.detail.get("kwargs", ())
 
 
-def _scalar_operand(ev: Event, prev: Event) -> bool:
+def _scalar_operand(ev: Event, prev: Event | None) -> bool:
     """Multiplying or dividing the scores by a Python number (the softmax scale)."""
-    return ev.arg_ids[:1] == (prev.output,) and ev.detail.get("scalar_other", False)
+    return _first_arg(ev, prev) and ev.detail.get("scalar_other", False)
 
 
-def _last_dim(ev: Event, prev: Event) -> bool:
+def _last_dim(ev: Event, prev: Event | None) -> bool:
     return ev.detail.get("softmax_last_dim", False)
 
 
@@ -300,46 +150,51 @@ class LinearResidual(Fusion):
 
 
 def _mlp(fc1: Call, fc2: Call, env: Env, x: torch.Tensor, act: str | None, residual: torch.Tensor | None,
-         x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """fc1 → act → fc2: fc1's epilogue applies the activation and quantizes with fc2's input scale, so
-    FP8 goes from one GEMM to the next (quantize + 2 GEMMs; with a fused norm, norm + 2 GEMMs)."""
-    if fc2.op.qconfig.dynamic:  # fc2's scale would depend on fc1's output: no FP8 hand-off
-        h = run_linear(fc1, env, x=x, activation=act, x_fp8=x_fp8)
+         x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+         fc1_parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, int] | None] | None = None
+         ) -> torch.Tensor:
+    """fc1 → act → fc2 (+ residual), the one MLP executor: fc1's epilogue applies the activation and quantizes
+    with fc2's input scale (static), so FP8 goes from one GEMM to the next: one ``kernels.fp8_mlp`` (quantize
+    + 2 GEMMs; with a fused norm, norm + 2 GEMMs), or with a block-scaled fc1 or fc2 the same hand-off as two
+    linear kernels. ``x_fp8``: fc1's input already quantized (a norm's kernel did it); ``fc1_parts``: fc1's
+    (fp8 weight, scale, bias, block) when not its module's own (a stacked [gate; up], its act the gated one)."""
+    w1_q, w1_scale, b1, block1 = linear_parts(fc1) if fc1_parts is None else fc1_parts
+    x_q, x_scale = quantized_input(fc1, "input", x, env, block1) if x_fp8 is None else x_fp8
+    assert fc2.op is not None, "executors run recorded ops"
+    cfg2 = fc2.op.qconfig
+    if cfg2.dynamic:  # fc2's scale would depend on fc1's output: no FP8 hand-off
+        h = linear_kernel(x_q, x_scale, w1_q, w1_scale, block1, bias=b1, activation=act, out_dtype=x.dtype)
         return run_linear(fc2, env, x=h, residual=residual)
-    w_q, w_scale, bias, block = linear_parts(fc1)
-    if x_fp8 is None:
-        cfg = fc1.op.qconfig
-        if block is None and not cfg.dynamic:  # quantized_input's static case, inlined (the runtime's hot path)
-            x_scale = env.input_scale(fc1, "input", x)
-            x_fp8 = kernels.quantize(x, x_scale, cfg.activation.format), x_scale
-        else:
-            x_fp8 = _quantized_linear_input(fc1, x, env, block)
-    return run_mlp((w_q, w_scale), bias, *x_fp8, act, fc2, env, residual, x.dtype, fc1_block=block)
+    h_scale = env.input_scale(fc2, "input", None)
+    h_fmt = cfg2.activation.format
+    w2_q, w2_scale, b2, block2 = linear_parts(fc2)
+    if block1 is None and block2 is None:
+        return kernels.fp8_mlp(x_q, x_scale, w1_q, w1_scale, b1, act, h_scale, h_fmt, w2_q, w2_scale, b2, residual,
+                               x.dtype)
+    h = linear_kernel(x_q, x_scale, w1_q, w1_scale, block1, bias=b1, activation=act, out_dtype=x.dtype,
+                      out_scale=h_scale, out_fmt=h_fmt)
+    return linear_kernel(h, h_scale, w2_q, w2_scale, block2, bias=b2, residual=residual, out_dtype=x.dtype)
 
 
-def _static_mlp(fc1: Call, fc2: Call, env: Env, act: str | None, residual: torch.Tensor | None) -> Any:
-    """:func:`_mlp` → :func:`run_mlp` for the common case, read in one go: two converted linear modules with
-    per-tensor / per-channel FP8 weights and static input scales (the same two kernel calls with the same
-    operands); NotImplemented for anything else."""
+def _module_mlp(fc1: Call, fc2: Call, env: Env, act: str | None, residual: torch.Tensor | None) -> torch.Tensor:
+    """The MLP fusion's executor: for two converted linear modules with per-tensor / per-channel FP8 weights
+    and static input scales (the common case: its operands read in one go, one ``kernels.fp8_mlp``), else
+    :func:`_mlp`, the general executor it falls back to."""
     m1, m2 = fc1.module, fc2.module
-    if m1 is None or m2 is None:
-        return NotImplemented
-    p1, p2 = m1._parameters, m2._parameters
-    w1, w2 = p1.get("weight"), p2.get("weight")
-    c1, c2 = fc1.op.qconfig, fc2.op.qconfig
-    if type(w1) is not FP8Weight or type(w2) is not FP8Weight or w1.block is not None or w2.block is not None \
-            or c1.dynamic or c2.dynamic or "bias" not in p1 or "bias" not in p2:
-        return NotImplemented
-    x = fc1.args[0]
-    x_scale = env.input_scale(fc1, "input", x)
-    x_q = kernels.quantize(x, x_scale, c1.activation.format)
-    return kernels.fp8_mlp(x_q, x_scale, w1.qdata, w1.scale, p1["bias"], act, env.input_scale(fc2, "input", None),
-                           c2.activation.format, w2.qdata, w2.scale, p2["bias"], residual, x.dtype)
-
-
-def _quantized_linear_input(call: Call, x: torch.Tensor, env: Env, block: tuple[int, int] | None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantized_input(call, "input", x, env) if block is None else quantized_block_input(call, x, env, block)
+    assert fc1.op is not None and fc2.op is not None, "executors run recorded ops"
+    if m1 is not None and m2 is not None:
+        p1, p2 = m1._parameters, m2._parameters
+        w1, w2 = p1.get("weight"), p2.get("weight")
+        c1, c2 = fc1.op.qconfig, fc2.op.qconfig
+        if type(w1) is FP8Weight and type(w2) is FP8Weight and w1.block is None and w2.block is None \
+                and not c1.dynamic and not c2.dynamic and "bias" in p1 and "bias" in p2:
+            x = fc1.args[0]
+            x_scale = env.input_scale(fc1, "input", x)
+            x_q = kernels.quantize(x, x_scale, c1.activation.format)
+            return kernels.fp8_mlp(x_q, x_scale, w1.qdata, w1.scale, p1["bias"], act,
+                                   env.input_scale(fc2, "input", None), c2.activation.format, w2.qdata, w2.scale,
+                                   p2["bias"], residual, x.dtype)
+    return _mlp(fc1, fc2, env, fc1.args[0], act, residual)
 
 
 @register_fusion
@@ -354,23 +209,20 @@ class MLP(Fusion):
         if len(calls) <= 4 and calls[1].kind == ACT and calls[2].kind == LINEAR:  # no passthrough ops between
             fc1, act, fc2 = calls[0], calls[1], calls[2]
             residual = _other_operand(calls[3]) if len(calls) == 4 else None
-            act = activation_name(act.func, act.args, act.kwargs)
-            out = _static_mlp(fc1, fc2, env, act, residual)
-            if out is not NotImplemented:
-                return out
-            return _mlp(fc1, fc2, env, fc1.args[0], act, residual)
+            return _module_mlp(fc1, fc2, env, activation_name(act.func, act.args, act.kwargs), residual)
         fc1, fc2 = _calls(calls, LINEAR)
         adds = _calls(calls, ADD)
         residual = _other_operand(adds[0]) if adds else None
         return _mlp(fc1, fc2, env, fc1.args[0], _activation(calls), residual)
 
 
-def _norm_arguments(norm: Call) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, float | None,
-                                          bool] | None:
+def _norm_arguments(norm: Call) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, float, bool] | None:
     """(x, weight, bias, eps, rms) of an F.layer_norm / F.rms_norm call over the last dimension only, or of
     a recognised RMSNorm module."""
     if norm.module is not None:
-        return norm.args[0], norm.module.weight, None, rms_norm_module_eps(norm.module), True
+        eps = rms_norm_module_eps(norm.module)
+        assert eps is not None, "the trace recognises a norm module by its eps (tracer._norm_module_call)"
+        return norm.args[0], norm.module._parameters["weight"], None, eps, True
     rms = norm.func is F.rms_norm
     names = ("input", "normalized_shape", "weight", "eps") if rms else (
         "input", "normalized_shape", "weight", "bias", "eps")
@@ -393,6 +245,7 @@ def _norm_quantize(norm: Call, fc: Call, env: Env) -> tuple[torch.Tensor, tuple[
     if parts is None:
         return norm.run_original(), None
     x, weight, bias, eps, rms = parts
+    assert fc.op is not None, "executors run recorded ops"
     cfg = fc.op.qconfig
     if not cfg.dynamic:
         scale = env.input_scale(fc, "input", None)
@@ -429,7 +282,8 @@ class NormLinear(Fusion):
         return _mlp(fc1, linears[1], env, y, act, residual, x_fp8)
 
 
-_GATED_KERNELS = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh"}  # Gemma: gelu_tanh
+# the gated kernel of each activation (Gemma: gelu_tanh)
+_GATED_KERNELS: dict[str | None, str] = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh"}
 
 
 def _gated_mlp(gate: Call, up: Call, down: Call | None, env: Env, x: torch.Tensor, act: str | None,
@@ -444,19 +298,19 @@ def _gated_mlp(gate: Call, up: Call, down: Call | None, env: Env, x: torch.Tenso
         return h if down is None else run_linear(down, env, x=h, residual=residual)
     w_q, w_scale = stacked
     block = weight_block(gate)
-    x_q, x_scale = _quantized_linear_input(gate, x, env, block) if x_fp8 is None else x_fp8
+    x_q, x_scale = quantized_input(gate, "input", x, env, block) if x_fp8 is None else x_fp8
     biases = [linear_operands(c)[2] for c in (gate, up)]
     bias = None if biases == [None, None] else torch.cat(
         [b if b is not None else torch.zeros(n, device=x.device) for b, n in zip(biases, (w_q.shape[0] // 2,) * 2)])
-    if down is None or down.op.qconfig.dynamic:
+    if down is None or down.op is None:
         h = linear_kernel(x_q, x_scale, w_q, w_scale, block, bias=bias, activation=kernel_act, out_dtype=x.dtype)
         return h if down is None else run_linear(down, env, x=h, residual=residual)
-    return run_mlp((w_q, w_scale), bias, x_q, x_scale, kernel_act, down, env, residual, x.dtype, fc1_block=block)
+    return _mlp(gate, down, env, x, kernel_act, residual, (x_q, x_scale), (w_q, w_scale, bias, block))
 
 
 def _residual_after(graph: TraceGraph, last: Event) -> Event | None:
     add = graph.sole_consumer(last.output)
-    return add if add is not None and add.kind == ADD and _threads(add, last.output) and _residual(add, last) else None
+    return add if add is not None and add.kind == ADD and threads(add, last.output) and _residual(add, last) else None
 
 
 @register_fusion
@@ -474,7 +328,7 @@ class GatedMLP(Fusion):
         if act is None or act.kind != ACT:
             return None
         mul = graph.sole_consumer(act.output)
-        if mul is None or mul.kind != MUL or not _threads(mul, act.output):
+        if mul is None or mul.kind != MUL or not threads(mul, act.output):
             return None
         other = [i for i in mul.arg_ids[:2] if i != act.output]
         ups = [ev for ev in graph.events[act.index + 1: mul.index] if ev.quantized(LINEAR) and

@@ -155,7 +155,14 @@ def rms_norm_module_eps(module: nn.Module) -> float | None:
 def linear_weight(module: nn.Module) -> torch.Tensor:
     """The high-precision weight of a linear module as (out_features, in_features)."""
     w = module._parameters["weight"]
+    assert w is not None, "a linear module's weight parameter (mappings.is_linear_module)"
     return w.t() if _is_hf_conv1d(module) else w
+
+
+def linear_bias(module: nn.Module) -> torch.Tensor | None:
+    """The bias of a linear module (its parameter; None when it has none)."""
+    params = module._parameters
+    return params["bias"] if "bias" in params else getattr(module, "bias", None)
 
 
 def is_container(module: nn.Module) -> bool:

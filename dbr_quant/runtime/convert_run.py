@@ -5,17 +5,22 @@ which holds the base ``Run`` and the other phases.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules import module as _module_globals
 from torch.utils._pytree import tree_map
 
 from dbr_quant.integrations import accelerate as offload
-from dbr_quant.ops.basic import Call, run_basic
+from dbr_quant.integrations.accelerate import has_opaque_hook
+from dbr_quant.ops.basic import run_basic
+from dbr_quant.ops.call import Call
 from dbr_quant.ops.mappings import (
     ACT,
     FUNC_KINDS,
@@ -29,10 +34,11 @@ from dbr_quant.ops.mappings import (
     is_linear_module,
     is_passthrough,
 )
-from dbr_quant.ops.tags import TAG, mark_placeholder, tag_of
+from dbr_quant.ops.patterns import Subgraph
+from dbr_quant.ops.tags import TAG, fqn_of, mark_placeholder, tag_of
 from dbr_quant.runtime.interception import current_run, has_global_hooks, has_hooks, suspended
 from dbr_quant.runtime.plan import plan_of
-from dbr_quant.runtime.runs import HOOKED_BODY_FUNCS, Run, Subgraph
+from dbr_quant.runtime.runs import HOOKED_BODY_FUNCS, Run
 
 
 @dataclass(slots=True)
@@ -61,11 +67,14 @@ class ConvertRun(Run):
         self.onloaded: dict[int, nn.Module] = {}  # accelerate-offloaded modules whose weights we loaded
         self.pool = _placeholder_pool()  # this thread's placeholder tensors (grown by _placeholder_tensor)
         self.subgraphs = self.record.subgraphs
+        self.in_function = False  # inside function_call (torch_work)
+        self.suspension = suspended(self)  # torch_work's, entered again and again (no object per use)
 
     # ------------------------------------------------------------------ placeholders
     def _scan(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, _Pending | None]:
-        """Swap resolved placeholders for values; return the pending subgraph an argument belongs to."""
-        hit = None
+        """Swap resolved placeholders for values; return the pending subgraph an argument belongs to. (A recorded
+        op's one input, the common case, is looked up in ``_run_op`` itself.)"""
+        hit: _Pending | None = None
         seen: list[int] = []  # the placeholders read, to catch one read twice
 
         def fix(a):
@@ -86,7 +95,7 @@ class ConvertRun(Run):
 
         args = tuple(fix(a) for a in args)
         kwargs = {k: fix(v) for k, v in kwargs.items()} if kwargs else kwargs
-        if len(seen) > 1 and (len(set(seen)) < len(seen) or _read_before(hit, seen)):
+        if hit is not None and len(seen) > 1 and (len(set(seen)) < len(seen) or _read_before(hit, seen)):
             # `y + y` or `fc2(relu(h)) + h` where the trace saw `y + r`: a fused run would take a placeholder
             # for the residual; the ops so far run one by one instead and this call sees values
             self.materialize(hit)
@@ -105,86 +114,135 @@ class ConvertRun(Run):
     def materialize(self, p: _Pending) -> None:
         """Run a pending subgraph's ops one by one and record the real value of each placeholder."""
         self.pending.pop(p.subgraph.id, None)
-        for call in p.calls:
-            self.placeholders.pop(id(call.placeholder), None)
-            args = tuple(self.resolved.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in call.args)
-            out = run_basic(Call(call.kind, call.func, args, call.kwargs, call.op, call.state), self)
-            self.resolved[id(call.placeholder)] = out
+        with self.torch_work():
+            for call in p.calls:
+                self.placeholders.pop(id(call.placeholder), None)
+                args = tuple(self.resolved.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in call.args)
+                out = run_basic(Call(call.kind, call.func, args, call.kwargs, call.op, call.state), self)
+                self.resolved[id(call.placeholder)] = out
         self.done.append(p)
 
-    def _placeholder(self, p: _Pending, call: Call) -> torch.Tensor:
-        n = self.n_placeholders
-        pool = self.pool
-        ph = pool[n] if n < len(pool) else _placeholder_tensor(n)
-        self.n_placeholders = n + 1
-        call.placeholder = ph
-        p.calls.append(call)
-        self.placeholders[id(ph)] = p
-        return ph
-
-    def _step(self, p: _Pending, call: Call) -> torch.Tensor:
-        """Add ``call`` to its subgraph: run the fusion if it completes it, else return a placeholder."""
-        if len(p.calls) + 1 == len(p.subgraph.kinds):
+    def _step(self, p: _Pending, call: Call, last: bool) -> torch.Tensor:
+        """Add ``call`` to its subgraph: run the fusion if it completes it (``last``: the caller knows, from the
+        plan or the subgraph's kinds), else return a placeholder (the next free tensor of this thread's pool;
+        no torch call, so nothing to suspend)."""
+        if not last:
+            n = self.n_placeholders
+            pool = self.pool
+            ph = pool[n] if n < len(pool) else _placeholder_tensor(n)
+            self.n_placeholders = n + 1
+            call.placeholder = ph
             p.calls.append(call)
-            self.pending.pop(p.subgraph.id, None)
-            for c in p.calls[:-1]:
-                self.placeholders.pop(id(c.placeholder), None)
-            self.done.append(p)
-            fusion = p.subgraph.fusion
+            self.placeholders[id(ph)] = p
+            return ph
+        p.calls.append(call)
+        self.pending.pop(p.subgraph.id, None)
+        for c in p.calls[:-1]:
+            self.placeholders.pop(id(c.placeholder), None)
+        self.done.append(p)
+        fusion = p.subgraph.fusion
+        with self.torch_work():
             try:
                 return fusion.run_with_gradient(p.calls, self) if _is_grad_enabled() else fusion.run(p.calls, self)
             except TypeError as e:  # inside `a + b` Python would turn a TypeError into a bare NotImplemented
                 raise RuntimeError(f"dbr_quant: {fusion.describe(p.calls)} failed: {type(e).__name__}: {e}") from e
-        return self._placeholder(p, call)
 
-    # ------------------------------------------------------------------ interception
-    def _execute(self, call: Call, hit: _Pending | None) -> Any:
-        op = call.op
-        sg = self.record.subgraphs.get(op.group[0]) if op.group is not None else None
+    # ------------------------------------------------------------------ the plan
+    def _run_op(self, kind: str, func: Any, args: tuple, kwargs: dict, fqn: str | None, warn: bool = True) -> Any:
+        """Run a recorded kind of op arriving in the innermost owner's module: a torch function, or a module
+        (``fqn``: its own name; None names the op after the innermost named module). The owner's plan (plan.py)
+        says what it is: the step at the cursor when this is the op the plan expects (two comparisons), else
+        what :meth:`Run.next_op`'s matching finds (a branch not taken this time). The step joins or starts its
+        subgraph, or runs on its own in FP8; a subgraph that cannot go on as traced (ops out of order, another
+        subgraph's output read) is materialized first. An op the trace never saw runs as written (warned
+        about, or ``UnseenOpError`` when strict). This is the one place the convert run executes an op."""
+        if not args and len(kwargs) == 1:  # `linear(input=x)`: executors read an op's one input positionally
+            args, kwargs = tuple(kwargs.values()), {}
+        hit = None
+        if self.placeholders or self.resolved:
+            if len(args) == 1 and not kwargs:  # one input (a linear module's): two lookups, no walk
+                key = id(args[0])  # ids of live placeholders and resolved ones only: any object may be looked up
+                value = self.resolved.get(key)
+                if value is not None:
+                    args = (value,)
+                else:
+                    hit = self.placeholders.get(key)
+            else:
+                args, kwargs, hit = self._scan(args, kwargs)
+        if fqn is None:
+            fqn = self.op_fqn(kind)
+        st = self.owners[-1]
+        step = None
+        if st is not None:
+            plan = st.plan
+            if plan is None or plan.subgraphs is not self.subgraphs:
+                plan = plan_of(st, self.subgraphs)
+            steps = plan.steps
+            key = id(st)
+            i = self.cursors.get(key, 0)
+            if i < len(steps) and steps[i].kind == kind and steps[i].fqn == fqn:  # == on one str: identity check
+                self.cursors[key] = i + 1
+                step = steps[i]
+            else:
+                j = self.match_position(st, kind, fqn, warn)
+                step = steps[j] if j >= 0 else None
+        if step is None:
+            if hit is not None:
+                args, kwargs = self._resolve_all(args, kwargs, hit)
+            with self.torch_work():
+                return Call(kind, func, args, kwargs).run_original()
+        call = Call(kind, func, args, kwargs, step.op, st)
+        sg = step.subgraph
         if sg is not None:
-            step = op.group[1]
             p = self.pending.get(sg.id)
-            if step == 0:
+            if step.step == 0:
                 if p is not None:
                     self.materialize(p)
                 if hit is not None:
-                    call.args, call.kwargs = self._resolve_all(call.args, call.kwargs, hit)
-                p = _Pending(sg)
-                self.pending[sg.id] = p
-                return self._step(p, call)
-            if p is not None and len(p.calls) == step and (hit is None or hit is p):
-                return self._step(p, call)
+                    call.args, call.kwargs = self._resolve_all(args, kwargs, hit)
+                p = self.pending[sg.id] = _Pending(sg)
+                return self._step(p, call, step.last)
+            if p is not None and len(p.calls) == step.step and (hit is None or hit is p):
+                return self._step(p, call, step.last)
             if p is not None:
                 self.materialize(p)
-        call.args, call.kwargs = self._resolve_all(call.args, call.kwargs, hit)
-        return run_basic(call, self)
+        if hit is not None:
+            call.args, call.kwargs = self._resolve_all(args, kwargs, hit)
+        with self.torch_work():
+            return run_basic(call, self)
 
     def function_call(self, func, args, kwargs):
         if self.hooked and func in HOOKED_BODY_FUNCS:
             out = self.hooked_body(func, args, kwargs)
             if out is not NotImplemented:
                 return out
-        if func is torch.Tensor.to and id(args[0]) in self.placeholders and self._moves_nothing(args, kwargs):
-            return args[0]
-        hit = None
-        if self.placeholders or self.resolved:
-            args, kwargs, hit = self._scan(args, kwargs)
         kind = FUNC_KINDS.get(func)
-        if kind == MATMUL:  # x @ W of a parameter W is a linear (mappings.call_kind)
+        if kind == MATMUL:  # x @ W of a parameter W is a linear (mappings.call_kind; placeholders are no weights)
             kind = call_kind(func, args, kwargs)
-        if kind in INDEXED:
-            st = self.owner_state()
-            op = self.next_op(st, kind, self.op_fqn(kind), self.warns(kind))
-            if op is not None:
-                return self._execute(Call(kind, func, args, kwargs, op, st), hit)
-        elif hit is not None:
-            kinds = hit.subgraph.kinds
-            expected = len(hit.calls) < len(kinds) and kinds[len(hit.calls)] == kind
-            if expected and (kind != PASSTHROUGH or is_passthrough(func, args, kwargs)):  # e.g. train-mode dropout
-                return self._step(hit, Call(kind, func, args, kwargs))
-        if hit is not None:
-            args, kwargs = self._resolve_all(args, kwargs, hit)
-        return func(*args, **kwargs)
+        if kind not in INDEXED and not (self.placeholders or self.resolved):
+            return func(*args, **kwargs)
+        before, self.in_function = self.in_function, True  # torch work below runs as the function would (torch_work)
+        try:
+            if kind in INDEXED:
+                return self._run_op(kind, func, args, kwargs, None, self.warns(kind))
+            if func is torch.Tensor.to and id(args[0]) in self.placeholders and self._moves_nothing(args, kwargs):
+                return args[0]
+            args, kwargs, hit = self._scan(args, kwargs)
+            if hit is not None:
+                kinds, n = hit.subgraph.kinds, len(hit.calls)
+                expected = n < len(kinds) and kinds[n] == kind
+                if expected and (kind != PASSTHROUGH or is_passthrough(func, args, kwargs)):  # train-mode dropout
+                    return self._step(hit, Call(kind, func, args, kwargs), n + 1 == len(kinds))
+                args, kwargs = self._resolve_all(args, kwargs, hit)
+            return func(*args, **kwargs)
+        finally:
+            self.in_function = before
+
+    def torch_work(self) -> AbstractContextManager[None]:
+        """The context of the run's own torch work (kernels, ops run as written, materializing): interception
+        suspended when it comes from a module call; nothing from a torch function, whose handler runs with this
+        run's mode already off and must leave torch-function modes below it (torch.export's) on."""
+        return _AS_CALLED if self.in_function else self.suspension
 
     def _moves_nothing(self, args: tuple, kwargs: dict) -> bool:
         """A placeholder moved to the device its subgraph computes on (accelerate's hooks do it at module
@@ -200,18 +258,40 @@ class ConvertRun(Run):
         role = _ROLES.get(type(module))
         if role is None:
             role = _role(type(module))
-        if (role is _LINEAR or role is _ACT) and "_hf_hook" not in d and len(args) == 1 and not kwargs \
-                and not module._forward_hooks and not module._forward_pre_hooks and not has_global_hooks():
-            # the precompiled plan's fast paths (plan.py): a plain nn.Linear or activation module whose step
-            # is the expected one; NotImplemented when anything is unusual (then the general path below)
-            out = self._linear_fast(module, d, args[0]) if role is _LINEAR else self._act_fast(module, args[0])
-            if out is not NotImplemented:
-                return out
-        tag = d.get(TAG)
-        if role is _PLAIN and "_hf_hook" not in d and (tag is None or (tag.experts is None and not tag.norm)) \
-                and not ((self.placeholders or self.resolved) and has_hooks(module)):
-            return self.call_module(module, args, kwargs)  # the common case, decided by a few dict lookups
-        if "_hf_hook" in d and (is_linear_module(module) or (tag is not None and tag.norm)) and not has_hooks(module):
+        if role is _PLAIN:
+            tag = d.get(TAG)
+            if "_hf_hook" not in d and (tag is None or (tag.experts is None and not tag.norm)) \
+                    and not ((self.placeholders or self.resolved) and has_hooks(module)):
+                return self.call_module(module, args, kwargs)  # the common case, decided by a few dict lookups
+        elif not module._forward_hooks and not module._forward_pre_hooks and not has_global_hooks():
+            # a stock nn.Linear or an activation module that no hook observes (decided per class, then by a
+            # few lookups)
+            if role is _LINEAR:
+                if "_hf_hook" not in d and "weight" in module._parameters:  # see mappings.is_linear_module
+                    tag = d.get(TAG)
+                    return self._run_op(LINEAR, module, args, kwargs, tag.fqn if tag is not None else None)
+            elif role is _ACT and len(args) == 1 and not kwargs and (
+                    "_hf_hook" not in d or not has_opaque_hook(module)):  # accelerate's device hooks: transparent
+                # its forward is one F.relu / F.gelu / F.silu: take the step that call would take, without
+                # the module call and the torch-function trip: compute it on real input, or join the pending
+                # subgraph its input is a placeholder of; else (a resolved placeholder, a subgraph that
+                # expects another op) the module runs its forward
+                func, name, default = ACTIVATION_MODULES[type(module)]
+                value = getattr(module, name)
+                kw = _NO_KWARGS if value == default else {name: value}  # a dict per call only when not the default
+                x = args[0]
+                p = self.placeholders.get(id(x))
+                if p is None:
+                    if not self.resolved:
+                        with _DisableTorchFunction():  # a functional activation calls no module: no `suspended`
+                            return func(x) if kw is _NO_KWARGS else func(x, **kw)
+                else:
+                    kinds, n = p.subgraph.kinds, len(p.calls)
+                    if n < len(kinds) and kinds[n] == ACT:
+                        return self._step(p, Call(ACT, func, args, kw), n + 1 == len(kinds))
+                return self.call_module(module, args, kwargs)
+        if "_hf_hook" in d and (is_linear_module(module) or ((tag := d.get(TAG)) is not None and tag.norm)) \
+                and not has_hooks(module):
             # accelerate (offload.py) loads weights in the forward wrapper that the FP8 path bypasses: load
             # them here and keep them until no pending fused subgraph can still read them
             args, kwargs = offload.onload(module, args, kwargs)
@@ -223,77 +303,6 @@ class ConvertRun(Run):
                     self._offload()
         return self._module_call(module, args, kwargs)
 
-    def _linear_fast(self, module: nn.Module, d: dict, x: Any) -> Any:
-        """A plain ``nn.Linear`` (one positional input, no hooks) whose record is the next one in its owner's
-        plan: no generic scan, matching or subgraph lookup, and no suspension while it only joins a pending
-        subgraph (nothing below calls torch then). NotImplemented, with nothing consumed, when the op is not
-        the expected one (the general path then matches, warns or raises as before)."""
-        st = self.owners[-1]
-        if st is None:
-            return NotImplemented
-        plan = st.plan
-        if plan is None or plan.subgraphs is not self.subgraphs:
-            plan = plan_of(st, self.subgraphs)
-        key = id(st)
-        i = self.cursors.get(key, 0)
-        steps = plan.steps
-        if i >= len(steps):
-            return NotImplemented
-        step = steps[i]
-        tag = d.get(TAG)
-        if step.kind != LINEAR or tag is None or step.fqn != tag.fqn:  # == on the same str is an identity check
-            return NotImplemented
-        hit = None
-        if self.placeholders or self.resolved:
-            k = id(x)
-            resolved = self.resolved.get(k)
-            if resolved is not None:
-                x = resolved
-            else:
-                hit = self.placeholders.get(k)
-        self.cursors[key] = i + 1
-        call = Call(LINEAR, module, (x,), {}, step.op, st)
-        sg = step.subgraph
-        if sg is not None:
-            p = self.pending.get(sg.id)
-            if step.step == 0:
-                if p is None and hit is None and not step.last:
-                    p = self.pending[sg.id] = _Pending(sg)
-                    return self._placeholder(p, call)
-            elif p is not None and len(p.calls) == step.step and (hit is None or hit is p):
-                if not step.last:
-                    return self._placeholder(p, call)
-                before, self.suspended = self.suspended, True  # `suspended(self)`, inlined
-                guard = _DisableTorchFunction()
-                guard.__enter__()
-                try:
-                    return self._step(p, call)
-                finally:
-                    guard.__exit__(None, None, None)
-                    self.suspended = before
-        with suspended(self):
-            return self._execute(call, hit)
-
-    def _act_fast(self, module: nn.Module, x: Any) -> Any:
-        """An activation module (one input, no hooks): its functional call on real input, or the next step of
-        the pending subgraph ``x`` is a placeholder of; NotImplemented otherwise (the general path)."""
-        p = self.placeholders.get(id(x))
-        if p is None:
-            if self.resolved or _module_globals._global_forward_hooks or _module_globals._global_forward_pre_hooks:
-                return NotImplemented
-            with _DisableTorchFunction():  # a functional activation calls no module: `suspended` not needed
-                return _ACTIVATION_BODIES[type(module)](module, x)
-        kinds = p.subgraph.kinds
-        n = len(p.calls)
-        if n >= len(kinds) or kinds[n] != ACT or has_global_hooks():
-            return NotImplemented
-        func, kw = ACTIVATION_MODULES[type(module)](module)
-        call = Call(ACT, func, (x,), kw)
-        if n + 1 < len(kinds):
-            return self._placeholder(p, call)
-        with suspended(self):
-            return self._step(p, call)
-
     def _offload(self) -> None:
         while self.onloaded:
             offload.offload(self.onloaded.popitem()[1])
@@ -302,27 +311,13 @@ class ConvertRun(Run):
         if is_linear_module(module):
             if has_hooks(module):
                 return self._hooked_linear_call(module, args, kwargs)
-            with suspended(self):  # our own torch calls below are not the model's
-                return self._linear_call(module, args, kwargs)
+            return self._run_op(LINEAR, module, args, kwargs, fqn_of(module))
         tag = tag_of(module)
         if tag is not None and tag.experts is not None:  # MoE experts module, called as one op: moe/
             if self.placeholders or self.resolved:  # a pending subgraph's output feeds it: finish that first
                 with suspended(self):
                     args, kwargs = self._resolve_all(*self._scan(args, kwargs))
             return self.experts_call(module, args, kwargs, "convert")
-        act = ACTIVATION_MODULES.get(type(module))
-        if act is not None and len(args) == 1 and not kwargs and not has_hooks(module):
-            # an activation module's forward is one F.relu / F.gelu / F.silu: take the step it would take
-            # (join a pending subgraph, or just compute) without the module call and the torch-function trip
-            func, kw = act(module)
-            p = self.placeholders.get(id(args[0]))
-            if p is None and not self.resolved:
-                with suspended(self):
-                    return func(args[0], **kw)
-            kinds = p.subgraph.kinds if p is not None else ()
-            if p is not None and len(p.calls) < len(kinds) and kinds[len(p.calls)] == ACT:
-                with suspended(self):
-                    return self._step(p, Call(ACT, func, args, kw))
         if tag is not None and tag.norm and not has_hooks(module) and len(args) == 1 and not kwargs:
             with suspended(self):
                 return self._norm_module_call(module, args)
@@ -334,14 +329,7 @@ class ConvertRun(Run):
 
     def _norm_module_call(self, module: nn.Module, args: tuple) -> Any:
         """A recognised RMSNorm module: a NORM op, possibly the head of a fused subgraph."""
-        hit = None
-        if self.placeholders or self.resolved:
-            args, _, hit = self._scan(args, {})
-        op = self.next_op(st := self.owner_state(), NORM, self.op_fqn(NORM, module), False)
-        if op is None:
-            args, _ = self._resolve_all(args, {}, hit)
-            return Call(NORM, module, args, {}).run_original()
-        return self._execute(Call(NORM, module, args, {}, op, st), hit)
+        return self._run_op(NORM, module, args, {}, fqn_of(module), False)
 
     def _hooked_linear_call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """Hooks must see real tensors: no fusion, the stock __call__ runs them around our FP8 op."""
@@ -351,18 +339,6 @@ class ConvertRun(Run):
             op = self.next_op(st := self.owner_state(), LINEAR, self.op_fqn(LINEAR, module))
         return self.call_hooked(module, lambda x: run_basic(Call(LINEAR, module, (x,), {}, op, st), self),
                                 args, kwargs)
-
-    def _linear_call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        if not args and len(kwargs) == 1:  # `linear(input=x)`: the FP8 path reads its one input positionally
-            args, kwargs = tuple(kwargs.values()), {}
-        hit = None
-        if self.placeholders or self.resolved:
-            args, kwargs, hit = self._scan(args, kwargs)
-        op = self.next_op(st := self.owner_state(), LINEAR, self.op_fqn(LINEAR, module))
-        if op is None:
-            args, kwargs = self._resolve_all(args, kwargs, hit)
-            return Call(LINEAR, module, args, kwargs).run_original()
-        return self._execute(Call(LINEAR, module, args, kwargs, op, st), hit)
 
     def finish(self, out: Any) -> Any:
         for p in list(self.pending.values()):
@@ -409,6 +385,7 @@ def _plain_container(cls: type) -> bool:
 
 _pool = threading.local()
 _DisableTorchFunction = torch._C.DisableTorchFunction
+_AS_CALLED = contextlib.nullcontext()
 _is_grad_enabled = torch._C.is_grad_enabled
 
 
@@ -437,15 +414,11 @@ def placeholder_base(outermost: bool) -> int:
     return 0 if outermost else len(getattr(_pool, "tensors", ()))
 
 
-# activation modules whose forward is one functional call: (module) → (function, kwargs)
-ACTIVATION_MODULES = {
-    nn.ReLU: lambda m: (torch.nn.functional.relu, {"inplace": m.inplace}),
-    nn.GELU: lambda m: (torch.nn.functional.gelu, {"approximate": m.approximate}),
-    nn.SiLU: lambda m: (torch.nn.functional.silu, {"inplace": m.inplace}),
+# activation modules whose forward is one functional call: (module class) → (function, the keyword argument
+# it takes from the module's attribute of the same name, that argument's default: then it is not passed)
+ACTIVATION_MODULES: dict[type[nn.Module], tuple[Callable[..., torch.Tensor], str, object]] = {
+    nn.ReLU: (F.relu, "inplace", False),
+    nn.GELU: (F.gelu, "approximate", "none"),
+    nn.SiLU: (F.silu, "inplace", False),
 }
-# the same calls, made directly: (module, x) → output (the activation fast path's standalone case)
-_ACTIVATION_BODIES = {
-    nn.ReLU: lambda m, x: torch.nn.functional.relu(x, m.inplace),
-    nn.GELU: lambda m, x: torch.nn.functional.gelu(x, approximate=m.approximate),
-    nn.SiLU: lambda m, x: torch.nn.functional.silu(x, m.inplace),
-}
+_NO_KWARGS: dict[str, Any] = {}  # the keyword arguments of an activation module's call at its defaults (never written)

@@ -20,7 +20,7 @@ import contextlib
 import threading
 import types
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,13 +31,33 @@ from torch.overrides import TorchFunctionMode
 from dbr_quant.integrations.accelerate import has_opaque_hook
 
 
+class Suspendable(Protocol):
+    suspended: bool  # True: calls run as written (the run's own work, see `suspended`)
+
+
+class InterceptingRun(Suspendable, Protocol):
+    """What interception needs of a run (runtime/runs.py): where intercepted calls go, and whether they go
+    there now."""
+
+    @property
+    def record(self) -> object: ...  # the model record it runs for (a nested call of the same model is inside it)
+
+    routes_functions: bool  # whether torch functions reach the run (set by `intercepting`)
+
+    def function_call(self, func: Any, args: tuple, kwargs: dict) -> Any: ...
+
+    def module_call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any: ...
+
+
 class _ThreadRun(threading.local):
-    run = None  # the run this thread is inside (a class default: reading it unset is not a failed lookup)
+    # the run this thread is inside (a class default: reading it unset is not a failed lookup)
+    run: InterceptingRun | None = None
 
 
 _tls = _ThreadRun()
 _patch_lock = threading.Lock()
 _patch_depth = 0
+_DisableTorchFunction = torch._C.DisableTorchFunction  # entered per suspension: one global lookup
 # What Module._call_impl was when we swapped it (the stock one unless someone else wraps it too). We call
 # through it and put it back, rather than assuming the stock function.
 _outer_call = nn.Module._call_impl
@@ -58,7 +78,7 @@ def _intercepting_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 class _FunctionMode(TorchFunctionMode):
     """Routes every torch function called during a run to the run (the mode stack is thread-local)."""
 
-    def __init__(self, run: Any) -> None:
+    def __init__(self, run: InterceptingRun) -> None:
         super().__init__()
         self.run = run
 
@@ -112,7 +132,7 @@ FAST_PATH_MODULES = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.Trans
 
 
 @contextlib.contextmanager
-def intercepting(run: Any, functions: bool = True) -> Iterator[None]:
+def intercepting(run: InterceptingRun, functions: bool = True) -> Iterator[None]:
     """Route this thread's torch functions and module calls to ``run`` for the duration of the block.
 
     ``functions=False`` intercepts module calls only (a calibration run whose recorded ops all run as
@@ -121,7 +141,7 @@ def intercepting(run: Any, functions: bool = True) -> Iterator[None]:
     with _patch_lock:
         if _patch_depth == 0:
             _outer_call = nn.Module._call_impl
-            nn.Module._call_impl = _intercepting_call
+            nn.Module._call_impl = _intercepting_call  # type: ignore[method-assign, assignment]  # the point
         _patch_depth += 1
     previous = _tls.run
     _tls.run = run
@@ -134,11 +154,11 @@ def intercepting(run: Any, functions: bool = True) -> Iterator[None]:
         with _patch_lock:
             _patch_depth -= 1
             if _patch_depth == 0:
-                nn.Module._call_impl = _outer_call
+                nn.Module._call_impl = _outer_call  # type: ignore[method-assign]  # put back
 
 
 @contextlib.contextmanager
-def routing_functions(run: Any) -> Iterator[None]:
+def routing_functions(run: InterceptingRun) -> Iterator[None]:
     """Route torch functions to ``run`` for the block too, when its ``intercepting`` block does not already
     (a calibration run that intercepts module calls only, around a linear whose pre-hooks must run first)."""
     if run.routes_functions:
@@ -148,7 +168,7 @@ def routing_functions(run: Any) -> Iterator[None]:
         yield
 
 
-def current_run() -> Any:
+def current_run() -> InterceptingRun | None:
     """The run this thread is inside, or None."""
     return _tls.run
 
@@ -163,23 +183,26 @@ class suspended:  # noqa: N801 - used like a function: ``with suspended(run):``
 
     Torch-function dispatch is switched off too, so the kernels' many small torch calls do not each
     take a trip through the Python mode (that trip cost more than the ops themselves). A class rather
-    than a generator context manager: it is entered once or twice per op, and this costs a third.
+    than a generator context manager: it is entered once or twice per op, and this costs a third; one
+    object may be entered again inside itself (a run keeps one for its hot path).
     """
 
-    __slots__ = ("run", "before", "guard")
+    __slots__ = ("run", "saved")
 
-    def __init__(self, run: Any) -> None:
+    def __init__(self, run: Suspendable) -> None:
         self.run = run
+        self.saved: list[tuple[bool, Any]] = []  # per entry: (run.suspended before, its guard); one object nests
 
     def __enter__(self) -> None:
-        self.before = self.run.suspended
+        guard = _DisableTorchFunction()
+        guard.__enter__()
+        self.saved.append((self.run.suspended, guard))
         self.run.suspended = True
-        self.guard = torch._C.DisableTorchFunction()
-        self.guard.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        self.guard.__exit__(*exc)
-        self.run.suspended = self.before
+        before, guard = self.saved.pop()
+        self.run.suspended = before
+        guard.__exit__(*exc)
 
 
 def has_pre_hooks(module: nn.Module) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -19,39 +19,39 @@ from torch.utils._pytree import tree_flatten
 from dbr_quant import kernels
 from dbr_quant.integrations import accelerate as offload
 from dbr_quant.moe.call import ExpertsInspector, call_with_hooks, experts_forward
-from dbr_quant.ops.basic import PER_TOKEN_SLOTS, Call, linear_hp_weight, stored_fp8_weight
-from dbr_quant.ops.fusions import Fusion
+from dbr_quant.ops.basic import PER_TOKEN_SLOTS, stored_fp8_weight
+from dbr_quant.ops.call import Call, Env, linear_hp_weight
 from dbr_quant.ops.mappings import FUNC_KINDS, INDEXED, LINEAR, MATMUL, SDPA, call_kind, is_linear_module
+from dbr_quant.ops.patterns import Subgraph
 from dbr_quant.ops.tags import TAG, experts_of, fqn_of, tag_of
+from dbr_quant.qconfig import QConfig
+from dbr_quant.runtime.hessians import HessianCollector
 from dbr_quant.runtime.interception import has_hooks, has_pre_hooks, original_call, routing_functions, suspended
-from dbr_quant.runtime.state import AutoQuantizationState, SeenOp, observer_key
+from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
 
 
-@dataclass
-class Subgraph:
-    """A matched fusion instance and the kinds of its ops in call order. (Hooks added after convert need
-    no record here: a hooked module that receives a placeholder materializes the subgraph.)"""
+class Inspector(ExpertsInspector, Protocol):
+    """A ``dbr_quant.inspect`` session (inspect/inspector.py) as its runs see it: it executes each recorded
+    quantized op (FP8, fake quantization or high precision, per layer) and logs statistics."""
 
-    id: int
-    fusion: Fusion
-    kinds: tuple[str, ...]
+    def execute(self, call: Call, env: Env) -> Any: ...
 
 
 @dataclass
 class ModelRecord:
     """Everything dbr_quant keeps about one prepared model (held on the root as ``_dbr_record``)."""
 
-    qconfig: Any
+    qconfig: QConfig
     phase: str = "tracing"  # tracing → prepared → converted
     states: list[AutoQuantizationState] = field(default_factory=list)
     hidden_states: list[tuple[nn.Module, AutoQuantizationState]] = field(default_factory=list)
     subgraphs: dict[int, Subgraph] = field(default_factory=dict)
     example: tuple[tuple, dict] | None = None  # prepare()'s example inputs: the default for the rewriter
-    inspector: Any = None  # set by dbr_quant.inspect while a session runs: then forwards are InspectRuns
+    inspector: Inspector | None = None  # set by dbr_quant.inspect while a session runs: forwards are InspectRuns
     trace_run: Run | None = field(default=None, repr=False, compare=False)  # prepare()'s TraceRun while it traces
-    calibration_lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
+    calibration_lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
     observes_functions: bool = True  # whether calibration must see torch function calls (set by prepare)
-    hessians: Any = None  # runtime.hessians.HessianCollector when some op asks for GPTQ rounding (set by prepare)
+    hessians: HessianCollector | None = None  # when some op asks for GPTQ rounding (set by prepare)
     param_uses: dict = field(default_factory=dict)  # parameter fqn → the trace's calls that read it (precision.py)
 
     def __getstate__(self) -> dict:  # deepcopy / pickle: a lock cannot be copied; the copy gets its own
@@ -66,7 +66,10 @@ class ModelRecord:
 
 def state_of(module: nn.Module) -> AutoQuantizationState | None:
     st = module.__dict__.get("_auto_quant_state")
-    return st if st is not None else module._modules.get("_auto_quant_state")
+    if st is not None:
+        return st
+    sub = module._modules.get("_auto_quant_state")
+    return sub if isinstance(sub, AutoQuantizationState) else None
 
 
 class Run:
@@ -89,15 +92,19 @@ class Run:
         (one warning, for kinds this config quantizes; ``warn`` False for the others)."""
         if st is None:
             return None
+        j = self.match_position(st, kind, fqn, warn)
+        return st.seen_ops[j] if j >= 0 else None
+
+    def match_position(self, st: AutoQuantizationState, kind: str, fqn: str, warn: bool = True) -> int:
+        """:meth:`next_op`'s position in ``st.seen_ops`` (the cursor moves past it), or -1 (warned about)."""
         key = id(st)
         i = self.cursors.get(key, 0)
         j = st.match(kind, fqn, i)
         if j >= 0:
             self.cursors[key] = j + 1
-            return st.seen_ops[j]
-        if warn:
+        elif warn:
             st.unseen(kind, fqn, i, self.record.qconfig.strict)
-        return None
+        return j
 
     def call_hooked(self, module: nn.Module, body, args: tuple, kwargs: dict) -> Any:
         """Call a linear module that has hooks through the stock ``__call__`` (so its hooks run and see
@@ -133,8 +140,10 @@ class Run:
         return self.owners[-1]
 
     def op_fqn(self, kind: str, module: nn.Module | None = None) -> str:
-        if module is not None and fqn_of(module) is not None:
-            return fqn_of(module)
+        if module is not None:
+            fqn = fqn_of(module)
+            if fqn is not None:
+                return fqn
         for m in reversed(self.stack):
             base = fqn_of(m)
             if base is not None:
@@ -148,17 +157,14 @@ class Run:
     def input_scale(self, call: Call, slot: str, x: torch.Tensor | None) -> torch.Tensor:
         """An activation's scale (the executors' env): the frozen one after convert, the observer's current
         one on a prepared model (inspection), or computed from ``x`` when dynamic."""
-        op = call.op
+        op, st = call.op, call.state
+        assert op is not None and st is not None, "executors run recorded ops"
         if op.qconfig.dynamic:
             cfg = op.qconfig.activation
             per_token = cfg.granularity == "token" and slot in PER_TOKEN_SLOTS
+            assert x is not None, f"dbr_quant: {op.fqn}: a dynamic scale is computed from its tensor"
             return kernels.dynamic_scale(x, cfg.format, per_token=per_token)
-        st = call.state
-        if st.converted:  # st.frozen_scale(op, slot), inlined: this runs for every quantized activation
-            name = st._scale_names.get((op.index, slot))
-            s = st._buffers[name] if name is not None else st.frozen_scale(op, slot)
-        else:
-            s = st.observers[observer_key(op.index, slot)].scale()
+        s = st.frozen_scale(op, slot) if st.converted else st.observed_scale(op, slot)
         return s if x is None or s.device == x.device else s.to(x.device)
 
     def call_module(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -286,7 +292,7 @@ class InspectRun(Run):
     ones and weights are quantized on the fly — what convert would store.
     """
 
-    def __init__(self, root: nn.Module, record: ModelRecord, inspector: Any) -> None:
+    def __init__(self, root: nn.Module, record: ModelRecord, inspector: Inspector) -> None:
         super().__init__(root, record)
         self.inspector = inspector
 

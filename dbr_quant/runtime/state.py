@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
+from dbr_quant.observers.base import AmaxObserver
+from dbr_quant.ops.call import OpRecord
 from dbr_quant.qconfig import OpQConfig
 
 if TYPE_CHECKING:  # plan.py builds on this module
@@ -143,21 +145,24 @@ class AutoQuantizationState(nn.Module):
             if not op.quantize or op.qconfig.dynamic:
                 continue
             for slot in op.slots:
-                key = observer_key(op.index, slot)
-                self.register_buffer(f"scale_{key}", self.observers[key].scale().detach().clone())
+                self.register_buffer(f"scale_{observer_key(op.index, slot)}",
+                                     self.observed_scale(op, slot).detach().clone())
         self.converted = True
 
     def scale(self, op: SeenOp, slot: str) -> torch.Tensor:
         return getattr(self, f"scale_{observer_key(op.index, slot)}")
 
-    def frozen_scale(self, op: SeenOp, slot: str) -> torch.Tensor:
-        """``scale`` without building the name per call (the runtime's hot path)."""
-        names = self._scale_names
-        key = (op.index, slot)
-        name = names.get(key)
-        if name is None:
-            name = names[key] = f"scale_{observer_key(op.index, slot)}"
-        return self._buffers[name]
+    def frozen_scale(self, op: OpRecord, slot: str) -> torch.Tensor:
+        """``scale`` without building the name per call (the runtime's hot path: a name lookup, a buffer lookup)."""
+        try:
+            return self._buffers[self._scale_names[(op.index, slot)]]  # type: ignore[return-value]  # never None
+        except KeyError:  # the first read of this scale (a buffer that freeze_scales registered): name it once
+            name = self._scale_names[(op.index, slot)] = f"scale_{observer_key(op.index, slot)}"
+            return self._buffers[name]  # type: ignore[return-value]
+
+    def observed_scale(self, op: OpRecord, slot: str) -> torch.Tensor:
+        """The scale an activation's observer gives now (before convert freezes it)."""
+        return cast(AmaxObserver, self.observers[observer_key(op.index, slot)]).scale()
 
     def __getstate__(self) -> dict:
         """deepcopy / pickle: without the runtime's caches (the plan is rebuilt against the copy's record)."""

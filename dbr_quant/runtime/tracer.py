@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from dbr_quant.integrations.accelerate import onloaded
 from dbr_quant.moe.trace import trace_experts
-from dbr_quant.ops.fusions import Event, TraceGraph, find_subgraphs
+from dbr_quant.ops.fusions import find_subgraphs
 from dbr_quant.ops.mappings import (
     ACT,
     ADD,
@@ -43,11 +43,12 @@ from dbr_quant.ops.mappings import (
     linear_weight,
     rms_norm_module_eps,
 )
+from dbr_quant.ops.patterns import Event, Subgraph, TraceGraph
 from dbr_quant.ops.tags import TAG, ModuleTag, experts_of, fqn_of, tag_of
 from dbr_quant.runtime.interception import has_hooks, original_call, suspended
 from dbr_quant.runtime.param_weights import ParamUses, param_ref, weight_operand
 from dbr_quant.runtime.precision import ParamReads, skip_reason, tie_reason, tied_names
-from dbr_quant.runtime.runs import ModelRecord, Run, Subgraph, observed_inputs, tensor_leaves
+from dbr_quant.runtime.runs import ModelRecord, Run, observed_inputs, tensor_leaves
 from dbr_quant.runtime.state import AutoQuantizationState, SeenOp, TensorInfo
 
 SLOTS = {LINEAR: ("input",), MATMUL: ("a", "b"), SDPA: ("q", "k", "v")}
@@ -94,8 +95,9 @@ class TraceRun(Run):
         return self.tids[key]
 
     def info(self, t: Any) -> TensorInfo | None:
-        if not isinstance(t, torch.Tensor):
-            return None
+        return self.tensor_info(t) if isinstance(t, torch.Tensor) else None
+
+    def tensor_info(self, t: torch.Tensor) -> TensorInfo:
         return TensorInfo(self.tid(t), t.dtype, tuple(t.shape))
 
     # ------------------------------------------------------------------ recording
@@ -162,7 +164,7 @@ class TraceRun(Run):
         op = SeenOp(
             index=len(st.seen_ops), kind=kind, fqn=fqn,
             target=type(module).__name__ if module is not None else getattr(func, "__name__", str(func)),
-            inputs=inputs, outputs=tuple(self.info(t) for t in tensor_leaves(out)),
+            inputs=inputs, outputs=tuple(self.tensor_info(t) for t in tensor_leaves(out)),
             qconfig=qc, quantize=quantize, reason=reason, slots=SLOTS.get(kind, ()) if quantize else (),
             weight_owner=fqn if module is not None and fqn_of(module) is not None else None,
             weight_param=ref,
@@ -236,7 +238,9 @@ class TraceRun(Run):
             ok = isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor) and out.shape == x.shape
             if ok:
                 with onloaded(module):  # accelerate-offloaded: the weight is on meta outside the forward
-                    ref = F.rms_norm(x.float(), x.shape[-1:], module.weight.float(), rms_norm_module_eps(module))
+                    weight = module._parameters["weight"]  # rms_norm_module_eps: an RMSNorm's one parameter
+                    assert weight is not None
+                    ref = F.rms_norm(x.float(), x.shape[-1:], weight.float(), rms_norm_module_eps(module))
                 ok = torch.allclose(out.float(), ref.to(out.device), rtol=1e-4, atol=1e-5)
             tag = tag_of(module)
             if tag is None:  # a module outside the model's tree (e.g. in a plain list): it keeps the verdict too
@@ -273,9 +277,10 @@ class TraceRun(Run):
                 self.escaped |= held
                 found = find_subgraphs(self._graph())
             for gid, (fusion, events) in enumerate(found):
-                self.record.subgraphs[gid] = Subgraph(gid, fusion, tuple(ev.kind for ev in events))
+                kinds = tuple(ev.kind for ev in events if ev.kind is not None)  # a fusion matches kinds
+                self.record.subgraphs[gid] = Subgraph(gid, fusion, kinds)
                 for step, ev in enumerate(events):
-                    if ev.op is not None:
+                    if isinstance(ev.op, SeenOp):  # the records this run made
                         ev.op.group = (gid, step)
                         ev.op.fusion = fusion.name
         self.keep.clear()
@@ -285,8 +290,9 @@ class TraceRun(Run):
     def _graph(self) -> TraceGraph:
         consumers: dict[int, list[int]] = defaultdict(list)
         for ev in self.events:
-            for i in {*ev.arg_ids, *ev.kwarg_ids} - {None}:
-                consumers[i].append(ev.index)
+            for i in {*ev.arg_ids, *ev.kwarg_ids}:
+                if i is not None:
+                    consumers[i].append(ev.index)
         return TraceGraph(self.events, dict(consumers), self.escaped, storage=[_storage(t) for t in self.keep])
 
     def _held_elsewhere(self, tids: list[int | None]) -> set[int]:
@@ -295,7 +301,8 @@ class TraceRun(Run):
         like returned ones (fused, they would be empty placeholders). A reference count above what the trace
         itself holds picks the suspects (a view holds its base too); one heap scan finds who holds them."""
         cands = list({id(self.keep[i]): self.keep[i] for i in tids if i is not None}.values())
-        ours = defaultdict(int)  # references from self.keep (an in-place op's output is its input: several)
+        # references from self.keep (an in-place op's output is its input: several)
+        ours: defaultdict[int, int] = defaultdict(int)
         for t in self.keep:
             ours[id(t)] += 1
         alone = [torch.empty(0)]
