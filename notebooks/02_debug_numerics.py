@@ -269,7 +269,7 @@ print(f"KEY block_cosine={scheme_cos['group 128 / block 128x128']:.5f} "
 # %%
 import math  # noqa: E402
 
-from dbr_quant.quantize.rounding.collect import gptq_report  # noqa: E402
+from dbr_quant.runtime.hessians import gptq_report  # noqa: E402
 
 calib_batches = [minilm.encode(tokenizer, minilm.CALIBRATION_SENTENCES[i:i + 4]) for i in range(0, 16, 4)]
 choose_on = [calib_batches[0]]

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from rounding_helpers import (
     bits,
@@ -120,12 +120,25 @@ def test_output_is_on_the_grid(fmt):
 @settings(max_examples=20, deadline=None)
 @given(n=st.integers(8, 24), k=st.integers(16, 64), seed=st.integers(0, 2**31 - 1),
        fmt=st.sampled_from(FORMATS), granularity=st.sampled_from(GRANULARITIES), act_order=st.booleans())
+@example(n=13, k=16, seed=281265, fmt=FP8Format.E5M2, granularity="channel", act_order=False)
 def test_lower_output_error_than_nearest_on_correlated_inputs(n, k, seed, fmt, granularity, act_order):
-    """The point of GPTQ: tr(E H Eᵀ) at least 10 % below nearest's on the calibration Hessian (typically 50 %)."""
+    """The point of GPTQ: tr(E H Eᵀ) below nearest's on the calibration Hessian, on every problem (by how much
+    varies: 8 % on a small E5M2 one hypothesis found, n=13 k=16 seed=281265; the typical gain is checked below)."""
+    assert _error_ratio(n, k, seed, fmt, granularity, act_order) < 1.0
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_typical_gain_over_nearest(fmt):
+    """Averaged over problems, GPTQ removes at least a third of nearest rounding's output error."""
+    ratios = [_error_ratio(16, 48, seed, fmt, "channel", False) for seed in range(8)]
+    assert sum(ratios) / len(ratios) < 2 / 3, ratios
+
+
+def _error_ratio(n: int, k: int, seed: int, fmt: FP8Format, granularity: str, act_order: bool) -> float:
     w, h = _problem(n, k, seed)
     q, scale = gptq_round(w, h, fmt, granularity, damping=0.01, act_order=act_order)
     q_near, _ = round_to_nearest(w, fmt, granularity, scale)
-    assert output_error(w, q, scale, h, granularity) < 0.9 * output_error(w, q_near, scale, h, granularity)
+    return float(output_error(w, q, scale, h, granularity) / output_error(w, q_near, scale, h, granularity))
 
 
 def test_infinite_damping_is_nearest():
