@@ -16,8 +16,8 @@ from dbr_quant.fx_rewriter import ops as _ops  # noqa: F401  (defines the dbr_qu
 from dbr_quant.integrations.distributed import SyncError, sync_observers
 from dbr_quant.observers import MSE, AmaxHistory, MovingAverage, Percentile, RunningMax
 from dbr_quant.ops.fusions import Fusion, register_fusion
+from dbr_quant.ops.state import AutoQuantizationState, UncalibratedError, UnseenOpError
 from dbr_quant.qconfig import GPTQOptions, Override, QConfig, TensorQConfig
-from dbr_quant.runtime.state import AutoQuantizationState, UncalibratedError, UnseenOpError
 
 __all__ = [
     "prepare", "calibrate", "convert", "sync_observers", "disabled", "report", "format_report", "quant_state",

@@ -20,6 +20,7 @@ from dbr_quant.moe import siblings as moe_siblings
 from dbr_quant.moe import weights as moe_weights
 from dbr_quant.ops.gate_up import stack_gate_up_weights
 from dbr_quant.ops.mappings import LINEAR, QUANTIZEABLE, is_container, is_transposed_linear, linear_weight
+from dbr_quant.ops.state import AutoQuantizationState, UncalibratedError
 from dbr_quant.ops.tags import TAG, ModuleTag, fqn_of
 from dbr_quant.qconfig import QConfig
 from dbr_quant.quantize.weight_quantization import all_finite, quantize_weight
@@ -30,7 +31,6 @@ from dbr_quant.runtime.convert_run import ConvertRun
 from dbr_quant.runtime.interception import FAST_PATH_MODULES, current_run, disabled, intercepting, is_disabled
 from dbr_quant.runtime.param_weights import quantize_param_weights
 from dbr_quant.runtime.runs import CalibrateRun, HighPrecisionRun, InspectRun, ModelRecord, state_of
-from dbr_quant.runtime.state import AutoQuantizationState, UncalibratedError
 from dbr_quant.runtime.tracer import TraceRun
 
 __all__ = ["prepare", "calibrate", "convert", "disabled", "report", "PrepareError"]
@@ -136,7 +136,7 @@ def prepare(
     m = model if inplace else copy.deepcopy(model)
     for name, mod in m.named_modules():
         mod.__dict__[TAG] = ModuleTag(name, owner=mod is m or bool(mod._modules))
-    moe.mark_experts(m)  # MoE experts modules with 3-D weights run as one op (moe.py)
+    moe.mark_experts(m)  # MoE experts modules with 3-D weights run as one op (moe/)
     record = ModelRecord(qconfig, example=(args, kwargs))
     record.trace_run = run = TraceRun(m, record)
     m.__dict__["_dbr_record"] = record
@@ -161,7 +161,7 @@ def prepare(
         _undo_prepare(m)
         raise
     run.build()
-    moe_siblings.adopt_untraced_experts(m, run, record)  # experts the example did not reach (moe_siblings.py)
+    moe_siblings.adopt_untraced_experts(m, run, record)  # experts the example did not reach (moe/siblings.py)
     for module, st in run.states.items():
         _attach_state(module, st, record)
     record.states = list(run.states.values())
@@ -169,7 +169,7 @@ def prepare(
     # SDPA, F.linear); linear modules are caught at the module call
     record.observes_functions = any(op.quantize and op.slots and not (op.kind == LINEAR and op.weight_owner)
                                     for st in record.states for op in st.seen_ops) or any(
-        isinstance(mod, FAST_PATH_MODULES) for mod in m.modules())  # so torch declines its fast path (auto_trace)
+        isinstance(mod, FAST_PATH_MODULES) for mod in m.modules())  # so torch declines its fast path (runtime.interception)
     record.trace_run = None
     record.hessians = collect.collector_for(qconfig, record.states)  # None unless some linear asks for GPTQ
     record.phase = "prepared"
@@ -272,7 +272,7 @@ def convert(prepared: nn.Module, *, inplace: bool = False, sync: Any = True) -> 
     ties = precision.tied_names(m)  # before quantizing: a tied linear forced to FP8 (Override untie) unties
     _quantize_linear_weights(m, record)
     quantize_param_weights(m, [op for st in record.states for op in st.seen_ops])  # F.linear(x, self.w), in_proj
-    moe_weights.quantize_expert_weights(m, record)  # 3-D expert weights (moe_weights.py)
+    moe_weights.quantize_expert_weights(m, record)  # 3-D expert weights (moe/weights.py)
     stack_gate_up_weights(m, record.states)
     record.phase = "converted"
     precision.warn_high_precision(m, record, "convert")

@@ -115,7 +115,7 @@ plt.show()
 # inputs, with the amax chosen by the max and the 99.99th-percentile observers.
 
 # %%
-from dbr_quant.runtime.state import observer_key  # noqa: E402
+from dbr_quant.ops.state import observer_key  # noqa: E402
 
 amax = {}
 for st in prepared._dbr_record.states:

@@ -20,8 +20,8 @@ from torch import nn
 
 import dbr_quant as dq
 from dbr_quant.kernels import count_launches
+from dbr_quant.ops.state import UnseenOpError
 from dbr_quant.runtime import convert_run
-from dbr_quant.runtime.state import UnseenOpError
 
 ACTS = {"relu": nn.ReLU, "gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh"), "silu": nn.SiLU}
 

@@ -38,10 +38,10 @@ from dbr_quant.checkpoints.errors import CheckpointError
 from dbr_quant.checkpoints.layout import model_modules, own_tensors
 from dbr_quant.moe.weights import quantize_expert_weights
 from dbr_quant.ops.gate_up import stack_gate_up_weights
+from dbr_quant.ops.state import AutoQuantizationState, SeenOp, observer_key
 from dbr_quant.qconfig import QConfig
 from dbr_quant.quantize.weights import attach_fp8_weight
 from dbr_quant.runtime.param_weights import quantize_param_weights
-from dbr_quant.runtime.state import AutoQuantizationState, SeenOp, observer_key
 
 QUIET = r"dbr_quant\.(prepare|convert)\(\): "  # the reload repeats warnings the user saw at convert time
 

@@ -34,8 +34,8 @@ from dbr_quant.checkpoints.errors import CheckpointError
 from dbr_quant.checkpoints.safetensors_io import Entry, tensor_entry
 from dbr_quant.checkpoints.schemes import Scheme, scale_dtype, scheme
 from dbr_quant.moe.experts import MoeState
+from dbr_quant.ops.state import AutoQuantizationState
 from dbr_quant.quantize.weights import FP8Weight
-from dbr_quant.runtime.state import AutoQuantizationState
 
 
 class Placer(Protocol):
@@ -115,7 +115,7 @@ def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, Scheme]
             w, b = params[which], biases[which]
             prefix = f"{st.fqn}.{e}.{pname}"
             q = w.qdata[e] if rows is None else w.qdata[e, rows]
-            if block is not None:  # gate / up: their own row blocks (moe.py takes I a multiple of bn)
+            if block is not None:  # gate / up: their own row blocks (moe/ takes I a multiple of bn)
                 s = (w.scale[e] if rows is None else
                      w.scale[e, rows.start // block[0]:-(-rows.stop // block[0])]).float()
             else:

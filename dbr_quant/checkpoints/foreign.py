@@ -38,8 +38,8 @@ from dbr_quant.checkpoints.errors import CheckpointError
 from dbr_quant.checkpoints.layout import model_modules, own_tensors
 from dbr_quant.checkpoints.safetensors_io import read_tensor
 from dbr_quant.ops.mappings import LINEAR
+from dbr_quant.ops.state import AutoQuantizationState, SeenOp
 from dbr_quant.qconfig import Granularity, Override, QConfig, TensorQConfig
-from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -50,10 +50,10 @@ from dbr_quant.checkpoints.safetensors_io import Entry, tensor_entry
 from dbr_quant.checkpoints.schemes import Scheme, quantization_config, scale_dtype, scheme
 from dbr_quant.formats import FP8Format
 from dbr_quant.ops.mappings import LINEAR, MATMUL, SDPA
+from dbr_quant.ops.state import AutoQuantizationState, SeenOp
 from dbr_quant.ops.tags import tag_of
 from dbr_quant.qconfig import QConfig
 from dbr_quant.quantize.weights import FP8Weight, fp8_weight_of
-from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
 
 # compressed-tensors' is_cached_attention_module (0.20): these names mark a KV-cached attention module
 _ATTENTION_PROJECTIONS = ("k_proj", "v_proj", "qkv_proj", "kv_b_proj", "q_a_proj", "kv_proj", "q")

@@ -31,9 +31,9 @@ from dbr_quant.checkpoints.safetensors_io import StoredTensor, read_header, read
 from dbr_quant.checkpoints.save import INDEX
 from dbr_quant.formats import FP8Format
 from dbr_quant.ops.mappings import LINEAR, SDPA, is_transposed_linear
+from dbr_quant.ops.state import AutoQuantizationState, SeenOp
 from dbr_quant.ops.tags import tag_of
 from dbr_quant.quantize.weights import fp8_weight_of
-from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 

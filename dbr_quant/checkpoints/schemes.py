@@ -11,8 +11,8 @@ import torch
 
 from dbr_quant.checkpoints.errors import CheckpointError
 from dbr_quant.formats import FP8Format
+from dbr_quant.ops.state import SeenOp
 from dbr_quant.quantize.weights import FP8Weight
-from dbr_quant.runtime.state import SeenOp
 
 CT_VERSION = "0.20.0"  # the compressed-tensors release whose layout this writes (checked by the tests)
 

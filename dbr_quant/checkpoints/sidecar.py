@@ -21,8 +21,8 @@ import torch
 
 from dbr_quant.checkpoints.errors import CheckpointError
 from dbr_quant.formats import FP8Format
+from dbr_quant.ops.state import AutoQuantizationState, SeenOp
 from dbr_quant.qconfig import OpQConfig, Override, QConfig, TensorQConfig
-from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
 
 FORMAT = "dbr_quant.checkpoint"
 VERSION = 1

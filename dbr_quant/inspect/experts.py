@@ -28,9 +28,9 @@ from dbr_quant.moe.compute import flat_inputs
 from dbr_quant.moe.experts import MoeState, observer_of
 from dbr_quant.moe.siblings import ExpertState
 from dbr_quant.moe.weights import expert_parameter
+from dbr_quant.ops.state import SeenOp, observer_key
 from dbr_quant.quantize.weight_quantization import quantize_weight
 from dbr_quant.quantize.weights import FP8Weight
-from dbr_quant.runtime.state import SeenOp, observer_key
 
 if TYPE_CHECKING:  # the inspector calls run_experts with itself
     from dbr_quant.inspect.inspector import Inspector

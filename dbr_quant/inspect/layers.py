@@ -13,8 +13,8 @@ from torch import nn
 from dbr_quant.inspect.features import LayerInfo
 from dbr_quant.moe.experts import EXPERTS
 from dbr_quant.ops.mappings import QUANTIZEABLE
+from dbr_quant.ops.state import SeenOp
 from dbr_quant.runtime.runs import ModelRecord
-from dbr_quant.runtime.state import SeenOp
 
 if TYPE_CHECKING:  # the inspector reads the layers; a session attaches it
     from dbr_quant.inspect.inspector import Inspector

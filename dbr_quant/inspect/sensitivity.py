@@ -29,9 +29,9 @@ from dbr_quant.inspect.layers import attached, named_ops, recorded_layers
 from dbr_quant.inspect.stats import sqnr_db
 from dbr_quant.moe.experts import EXPERTS
 from dbr_quant.ops.mappings import LINEAR, MATMUL, SDPA, is_transposed_linear
+from dbr_quant.ops.state import SeenOp
 from dbr_quant.quantize.weights import FP8Weight, fp8_weight_of
 from dbr_quant.runtime.interception import disabled
-from dbr_quant.runtime.state import SeenOp
 
 OutputFn = Callable[[nn.Module, Any], torch.Tensor]
 METRICS = ("cosine", "sqnr_db")

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from dbr_quant.observers import AmaxObserver
+from dbr_quant.ops.state import observer_key
 from dbr_quant.runtime.hessians import HessianCollector
-from dbr_quant.runtime.state import observer_key
 
 __all__ = ["sync_observers", "sync_hessians", "SyncError"]
 

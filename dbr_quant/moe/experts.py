@@ -43,8 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dbr_quant.observers import AmaxObserver
+from dbr_quant.ops.state import AutoQuantizationState, SeenOp, observer_key
 from dbr_quant.ops.tags import TAG
-from dbr_quant.runtime.state import AutoQuantizationState, SeenOp, observer_key
 
 EXPERTS = "experts"  # the op kind of one 3-D expert tensor (a report row; not matched by the runtime)
 

@@ -23,9 +23,9 @@ from torch import nn
 from dbr_quant.moe.experts import has_data, observer_of, widest_scale
 from dbr_quant.observers import AmaxObserver
 from dbr_quant.ops.mappings import is_container
+from dbr_quant.ops.state import AutoQuantizationState, SeenOp, observer_key
 from dbr_quant.ops.tags import TAG, tag_of
 from dbr_quant.qconfig import QConfig
-from dbr_quant.runtime.state import AutoQuantizationState, SeenOp, observer_key
 
 
 class TracedRecords(Protocol):

@@ -20,9 +20,9 @@ from torch import nn
 
 from dbr_quant.moe.experts import EXPERTS, ExpertsSpec, MoeState, bind_call
 from dbr_quant.ops.patterns import Event
+from dbr_quant.ops.state import AutoQuantizationState, SeenOp, TensorInfo, observer_key
 from dbr_quant.ops.tags import TAG, ModuleTag
 from dbr_quant.qconfig import OpQConfig, QConfig
-from dbr_quant.runtime.state import AutoQuantizationState, SeenOp, TensorInfo, observer_key
 
 Bound = tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # an experts call's (x, ids, weights): bind_call
 

@@ -1,7 +1,7 @@
 """What an executor is given: the intercepted call (``Call``), the record of its op (``OpRecord``), the state
 that holds its scales (``OpState``) and the run it executes in (``Env``).
 
-The protocols say what ops/ reads of objects that higher layers make (runtime.state's ``SeenOp`` and
+The protocols say what ops/ reads of objects that higher layers make (ops.state's ``SeenOp`` and
 ``AutoQuantizationState``, a run of runtime/runs.py or moe/), so ops/ never imports those layers.
 """
 
@@ -19,7 +19,7 @@ from dbr_quant.quantize.weights import fp8_weight_of
 
 
 class OpRecord(Protocol):
-    """A recorded op as executors read it (``runtime.state.SeenOp``)."""
+    """A recorded op as executors read it (``ops.state.SeenOp``)."""
 
     @property
     def index(self) -> int: ...  # its position in its module's forward (names its scales)
@@ -41,7 +41,7 @@ class OpRecord(Protocol):
 
 
 class OpState(Protocol):
-    """The record holder of an op's module (``runtime.state.AutoQuantizationState``): its activation scales."""
+    """The record holder of an op's module (``ops.state.AutoQuantizationState``): its activation scales."""
 
     @property
     def converted(self) -> bool: ...  # whether scales are frozen (else observers give them)

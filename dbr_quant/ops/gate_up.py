@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from dbr_quant.ops.mappings import LINEAR
+from dbr_quant.ops.state import AutoQuantizationState, SeenOp
 from dbr_quant.ops.tags import TAG
 from dbr_quant.quantize.weights import attach_fp8_weight, fp8_weight_of
-from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
 
 GATED_FUSIONS = ("gated_mlp", "norm_gated_mlp")
 

@@ -2,7 +2,7 @@
 
 Quantizeable kinds run in FP8 after convert. Fusable kinds are never quantized themselves; they can
 join a subgraph (a fusion) behind a quantizeable op. Adding an op = one line in FUNC_KINDS (and, for a
-new quantizeable kind, an executor in ``quantization_state``). See docs/extending.md.
+new quantizeable kind, an executor in ``ops.basic``). See docs/extending.md.
 """
 
 from __future__ import annotations

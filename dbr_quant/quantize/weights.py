@@ -5,7 +5,7 @@ original high-precision dtype, the original shape and the real device, so model 
 ``module.weight.dtype`` / ``.shape`` / ``.device`` (Hugging Face T5, tied embeddings, PEFT, accelerate)
 keeps working, while its only storage is ``qdata`` (FP8, ``[out, in]``) and ``scale`` (fp32, ``[out]`` per
 channel, 0-d per tensor, or ``[⌈out/bn⌉, ⌈in/bk⌉]`` per ``block`` = (bn, bk) tile: the compressed-tensors
-FP8_BLOCK / FineGrainedFP8 layout, see kernels.reference_block). Why a subclass rather than buffers beside a
+FP8_BLOCK / FineGrainedFP8 layout, see kernels.reference.block). Why a subclass rather than buffers beside a
 dropped ``weight``:
 
 * ``Module.to(dtype)`` / ``.half()`` / ``.bfloat16()`` pass each parameter through ``_to_copy``; the subclass
@@ -69,7 +69,7 @@ class FP8Weight(torch.Tensor):
                 qconfig: TensorQConfig | None = None):
         if isinstance(qdata, FP8Weight) and scale is None:
             # ``type(param)(value, requires_grad=...)``: how accelerate's set_module_tensor_to_device rebuilds a
-            # parameter it moves (offloaded models, see offload.py). A parameter, like nn.Parameter(value).
+            # parameter it moves (offloaded models, see integrations/accelerate.py). A parameter, like nn.Parameter(value).
             if requires_grad:
                 raise RuntimeError("dbr_quant: an FP8 weight is inference-only; it cannot require grad")
             return nn.Parameter(qdata._like(), requires_grad=False)

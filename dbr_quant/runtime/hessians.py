@@ -17,7 +17,7 @@ calibration per group.
 ``convert`` frees each accumulator as soon as its linear is rounded; ``convert(inplace=False)`` copies the
 prepared model (and its accumulators) first, as it copies the weights.
 
-MoE experts modules (3-D weights, ``moe_weights.py``) stay on nearest rounding.
+MoE experts modules (3-D weights, ``moe/weights.py``) stay on nearest rounding.
 """
 
 from __future__ import annotations

@@ -221,7 +221,7 @@ def has_global_hooks() -> bool:
 def has_hooks(module: nn.Module) -> bool:
     """Forward hooks (user code that could observe the module's inputs and outputs): the module's, global ones
     (``register_module_forward_hook``: profilers, activation statistics), or an accelerate hook other than
-    its device/offload hooks (those are transparent: see offload.py)."""
+    its device/offload hooks (those are transparent: see integrations/accelerate.py)."""
     return bool(module._forward_hooks or module._forward_pre_hooks) or has_global_hooks() or (
         "_hf_hook" in module.__dict__ and has_opaque_hook(module))
 

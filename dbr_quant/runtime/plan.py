@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dbr_quant.ops.patterns import Subgraph
-from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
+from dbr_quant.ops.state import AutoQuantizationState, SeenOp
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,8 @@
 """What happens to each intercepted call, per phase: trace, calibrate, convert, high precision.
 
-A *run* lives for one call of the root model. ``auto_trace.intercepting(run)`` routes this thread's
+A *run* lives for one call of the root model. ``runtime.interception.intercepting(run)`` routes this thread's
 torch functions and module calls to ``run.function_call`` / ``run.module_call``. Runs read and write
-``AutoQuantizationState`` objects; the arithmetic of quantized ops is in ``basic_ops`` / ``fusions``.
+``AutoQuantizationState`` objects; the arithmetic of quantized ops is in ``ops.basic`` / ``ops.fusions``.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from dbr_quant.ops.basic import PER_TOKEN_SLOTS, stored_fp8_weight
 from dbr_quant.ops.call import Call, Env, linear_hp_weight
 from dbr_quant.ops.mappings import FUNC_KINDS, INDEXED, LINEAR, MATMUL, SDPA, call_kind, is_linear_module
 from dbr_quant.ops.patterns import Subgraph
+from dbr_quant.ops.state import AutoQuantizationState, SeenOp
 from dbr_quant.ops.tags import TAG, experts_of, fqn_of, tag_of
 from dbr_quant.qconfig import QConfig
 from dbr_quant.runtime.hessians import HessianCollector
 from dbr_quant.runtime.interception import has_hooks, has_pre_hooks, original_call, routing_functions, suspended
-from dbr_quant.runtime.state import AutoQuantizationState, SeenOp
 
 
 class Inspector(ExpertsInspector, Protocol):
@@ -85,7 +85,7 @@ class Run:
         self.suspended = False
         self.cursors: dict[int, int] = {}  # id(state) → position of its next op in this forward
         self.hooked: list[tuple[nn.Module, Any]] = []  # linear modules with hooks now running: (module, body)
-        self.routes_functions = True  # whether torch functions reach this run (set by auto_trace.intercepting)
+        self.routes_functions = True  # whether torch functions reach this run (set by interception.intercepting)
 
     def next_op(self, st: AutoQuantizationState | None, kind: str, fqn: str, warn: bool = True) -> SeenOp | None:
         """The record of the op now running in ``st``'s module, or None when the trace never saw it here

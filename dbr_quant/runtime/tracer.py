@@ -44,12 +44,12 @@ from dbr_quant.ops.mappings import (
     rms_norm_module_eps,
 )
 from dbr_quant.ops.patterns import Event, Subgraph, TraceGraph
+from dbr_quant.ops.state import AutoQuantizationState, SeenOp, TensorInfo
 from dbr_quant.ops.tags import TAG, ModuleTag, experts_of, fqn_of, tag_of
 from dbr_quant.runtime.interception import has_hooks, original_call, suspended
 from dbr_quant.runtime.param_weights import ParamUses, param_ref, weight_operand
 from dbr_quant.runtime.precision import ParamReads, skip_reason, tie_reason, tied_names
 from dbr_quant.runtime.runs import ModelRecord, Run, observed_inputs, tensor_leaves
-from dbr_quant.runtime.state import AutoQuantizationState, SeenOp, TensorInfo
 
 SLOTS = {LINEAR: ("input",), MATMUL: ("a", "b"), SDPA: ("q", "k", "v")}
 

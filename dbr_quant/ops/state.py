@@ -2,7 +2,7 @@
 
 One state is attached as ``_auto_quant_state`` to every module whose forward runs recorded ops. It keeps
 the ops in call order (``seen_ops``), an observer per quantized activation (``observers``), and after
-convert the activation scales as buffers. It does not know how ops are intercepted (auto_trace) nor
+convert the activation scales as buffers. It does not know how ops are intercepted (runtime.interception) nor
 how they are computed (fusions / kernels).
 """
 
