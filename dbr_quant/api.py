@@ -169,7 +169,7 @@ def prepare(
     # SDPA, F.linear); linear modules are caught at the module call
     record.observes_functions = any(op.quantize and op.slots and not (op.kind == LINEAR and op.weight_owner)
                                     for st in record.states for op in st.seen_ops) or any(
-        isinstance(mod, FAST_PATH_MODULES) for mod in m.modules())  # so torch declines its fast path (runtime.interception)
+        isinstance(mod, FAST_PATH_MODULES) for mod in m.modules())  # so torch declines its fast path
     record.trace_run = None
     record.hessians = collect.collector_for(qconfig, record.states)  # None unless some linear asks for GPTQ
     record.phase = "prepared"

@@ -69,7 +69,7 @@ class FP8Weight(torch.Tensor):
                 qconfig: TensorQConfig | None = None):
         if isinstance(qdata, FP8Weight) and scale is None:
             # ``type(param)(value, requires_grad=...)``: how accelerate's set_module_tensor_to_device rebuilds a
-            # parameter it moves (offloaded models, see integrations/accelerate.py). A parameter, like nn.Parameter(value).
+            # parameter it moves (offloaded models: integrations/accelerate.py), like nn.Parameter(value).
             if requires_grad:
                 raise RuntimeError("dbr_quant: an FP8 weight is inference-only; it cannot require grad")
             return nn.Parameter(qdata._like(), requires_grad=False)

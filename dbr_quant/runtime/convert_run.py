@@ -292,8 +292,8 @@ class ConvertRun(Run):
                 return self.call_module(module, args, kwargs)
         if "_hf_hook" in d and (is_linear_module(module) or ((tag := d.get(TAG)) is not None and tag.norm)) \
                 and not has_hooks(module):
-            # accelerate (integrations/accelerate.py) loads weights in the forward wrapper that the FP8 path bypasses: load
-            # them here and keep them until no pending fused subgraph can still read them
+            # accelerate loads weights in the forward wrapper that the FP8 path bypasses (integrations/accelerate.py):
+            # load them here and keep them until no pending fused subgraph can still read them
             args, kwargs = offload.onload(module, args, kwargs)
             self.onloaded[id(module)] = module
             try:
