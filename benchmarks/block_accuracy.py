@@ -22,6 +22,7 @@ import torch
 import dbr_quant as dq
 from dbr_quant.examples.minilm import CALIBRATION_SENTENCES, EVAL_SENTENCES, encode, load_minilm, sentence_embeddings
 from dbr_quant.moe.weights import expert_weight_bytes
+from dbr_quant.quantize.weights import fp8_weight_bytes
 
 SCHEMES: dict[str, dq.QConfig] = {
     "tensor (static) / channel": dq.QConfig(),  # the default: calibrated per-tensor inputs, per-channel weights
@@ -68,7 +69,7 @@ def minilm_rows(model=None, tok=None, schemes: dict[str, dq.QConfig] | None = No
             out = converted(**batch).last_hidden_state
         rows.append({"model": "all-MiniLM-L6-v2", "scheme": name, "cos_mean": cos.mean().item(),
                      "cos_min": cos.min().item(), "sqnr_db": sqnr_db(out, ref, batch["attention_mask"]),
-                     "weight_bytes": dq.weights.fp8_weight_bytes(converted)})
+                     "weight_bytes": fp8_weight_bytes(converted)})
     return rows
 
 
@@ -102,7 +103,7 @@ def hf_family_rows(schemes: dict[str, dq.QConfig] | None = None) -> list[dict]:
             rows.append({"model": f"{family} (tiny, random)", "scheme": name,
                          "cos_mean": hf.cosine(out[keep], ref[keep]), "cos_min": None,
                          "sqnr_db": sqnr_db(out, ref, keep),
-                         "weight_bytes": dq.weights.fp8_weight_bytes(p.converted)})
+                         "weight_bytes": fp8_weight_bytes(p.converted)})
     return rows
 
 
@@ -128,7 +129,7 @@ def moe_rows(schemes: dict[str, dq.QConfig] | None = None) -> list[dict]:
         fp8_experts = sum(r["fp8"] for r in dq.report(converted) if r["kind"] == "experts")
         rows.append({"model": "mixtral (tiny, random)", "scheme": name + ("" if fp8_experts else " *"),
                      "cos_mean": tm.cosine(out, ref), "cos_min": None, "sqnr_db": sqnr_db(out, ref),
-                     "weight_bytes": dq.weights.fp8_weight_bytes(converted)  # + the experts' when FP8
+                     "weight_bytes": fp8_weight_bytes(converted)  # + the experts' when FP8
                      + (expert_weight_bytes(converted)[0] if fp8_experts else 0)})
     return rows
 
