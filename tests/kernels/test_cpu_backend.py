@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from dbr_quant import kernels
 from dbr_quant.formats import FP8Format, safe_scale
 from dbr_quant.kernels.cpu import backend as C
-from dbr_quant.kernels.cpu import e4m3 as cpu_e4m3
 from dbr_quant.kernels.cpu.features import use_cpu_gemm
 from dbr_quant.kernels.reference import block as RB
 from dbr_quant.kernels.reference import dense as R
@@ -29,18 +28,6 @@ E4M3 = FP8Format.E4M3
 U32, U16 = 2.0**-24, 2.0**-8
 # (m, k, n): both operands ≤ SMALL_OPERAND elements (one C call), or not (a torch GEMM on the path's dtype)
 SHAPES = {"small": (4, 32, 24), "large": (40, 160, 48)}
-
-
-@pytest.fixture(params=["c", "torch"])
-def decode(request, monkeypatch):
-    """The C E4M3 kernels, or the torch ops in their place."""
-    monkeypatch.setenv(cpu_e4m3.ENV_VAR, request.param)
-    cpu_e4m3.reset()
-    if request.param == "c" and cpu_e4m3.library() is None:
-        pytest.fail("the C E4M3 kernels did not build (a C compiler is part of the dev setup)")
-    yield request.param
-    monkeypatch.undo()
-    cpu_e4m3.reset()
 
 
 @pytest.fixture(params=["bf16", "fp32"])

@@ -36,18 +36,6 @@ EPILOGUES = {
 }
 
 
-@pytest.fixture(params=["c", "torch"])
-def decode(request, monkeypatch):
-    """The C E4M3 kernels, or the torch fallback."""
-    monkeypatch.setenv(cpu_e4m3.ENV_VAR, request.param)
-    cpu_e4m3.reset()
-    if request.param == "c" and cpu_e4m3.library() is None:
-        pytest.fail("the C E4M3 kernels did not build (a C compiler is part of the dev setup)")
-    yield request.param
-    monkeypatch.undo()
-    cpu_e4m3.reset()
-
-
 def _cast(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """torch's own saturating cast of t·(1/scale) to E4M3 (the README's stated arithmetic)."""
     return (t * torch.reciprocal(scale)).clamp(-448, 448).to(E4M3)
