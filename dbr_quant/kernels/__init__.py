@@ -86,24 +86,26 @@ def _graph_op(ops: Any, name: str) -> Any:
 def _entry_point(op: KernelOp[F]) -> F:
     """``op``'s public function, with its declaration's signature and docstring: while a graph is captured the
     graph op; else count the launches and run the backend's implementation (``op.launch`` on it, for an op
-    that is several calls), or the reference everywhere for an op without a Triton kernel (an error on the
-    other backends where ``op.without_triton`` says why). The body reads this module's ``_settings``,
+    that is several calls); an op without a Triton kernel runs the reference everywhere, or, where
+    ``op.without_triton`` says why Triton cannot, the plain backend chosen (reference or cpu) and that error on
+    Triton. The body reads this module's ``_settings``,
     ``_graph_op``, ``_impl`` and ``record_launch`` at call time, as a hand-written entry point would."""
     args = call_arguments(op.parameters)
     body = ["if (ops := _settings.graph_ops) is not None:",
             f"    return _graph_op(ops, {op.name!r})({args})"]
-    if op.without_triton:
-        body += [f"if _impl({op.device}, _reference) is not _reference:",
-                 "    raise NotImplementedError(_without_triton)"]
-    body += ["if _settings.counters:", *(f"    record_launch({name!r})" for name in op.launches)]
     backend = f"_impl({op.device}, _reference)"
+    if op.without_triton:  # the plain backends (reference, cpu) run it; Triton has no kernel for it
+        body += [f"_backend = {backend}", "if _backend is triton_backend:",
+                 "    raise NotImplementedError(_without_triton)"]
+        backend = "_backend"
+    body += ["if _settings.counters:", *(f"    record_launch({name!r})" for name in op.launches)]
     if op.more_launches is not None:
         body += [f"_backend = {backend}", "if _settings.counters:",
                  f"    _more_launches(_backend, {', '.join(op.hook_arguments(op.more_launches))})"]
         backend = "_backend"
     if op.launch is not None:
         body.append(f"return _launch({backend}, {', '.join(op.hook_arguments(op.launch))})")
-    elif op.triton is not None:
+    elif op.triton is not None or op.without_triton:
         body.append(f"return {backend}.{op.name}({args})")
     else:
         body.append(f"return _reference.{op.name}({args})")

@@ -102,3 +102,22 @@ def test_a_traceback_through_a_generated_entry_point_shows_its_source():
     frames = traceback.extract_tb(info.tb)
     assert any(f.name == "group_quantize" and f.line and "record_launch" not in f.line and "_impl" in f.line
                for f in frames)
+
+
+def test_an_op_without_a_triton_kernel_runs_on_the_plain_backends_and_says_why_on_triton():
+    """fp8_grouped_block_linear (no Triton kernel, ``without_triton``): the chosen plain backend runs it (the CPU
+    backend by default on a CPU tensor, the reference when forced) and Triton refuses with the declared reason."""
+    e, n, k = 2, 8, 16
+    routing = kernels.moe_route(torch.tensor([[0], [1], [1]]), e)
+    x_q = torch.randn(3, k).to(torch.float8_e4m3fn)
+    x_s = torch.full((3, 1), 0.5)
+    w_q = torch.randn(e, n, k).to(torch.float8_e4m3fn)
+    w_s = torch.full((e, 1, 1), 0.25)
+    outs = {}
+    for backend in ("cpu", "reference"):
+        with kernels.use_backend(backend), kernels.count_launches() as launches:
+            outs[backend] = kernels.fp8_grouped_block_linear(x_q, x_s, w_q, w_s, routing, block=(8, 16))
+        assert launches["fp8_grouped_block_linear"] == 1
+    torch.testing.assert_close(outs["cpu"], outs["reference"], rtol=2**-7, atol=1e-3)
+    with kernels.use_backend("triton-interpret"), pytest.raises(NotImplementedError, match="no block scales yet"):
+        kernels.fp8_grouped_block_linear(x_q, x_s, w_q, w_s, routing, block=(8, 16))
