@@ -135,7 +135,8 @@ def fp8_matmul(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor) -> Te
 def fp8_attention(q_q: Tensor, q_scale: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Tensor, *,
                   attn_mask: Tensor | None = None, is_causal: bool = False, softmax_scale: float | None = None,
                   p_scale: Tensor | None = None, fmt: FP8Format = FP8Format.E4M3) -> Tensor:
-    """Scaled dot-product attention on FP8 q, k, v (P quantized with ``p_scale`` when given): fp32 out."""
+    """Scaled dot-product attention on FP8 q, k, v (P quantized with ``p_scale`` when given): fp32 out. Scales
+    per tensor (one element), per head (1-D: q, p [Hq]; k, v [Hkv]) or per token (q, k; see reference)."""
     return q_q.new_empty((*q_q.shape[:-1], v_q.shape[-1]), dtype=torch.float32)
 
 
