@@ -24,6 +24,8 @@ WEIGHT_GRANULARITIES = ("tensor", "channel", "block")
 ACTIVATION_GRANULARITIES = ("tensor", "token", "group")
 WeightRounding = Literal["nearest", "gptq"]
 WEIGHT_ROUNDINGS = ("nearest", "gptq")
+AttentionScales = Literal["tensor", "head"]
+ATTENTION_SCALES = ("tensor", "head")
 # GPTQ's damping candidates, relative to the mean Hessian diagonal: a half-decade log grid from 1e-3 to 10, then
 # round-to-nearest (inf); cross-validated over calibration batches (quantize/rounding/damping.py)
 DEFAULT_DAMPINGS: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, math.inf)
@@ -159,6 +161,12 @@ class QConfig:
     cross-validation over calibration batches (``gptq`` holds its options; ``dbr_quant.runtime.hessians``
     says what calibration keeps). Same scales and FP8 layout as nearest: only which grid point each weight
     takes changes. Needs calibration batches also with ``dynamic=True``.
+    attention_scales: the static scales of FP8 attention's operands (with ``quantize_attention``): "tensor", one
+    per operand; "head", one per attention head (q, the probabilities of eager attention's p·v) and per KV
+    head (k, v under GQA), calibrated per head (``dbr_quant.ops.heads``). Heads whose ranges differ keep their
+    own resolution; ``save_pretrained`` writes per-KV-head ``k_scale`` / ``v_scale`` (compressed-tensors
+    ``attn_head``). SDPA's probabilities keep the fixed scale 1/fmt.max: every row's largest probability is
+    1 in the Triton kernel (at most 1 in the reference), so no head has a smaller range to calibrate.
     """
 
     activation: TensorQConfig = field(default_factory=TensorQConfig)
@@ -170,9 +178,11 @@ class QConfig:
     overrides: tuple[Override, ...] = ()
     weight_rounding: WeightRounding = "nearest"
     gptq: GPTQOptions = field(default_factory=GPTQOptions)
+    attention_scales: AttentionScales = "tensor"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "overrides", tuple(self.overrides))
+        _check_attention_scales(self)
         check_combination(self.activation, self.weight, self.dynamic, "QConfig")
         _check_rounding(self.weight_rounding, self.weight, "QConfig")
         if not isinstance(self.gptq, GPTQOptions):
@@ -215,6 +225,18 @@ class QConfig:
         return OpQConfig(skip=ov.skip, activation=ov.activation or self.activation, weight=ov.weight or self.weight,
                          dynamic=self.dynamic if ov.dynamic is None else ov.dynamic,
                          weight_rounding=ov.weight_rounding or self.weight_rounding, untie=ov.untie)
+
+
+def _check_attention_scales(q: QConfig) -> None:
+    if q.attention_scales not in ATTENTION_SCALES:
+        raise ValueError(f"QConfig.attention_scales must be 'tensor' or 'head', not {q.attention_scales!r}")
+    if q.attention_scales == "head" and not q.quantize_attention:
+        raise ValueError("QConfig(attention_scales='head') sets the scales of FP8 attention: set "
+                         "quantize_attention=True too")
+    if q.attention_scales == "head" and q.dynamic:
+        raise ValueError("QConfig(attention_scales='head') calibrates one scale per attention head (static); with "
+                         "dynamic=True attention scales are computed per tensor or per token at run time: set "
+                         "dynamic=False (Override(dynamic=True) keeps chosen ops dynamic)")
 
 
 def check_combination(activation: TensorQConfig, weight: TensorQConfig, dynamic: bool, where: str) -> None:

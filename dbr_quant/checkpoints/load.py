@@ -26,7 +26,7 @@ from dbr_quant import kernels
 from dbr_quant.checkpoints import experts, foreign, sidecar
 from dbr_quant.checkpoints.assemble import ScaleSource, Skeleton, check_scale, example_args, finish_convert, trace
 from dbr_quant.checkpoints.errors import CheckpointError
-from dbr_quant.checkpoints.layout import model_modules, own_tensors
+from dbr_quant.checkpoints.layout import kv_file_scale, model_modules, own_tensors
 from dbr_quant.checkpoints.safetensors_io import StoredTensor, read_header, read_tensor
 from dbr_quant.checkpoints.save import INDEX
 from dbr_quant.formats import FP8Format
@@ -165,15 +165,20 @@ def _block(info: dict[str, Any]) -> tuple[int, int] | None:
     return tuple(info["block"]) if info["granularity"] == "block" else None
 
 
-def _kv_expected(meta: dict[str, Any], stored: dict[str, StoredTensor]) -> dict[str, float]:
-    """k_scale / v_scale tensors of the file → the value dbr_quant.json implies (the largest per module)."""
-    implied: dict[str, float] = {}
+def _kv_expected(model: nn.Module, meta: dict[str, Any], stored: dict[str, StoredTensor]) -> dict[str, torch.Tensor]:
+    """k_scale / v_scale tensors of the file → the value dbr_quant.json implies (save_pretrained's reduction of the
+    per-call-site scales: the largest, per tensor [1] or per KV head [H_kv, 1, 1])."""
+    sites: dict[tuple[str, str], list[torch.Tensor]] = {}
     for st in meta["states"]:
         for op in st["ops"]:
             for slot in ("k", "v"):
                 if op["kind"] == SDPA and slot in op.get("scales", {}):
-                    name = f"{st['module']}.{slot}_scale" if st["module"] else f"{slot}_scale"
-                    implied[name] = max(implied.get(name, float("-inf")), float(op["scales"][slot]))
+                    value = torch.tensor(op["scales"][slot], dtype=torch.float32)
+                    sites.setdefault((st["module"], slot), []).append(value)
+    implied = {}
+    for (m, slot), scales in sites.items():
+        name = f"{m}.{slot}_scale" if m else f"{slot}_scale"
+        implied[name] = kv_file_scale(scales, model.get_submodule(m), name)
     found = {n for n in stored if re.search(r"(^|\.)[kv]_scale$", n)}
     stray = sorted(found - set(implied))
     if stray:
@@ -183,11 +188,11 @@ def _kv_expected(meta: dict[str, Any], stored: dict[str, StoredTensor]) -> dict[
 
 def _read_and_check(model: nn.Module, meta: dict[str, Any], stored: dict[str, StoredTensor]) -> dict[str, torch.Tensor]:
     expected = _expected(model, meta)
-    kv = _kv_expected(meta, stored) if meta["quantization_config"].get("kv_cache_scheme") is not None else {}
+    kv = _kv_expected(model, meta, stored) if meta["quantization_config"].get("kv_cache_scheme") is not None else {}
     if meta["quantization_config"].get("kv_cache_scheme") is not None and not kv:
         raise CheckpointError("the quantization_config has a kv_cache_scheme but the folder holds no k_scale / "
                               "v_scale tensors")
-    expected.update({n: (_FLOATS, (1,)) for n in kv})
+    expected.update({n: (_FLOATS, tuple(implied.shape)) for n, implied in kv.items()})
     for name, (dtypes, shape) in expected.items():
         t = stored.get(name)
         if t is None:
@@ -218,17 +223,17 @@ def _read_and_check(model: nn.Module, meta: dict[str, Any], stored: dict[str, St
     for fqn, ops in _linear_sites(meta).items():
         name = f"{fqn}.input_scale"
         if name in values:
-            _agree(name, values[name], max(float(op["scales"]["input"]) for op in ops))
+            _agree(name, values[name], torch.tensor([max(float(op["scales"]["input"]) for op in ops)]))
     for name, implied in kv.items():
         _agree(name, values[name], implied)
     return values
 
 
-def _agree(name: str, stored: torch.Tensor, implied: float) -> None:
-    want = torch.tensor([implied], dtype=torch.float32).to(stored.dtype)
-    if not torch.equal(stored.reshape(1), want):
+def _agree(name: str, stored: torch.Tensor, implied: torch.Tensor) -> None:
+    """The file's scale is what dbr_quant.json implies (in the dtype the file holds it in, as saved)."""
+    if not torch.equal(stored.reshape(implied.shape), implied.to(stored.dtype)):
         raise CheckpointError(f"{name}: the file holds {stored.flatten().tolist()}, {sidecar.FILENAME} implies "
-                              f"{implied}; the folder mixes files of different saves")
+                              f"{implied.flatten().tolist()}; the folder mixes files of different saves")
 
 
 def _as_stored(t: torch.Tensor, info: dict[str, Any] | None) -> torch.Tensor:

@@ -70,9 +70,10 @@ def scheme(fqn: str, w: FP8Weight, ops: list[SeenOp]) -> Scheme:
     return ("tensor" if w.scale.dim() == 0 else "channel"), granularity, dynamic, None, group
 
 
-def quantization_config(schemes: dict[str, Scheme], ignore: list[str], kv: bool) -> dict[str, Any]:
+def quantization_config(schemes: dict[str, Scheme], ignore: list[str], kv: str | None) -> dict[str, Any]:
     """One config group per distinct scheme: the most common targets ``Linear``, the others list their
-    modules by exact name (an exact name outranks a class name in compressed-tensors and vLLM)."""
+    modules by exact name (an exact name outranks a class name in compressed-tensors and vLLM). ``kv``: the
+    ``kv_cache_scheme`` strategy ("tensor" or "attn_head"), None for none."""
     by_scheme: dict[Scheme, list[str]] = defaultdict(list)
     for fqn, s in schemes.items():
         by_scheme[s].append(fqn)
@@ -86,6 +87,6 @@ def quantization_config(schemes: dict[str, Scheme], ignore: list[str], kv: bool)
             "output_activations": None,
         }
     return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-            "kv_cache_scheme": _args("tensor", False) if kv else None, "ignore": ignore,
+            "kv_cache_scheme": _args(kv, False) if kv else None, "ignore": ignore,
             "config_groups": groups, "global_compression_ratio": None, "sparsity_config": {},
             "transform_config": {}, "version": CT_VERSION}

@@ -237,7 +237,7 @@ def _clone_member(model: nn.Module, run: TracedRecords, record: ModelRecord, gro
             target.__dict__[TAG].norm = tag.norm
 
 
-def _make_observer(op: SeenOp) -> nn.Module:
+def _make_observer(op: SeenOp, slot: str) -> nn.Module:  # expert linears: one scale per tensor for every slot
     cfg = op.qconfig.activation
     return cfg.observer.create(cfg.format, None)
 

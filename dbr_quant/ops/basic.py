@@ -16,6 +16,7 @@ from torch import nn
 from dbr_quant import kernels
 from dbr_quant.ops.call import Call, Env
 from dbr_quant.ops.call import linear_hp_weight as linear_hp_weight  # where runs and inspect read it
+from dbr_quant.ops.heads import head_view, operand_scale
 from dbr_quant.ops.mappings import LINEAR, MATMUL, MATMUL_AS_LINEAR, SDPA, linear_bias, linear_weight
 from dbr_quant.ops.straight_through import run_straight_through, substitute, wants_gradient
 from dbr_quant.ops.tags import tag_of
@@ -140,7 +141,9 @@ def quantized_input(call: Call, slot: str, x: torch.Tensor, env: Env, block: tup
         x_q, scale = kernels.dynamic_quantize(x, cfg.activation.format, per_token)
     else:
         scale = env.input_scale(call, slot, x)
-        x_q = kernels.quantize(x, scale, cfg.activation.format)
+        if scale.dim() == 1:  # one per head (attention_scales="head"), fitted to x's heads (ops/heads.py)
+            scale = operand_scale(scale, x, f"{call.kind} {call.op.fqn} '{slot}'")
+        x_q = kernels.quantize(x, head_view(scale), cfg.activation.format)
     return (x_q, scale) if block is None else (x_q, as_group_scale(scale, x_q, block[1]))
 
 
@@ -183,7 +186,7 @@ def run_matmul(call: Call, env: Env, *, a: torch.Tensor | None = None, b: torch.
     b = call.args[1] if b is None else b
     a_q, a_s = quantized_input(call, "a", a, env)
     b_q, b_s = quantized_input(call, "b", b, env)
-    return kernels.fp8_matmul(a_q, a_s, b_q, b_s).to(torch.promote_types(a.dtype, b.dtype))
+    return kernels.fp8_matmul(a_q, head_view(a_s), b_q, head_view(b_s)).to(torch.promote_types(a.dtype, b.dtype))
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")

@@ -9,6 +9,7 @@ how they are computed (fusions / kernels).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from dbr_quant.observers.base import AmaxObserver
 from dbr_quant.ops.call import OpRecord
+from dbr_quant.ops.heads import HEAD_AXIS, observable
 from dbr_quant.qconfig import OpQConfig
 
 if TYPE_CHECKING:  # plan.py builds on this module
@@ -89,11 +91,11 @@ class AutoQuantizationState(nn.Module):
         self.plan: Plan | None = None  # the convert run's precompiled plan (runtime/plan.py), built on first use
 
     # ----------------------------------------------------------------- recording (trace)
-    def add_op(self, op: SeenOp, make_observer) -> SeenOp:
+    def add_op(self, op: SeenOp, make_observer: Callable[[SeenOp, str], nn.Module]) -> SeenOp:
         self.seen_ops.append(op)
         if op.quantize and not op.qconfig.dynamic:
             for slot in op.slots:
-                self.observers[observer_key(op.index, slot)] = make_observer(op)
+                self.observers[observer_key(op.index, slot)] = make_observer(op, slot)
         return op
 
     # ----------------------------------------------------------------- matching (later runs)
@@ -128,7 +130,9 @@ class AutoQuantizationState(nn.Module):
 
     # ----------------------------------------------------------------- calibration / convert
     def observe(self, op: SeenOp, slot: str, x: torch.Tensor) -> None:
-        self.observers[observer_key(op.index, slot)](x)
+        observer = cast(AmaxObserver, self.observers[observer_key(op.index, slot)])
+        heads = observer.num_channels if observer.axis == HEAD_AXIS else None
+        observer(observable(x, heads) if heads else x)  # per head: kv heads repeated or not (ops/heads.py)
 
     def uncalibrated(self) -> list[str]:
         return [

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 from dbr_quant.integrations.accelerate import onloaded
 from dbr_quant.moe.trace import trace_experts
 from dbr_quant.ops.fusions import find_subgraphs
+from dbr_quant.ops.heads import head_axis
 from dbr_quant.ops.mappings import (
     ACT,
     ADD,
@@ -170,9 +171,14 @@ class TraceRun(Run):
             weight_param=ref,
         )
 
-        def make_observer(op: SeenOp) -> nn.Module:
+        # attention_scales="head": an observer per head along the head axis of attention operands (ops/heads.py)
+        per_head = self.record.qconfig.attention_scales == "head" and kind in (MATMUL, SDPA)
+        operands = observed_inputs(kind, args, kwargs) if per_head else {}
+
+        def make_observer(op: SeenOp, slot: str) -> nn.Module:
             cfg = op.qconfig.activation
-            return cfg.observer.create(cfg.format, None)
+            x = operands.get(slot)
+            return cfg.observer.create(cfg.format, None if x is None else head_axis(kind, x))
 
         st.add_op(op, make_observer)
         return op

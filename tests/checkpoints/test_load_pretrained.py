@@ -83,7 +83,8 @@ def test_minilm_round_trip_is_bit_exact(minilm_converted, minilm_folder):
     assert_same_converted(minilm_converted.converted, loaded, minilm_converted.eval_inputs)
 
 
-@pytest.mark.parametrize("case", ["gpt2_conv1d_dynamic_per_token", "two_call_sites_per_tensor", "fp8_attention"])
+@pytest.mark.parametrize("case", ["gpt2_conv1d_dynamic_per_token", "two_call_sites_per_tensor", "fp8_attention",
+                                  "fp8_attention_per_head"])
 def test_other_round_trips_are_bit_exact(case, tmp_path):
     if case == "gpt2_conv1d_dynamic_per_token":
         c = convert_hf(gpt2(), dq.QConfig(dynamic=True, activation=dq.TensorQConfig(granularity="token")))
@@ -93,7 +94,8 @@ def test_other_round_trips_are_bit_exact(case, tmp_path):
         torch.manual_seed(1)
         fresh = type(c.model)().eval()
     else:
-        c = convert_hf(llama(), dq.QConfig(quantize_attention=True))
+        scales = "head" if case.endswith("per_head") else "tensor"
+        c = convert_hf(llama(), dq.QConfig(quantize_attention=True, attention_scales=scales))
         fresh = llama()
     with pytest.warns(UserWarning):
         dq.save_pretrained(c.converted, tmp_path)
@@ -183,6 +185,26 @@ def test_bad_tensor_is_an_error_naming_it(case, llama_converted, tmp_path):
     with pytest.raises(CheckpointError, match=message):
         dq.load_pretrained(tmp_path, fresh)
     _untouched(fresh, before)
+
+
+KV = "model.layers.1.self_attn.k_scale"
+
+
+@pytest.mark.parametrize("case, fn, message", [
+    ("one head's scale changed", lambda t: t[KV][1].mul_(2),
+     r"model\.layers\.1\.self_attn\.k_scale: the file holds .*dbr_quant\.json implies"),
+    ("per tensor instead of per head", _set(KV, torch.ones(1)),
+     r"k_scale: the checkpoint holds float32 \[1\], the model needs .*\[2, 1, 1\]"),
+])
+def test_per_head_kv_scales_are_checked_head_by_head(case, fn, message, tmp_path):
+    c = convert_hf(llama(), dq.QConfig(quantize_attention=True, attention_scales="head"))
+    with pytest.warns(UserWarning):
+        dq.save_pretrained(c.converted, tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert f.get_tensor(KV).shape == (2, 1, 1)  # one per kv head (GQA: 4 query heads, 2 kv heads)
+    _rewrite(tmp_path, fn)
+    with pytest.raises(CheckpointError, match=message):
+        dq.load_pretrained(tmp_path, llama())
 
 
 def test_truncated_shard_names_the_tensor(llama_converted, tmp_path):
