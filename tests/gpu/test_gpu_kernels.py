@@ -134,6 +134,24 @@ def test_attention(causal):
     torch.testing.assert_close(fast, ref, rtol=1e-3, atol=1e-3)
 
 
+def test_attention_per_head_scales():
+    """GQA with per-head scales (q, p per query head, k, v per kv head), key ranges 2^12 apart: the GPU kernel
+    against the reference, and head by head against per-tensor launches of itself (the same bits)."""
+    spread = torch.tensor([2.0**-6, 2.0**6], device="cuda").reshape(1, 2, 1, 1)
+    q = torch.randn(2, 8, 77, 64, device="cuda") / spread.repeat_interleave(4, dim=1)
+    k, v = torch.randn(2, 2, 77, 64, device="cuda") * spread, torch.randn(2, 2, 77, 64, device="cuda")
+    scales = [(t.abs().amax(dim=(0, 2, 3)) / E4M3.max) for t in (q, k, v)]
+    qq, kq, vq = (kernels.quantize(t, s.reshape(-1, 1, 1), E4M3) for t, s in zip((q, k, v), scales))
+    ps = torch.tensor([1 / 448, 1 / 256] * 4, device="cuda")
+    fast, ref, _ = both(lambda: kernels.fp8_attention(qq, scales[0], kq, scales[1], vq, scales[2], is_causal=True,
+                                                      p_scale=ps))
+    torch.testing.assert_close(fast, ref, rtol=1e-3, atol=1e-3)
+    for h in range(8):
+        one = kernels.fp8_attention(qq[:, h:h + 1], scales[0][h], kq[:, h // 4:h // 4 + 1], scales[1][h // 4],
+                                    vq[:, h // 4:h // 4 + 1], scales[2][h // 4], is_causal=True, p_scale=ps[h])
+        assert torch.equal(fast[:, h:h + 1], one), h
+
+
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_grouped_linear(top_k):
     e, t, n, k = 8, 300, 256, 512
