@@ -50,7 +50,7 @@ def timed(fn: Callable[..., object], *args: object, reps: int = 25, **kwargs: ob
 
 
 def table(header: list[str], rows: list[list[object]]) -> None:
-    widths = [max(len(str(h)), *(len(f"{r[i]}") for r in rows)) for i, h in enumerate(header)]
+    widths = [max([len(str(h))] + [len(f"{r[i]}") for r in rows]) for i, h in enumerate(header)]
     print("  ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)))
     print("  ".join("-" * w for w in widths))
     for r in rows:
