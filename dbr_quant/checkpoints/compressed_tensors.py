@@ -86,7 +86,8 @@ def _activation(a: dict[str, Any] | None, where: str) -> tuple[ActivationScheme 
     if dynamic is True and strategy == "group":
         g = a.get("group_size")
         if not isinstance(g, int) or g <= 0:
-            raise CheckpointError(f"{where}.input_activations.group_size must be a positive int, the config holds {g!r}")
+            raise CheckpointError(f"{where}.input_activations.group_size must be a positive int, the config "
+                                  f"holds {g!r}")
         return ActivationScheme("group", True, g), None
     if dynamic is False and strategy == "tensor":
         return ActivationScheme("tensor", False), None

@@ -48,8 +48,9 @@ class FolderPlan:
     """What a foreign folder holds for a model, checked: the FP8 linears with their schemes and tensor names,
     the attention modules with k/v scales, and every tensor expected."""
 
-    def __init__(self, model: nn.Module, scheme: FolderScheme, stored: dict[str, StoredTensor]) -> None:
-        self.scheme, self.stored = scheme, stored
+    def __init__(self, model: nn.Module, scheme: FolderScheme, stored: dict[str, StoredTensor],
+                 recalibrate: bool = False) -> None:
+        self.scheme, self.stored, self.recalibrate = scheme, stored, recalibrate
         self.linears: dict[str, LinearScheme] = {}
         self.weight_scale: dict[str, str] = {}  # FP8 linear → its weight scale's tensor name
         self.input_scale: dict[str, str] = {}  # FP8 linear with static inputs → its input scale's tensor name
@@ -79,15 +80,15 @@ class FolderPlan:
                 raise CheckpointError(f"{name}: {t.dtype} weights; dbr_quant reads the E4M3 FP8 weights of the "
                                       f"{s.tool} format")
             if not isinstance(mod, nn.Linear) or not isinstance(mod.weight, torch.Tensor) or mod.weight.dim() != 2:
-                raise CheckpointError(f"{name}: an FP8 weight in the checkpoint, but the model has no nn.Linear '{fqn}'; "
-                                      "build the architecture the checkpoint was made from")
+                raise CheckpointError(f"{name}: an FP8 weight in the checkpoint, but the model has no nn.Linear "
+                                      f"'{fqn}'; build the architecture the checkpoint was made from")
             if s.ignored(fqn, mod):
                 raise CheckpointError(f"{name}: FP8 in the file, but {s.where} lists '{fqn}' as kept in high "
                                       "precision (ignore / modules_to_not_convert); the folder contradicts its config")
             ls = s.scheme_of(fqn, mod)
             if ls is None:
                 raise CheckpointError(f"{name}: FP8 in the file, but no entry of {s.where} targets '{fqn}'")
-            self.overrides.append(ls.override(fqn, s.where))  # refuses what dbr_quant cannot run, naming it
+            self.overrides.append(ls.override(fqn, s.where, self.recalibrate))  # refuses what it cannot run
             out, inp = mod.weight.shape
             self.linears[fqn] = ls
             self.expected[name] = ((torch.float8_e4m3fn,), ((out, inp),))
@@ -167,9 +168,10 @@ class FolderPlan:
 
     def qconfig(self) -> QConfig:
         """The listed linears as the file says, FP8 attention where k/v scales are, nothing else in FP8."""
-        kv = [Override(pattern=rf"^{re.escape(fqn)}\.scaled_dot_product_attention_\d+$", activation=TensorQConfig(),
+        kv = [Override(pattern=rf"^{re.escape(fqn)}\.{SDPA}$", activation=TensorQConfig(),
                        dynamic=False) for fqn in self.kv]
-        return QConfig(quantize_attention=bool(self.kv), overrides=(*self.overrides, *kv, Override(pattern="", skip=True)))
+        rest = Override(pattern="", skip=True)
+        return QConfig(quantize_attention=bool(self.kv), overrides=(*self.overrides, *kv, rest))
 
 
 def _default_example(model: nn.Module) -> tuple[tuple, dict]:
@@ -195,11 +197,13 @@ def _traced(states: list[AutoQuantizationState]) -> tuple[set[str], set[str]]:
 
 
 def load_foreign(folder: Path, model: nn.Module, scheme: FolderScheme, stored: dict[str, StoredTensor],
-                 example_inputs: Any, example_kwargs: dict[str, Any] | None) -> nn.Module:
+                 example_inputs: Any, example_kwargs: dict[str, Any] | None, recalibrate: bool = False) -> nn.Module:
     """A converted model running the folder's FP8 linears (and attention with k/v scales) with dbr_quant's
     kernels, built as ``load.py`` builds one (``assemble.py``): FP8 weights placed as read, static scales from
-    the folder, no calibration, ``model`` untouched."""
-    plan = FolderPlan(model, scheme, stored)
+    the folder, no calibration, ``model`` untouched. ``recalibrate``: the model prepared instead, every FP8
+    linear with a static per-tensor input observer, for ``dbr_quant.calibrate`` then ``dbr_quant.convert``
+    (which keeps the FP8 weights as read): a dynamic-activation checkpoint turned into a static one."""
+    plan = FolderPlan(model, scheme, stored, recalibrate)
     plan.check()
     if not plan.linears:
         raise CheckpointError(f"{folder}: no E4M3 'weight' tensor, nothing to load as FP8")
@@ -227,6 +231,8 @@ def load_foreign(folder: Path, model: nn.Module, scheme: FolderScheme, stored: d
     if no_sdpa:
         raise CheckpointError(f"'{no_sdpa[0]}': the checkpoint has its k/v scales, but its forward runs no "
                               "F.scaled_dot_product_attention (build the model with attn_implementation='sdpa')")
+    if recalibrate:
+        return prepared
 
     def scale_of(st: AutoQuantizationState, op: SeenOp, slot: str) -> torch.Tensor | None:
         if op.kind == LINEAR and op.weight_owner in plan.input_scale:

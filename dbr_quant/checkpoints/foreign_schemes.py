@@ -77,8 +77,9 @@ class LinearScheme:
     activation: ActivationScheme | None
     refused: str | None = None
 
-    def override(self, fqn: str, where: str) -> Override:
-        """The per-module setting that makes dbr_quant run ``fqn`` as the file says, or a CheckpointError."""
+    def override(self, fqn: str, where: str, static: bool = False) -> Override:
+        """The per-module setting that makes dbr_quant run ``fqn`` as the file says (``static``: with static
+        per-tensor input scales still to be calibrated instead), or a CheckpointError."""
         if self.refused is not None:
             raise CheckpointError(f"'{fqn}' ({where}): {self.refused}")
         a = self.activation
@@ -94,8 +95,9 @@ class LinearScheme:
                 f"'{fqn}' ({where}): dynamic per-token-group activations (group {a.group_size}) with {w.granularity} "
                 f"weights{'' if w.block is None else f' of block {list(w.block)}'}; dbr_quant's GEMMs apply group "
                 "scales only with block weights whose column count equals the group")
-        activation = TensorQConfig(granularity=a.granularity, group_size=a.group_size or 128)
-        return Override(pattern=f"^{re.escape(fqn)}$", weight=w.qconfig(), activation=activation, dynamic=a.dynamic)
+        activation = TensorQConfig(granularity="tensor" if static else a.granularity, group_size=a.group_size or 128)
+        return Override(pattern=f"^{re.escape(fqn)}$", weight=w.qconfig(), activation=activation,
+                        dynamic=False if static else a.dynamic)
 
 
 @dataclass(frozen=True)

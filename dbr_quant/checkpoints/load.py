@@ -316,7 +316,7 @@ def _check_fp8_as_saved(converted: nn.Module, meta: dict[str, Any], states: list
 
 
 def load_pretrained(save_directory: str | Path, model: nn.Module | None = None, *, example_inputs: Any = None,
-                    example_kwargs: dict[str, Any] | None = None) -> nn.Module:
+                    example_kwargs: dict[str, Any] | None = None, recalibrate: bool = False) -> nn.Module:
     """The converted model of the FP8 folder ``save_directory``, running dbr_quant's kernels.
 
     ``model``: the high-precision architecture (e.g. built from its config, in the dtype the folder was saved
@@ -330,8 +330,11 @@ def load_pretrained(save_directory: str | Path, model: nn.Module | None = None, 
     (``readers.py``): compressed-tensors ``float-quantized`` (any FP8 weight strategy; static or dynamic
     per-tensor / token / group inputs; ``ignore``; ``kv_cache_scheme``), the Hub's ``quant_method: "fp8"``,
     ``fbgemm_fp8``, ModelOpt FP8 (``foreign.py``; example inputs: given, else a short ``input_ids`` for a
-    Hugging Face model). A loaded dynamic-activation model can be given static scales with
-    ``dbr_quant.calibrate`` and saved again (README, "Reading FP8 checkpoints").
+    Hugging Face model).
+
+    ``recalibrate=True`` (folders of other tools) returns the model *prepared*, its FP8 weights as read and a
+    static per-tensor input observer on every FP8 linear: ``dbr_quant.calibrate`` it, ``dbr_quant.convert`` it
+    (the weights stay the file's bytes) and ``save_pretrained`` it — an FP8_DYNAMIC checkpoint made static.
 
     Raises :class:`CheckpointError` naming the tensor for anything missing, of the wrong shape or dtype,
     non-finite, or truncated, and naming the setting for a scheme dbr_quant cannot run exactly (weight-only
@@ -348,7 +351,11 @@ def load_pretrained(save_directory: str | Path, model: nn.Module | None = None, 
     if not (folder / sidecar.FILENAME).is_file():
         scheme = readers.folder_scheme(folder)
         if scheme is not None:  # another tool's FP8 folder
-            return foreign.load_foreign(folder, model, scheme, _read_headers(folder), example_inputs, example_kwargs)
+            return foreign.load_foreign(folder, model, scheme, _read_headers(folder), example_inputs, example_kwargs,
+                                        recalibrate)
+    if recalibrate:
+        raise CheckpointError(f"{folder}: recalibrate=True takes a folder of another tool; a dbr_quant folder keeps "
+                              "the scales it was saved with (prepare and calibrate the high-precision model instead)")
     meta = _read_sidecar(folder)
     stored = experts.file_to_model_names(_read_headers(folder), meta)
     values = _read_and_check(model, meta, stored)
