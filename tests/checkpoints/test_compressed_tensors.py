@@ -41,9 +41,10 @@ def mean_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return F.cosine_similarity(a.flatten(0, -2).float(), b.flatten(0, -2).float(), dim=-1).mean().item()
 
 
-def compare(ours: torch.Tensor, theirs: torch.Tensor, hp: torch.Tensor, label: str) -> None:
+def compare(ours: torch.Tensor, theirs: torch.Tensor, hp: torch.Tensor, label: str,
+            other: str = "transformers") -> None:
     d_ours, d_theirs, agree = mean_cosine(ours, hp), mean_cosine(theirs, hp), mean_cosine(ours, theirs)
-    print(f"{label}: distance to high precision dbr_quant {d_ours:.6f} transformers {d_theirs:.6f}; "
+    print(f"{label}: distance to high precision dbr_quant {d_ours:.6f} {other} {d_theirs:.6f}; "
           f"agreement {agree:.6f}")
     assert abs(d_ours - d_theirs) <= 5e-4
     assert agree > max(d_ours, d_theirs)
