@@ -31,7 +31,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from dbr_quant.checkpoints.assemble import Skeleton, check_scale, example_args, finish_convert, trace
+from dbr_quant.checkpoints.assemble import (
+    Skeleton,
+    check_scale,
+    example_args,
+    finish_convert,
+    on_model_device,
+    trace,
+)
 from dbr_quant.checkpoints.errors import CheckpointError
 from dbr_quant.checkpoints.foreign_schemes import SCALE_DTYPES, FolderScheme, LinearScheme
 from dbr_quant.checkpoints.layout import model_modules, own_tensors
@@ -221,6 +228,8 @@ def load_foreign(folder: Path, model: nn.Module, scheme: FolderScheme, stored: d
         if name in values:
             skeleton.put(name, values[name])
     skeleton.check_complete()
+    if example_inputs is None and example_kwargs is None:
+        args, kwargs = on_model_device(skeleton.model, args, kwargs)
     prepared = trace(skeleton.model, args, kwargs, qconfig)
     fp8, attention = _traced(prepared.__dict__["_dbr_record"].states)
     lost = sorted(set(plan.linears) - fp8)

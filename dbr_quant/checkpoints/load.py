@@ -24,7 +24,15 @@ from torch import nn
 
 from dbr_quant import kernels
 from dbr_quant.checkpoints import experts, foreign, readers, sidecar
-from dbr_quant.checkpoints.assemble import ScaleSource, Skeleton, check_scale, example_args, finish_convert, trace
+from dbr_quant.checkpoints.assemble import (
+    ScaleSource,
+    Skeleton,
+    check_scale,
+    example_args,
+    finish_convert,
+    on_model_device,
+    trace,
+)
 from dbr_quant.checkpoints.errors import CheckpointError
 from dbr_quant.checkpoints.layout import model_modules, own_tensors
 from dbr_quant.checkpoints.meta_model import architecture_of
@@ -363,6 +371,8 @@ def load_pretrained(save_directory: str | Path, model: nn.Module | None = None, 
     skeleton = Skeleton(model)
     _place(skeleton, meta, values)
     del values
+    if example_inputs is None and example_kwargs is None:  # the folder's (CPU) examples go where the model is
+        args, kwargs = on_model_device(skeleton.model, args, kwargs)
     prepared = trace(skeleton.model, args, kwargs, sidecar.rebuild_qconfig(meta["qconfig"], meta["states"]))
     states = prepared.__dict__["_dbr_record"].states
     diff = sidecar.compare_trace(meta["states"], states)
