@@ -10,6 +10,7 @@
 3. End to end: a MiniLM-shaped BERT (random weights: the real checkpoint is not on the GPU image) and a bf16
    Llama (Llama-3-8B layer sizes, 2 layers), FP8 eager and ``rewrite`` + ``torch.compile`` vs the bf16 model
    eager and compiled.
+4. Host time per decode-size call: entry point, Triton wrapper, Triton's launch, cuBLASLt; a profile.
 Times are medians of CUDA-event runs after warm-up. Prints the device, driver, torch, triton and CUDA versions.
 Needs CUDA (prints why not, else).
 """
@@ -166,10 +167,77 @@ def e2e_section() -> None:
            "compiled speed-up"], rows)
 
 
+def _host_us(fn: Callable[[], object], calls: int = 300) -> float:
+    """Microseconds of host time per call: ``calls`` back-to-back calls, one synchronize at the end. When the
+    GPU work is shorter than the host work (decode GEMMs) this is what a call costs."""
+    import time
+
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def host_section() -> None:
+    """Where a decode-size call's time goes on the host: the entry point (op table + backend dispatch), the
+    Triton wrapper (checks, operands), Triton's own launch, against cuBLASLt; then a profile of the entry point."""
+    import cProfile
+    import io
+    import pstats
+
+    import triton
+
+    from dbr_quant import kernels
+    from dbr_quant.formats import FP8Format
+    from dbr_quant.kernels.triton import gemm
+
+    print("\n## 4. Host time per call, M = 1, N = K = 4096 (µs; 300 calls, one synchronize)")
+    w_q, w_s = kernels.dynamic_quantize(torch.randn(4096, 4096, device="cuda"), FP8Format.E4M3)
+    x_q, x_s = kernels.dynamic_quantize(torch.randn(1, 4096, device="cuda"), FP8Format.E4M3)
+    out = torch.empty(1, 4096, device="cuda", dtype=torch.bfloat16)
+    cfg = gemm.pick_config(1)
+    xs, ws, w_t = x_s.reshape(1), w_s.reshape(1), w_q.t()
+
+    def launch_only() -> None:
+        gemm.LINEAR_KERNEL[(triton.cdiv(4096, cfg.BLOCK_N),)](
+            x_q, w_q, out.view(torch.uint16), xs, ws, xs, xs, xs, 1, 4096, 4096, 4096, 1, 4096, 1, 4096, 1, 0, 0,
+            0, 0, **cfg.constexprs(), ACTIVATION="none", GATED=False, HAS_BIAS=False, HAS_RESIDUAL=False,
+            OUT_KIND="bf16", FP8_MAX=448.0, MANTISSA_BITS=3, MIN_NORMAL=2.0**-6, EXP_BIAS=7,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def entry() -> None:
+        kernels.fp8_linear(x_q, x_s, w_q, w_s, out_dtype=torch.bfloat16)
+
+    def cublas() -> None:
+        torch._scaled_mm(x_q, w_t, scale_a=x_s, scale_b=w_s, out_dtype=torch.bfloat16)
+
+    with kernels.use_backend("triton"):
+        rows = [["kernels.fp8_linear (entry point)", f"{_host_us(entry):.1f}"],
+                ["kernels.triton.gemm.fp8_linear (wrapper)",
+                 f"{_host_us(lambda: gemm.fp8_linear(x_q, x_s, w_q, w_s, out_dtype=torch.bfloat16)):.1f}"],
+                ["Triton launch alone (JITFunction[grid])", f"{_host_us(launch_only):.1f}"],
+                ["torch._scaled_mm", f"{_host_us(cublas):.1f}"],
+                ["torch.empty (floor)", f"{_host_us(lambda: torch.empty(1, 4096, device='cuda')):.1f}"]]
+        table(["call", "µs"], rows)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(300):
+            entry()
+        prof.disable()
+    stream = io.StringIO()
+    pstats.Stats(prof, stream=stream).sort_stats("tottime").print_stats(14)
+    print("profile of 300 entry-point calls, by own time:")
+    print("\n".join(line for line in stream.getvalue().splitlines()[4:] if line.strip()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer GEMM sizes")
-    parser.add_argument("--only", choices=["gemm", "fused", "e2e"], help="one section")
+    parser.add_argument("--only", choices=["gemm", "fused", "e2e", "host"], help="one section")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/gpu.py: no CUDA device here; run it on a GPU machine (make gpu-check)")
@@ -181,7 +249,8 @@ def main() -> None:
     print(f"device {torch.cuda.get_device_name()}, driver {driver}, torch {torch.__version__}, "
           f"triton {triton.__version__}, CUDA {torch.version.cuda}, Python {sys.version.split()[0]}")
     torch.manual_seed(0)
-    sections = {"gemm": lambda: gemm_section(args.quick), "fused": fused_section, "e2e": e2e_section}
+    sections = {"gemm": lambda: gemm_section(args.quick), "fused": fused_section, "e2e": e2e_section,
+                "host": host_section}
     failed = False
     for name, run in sections.items():
         if args.only in (None, name):
