@@ -23,10 +23,19 @@ import torch
 from torch import nn
 
 from dbr_quant import kernels
-from dbr_quant.checkpoints import experts, foreign, sidecar
-from dbr_quant.checkpoints.assemble import ScaleSource, Skeleton, check_scale, example_args, finish_convert, trace
+from dbr_quant.checkpoints import experts, foreign, readers, sidecar
+from dbr_quant.checkpoints.assemble import (
+    ScaleSource,
+    Skeleton,
+    check_scale,
+    example_args,
+    finish_convert,
+    on_model_device,
+    trace,
+)
 from dbr_quant.checkpoints.errors import CheckpointError
 from dbr_quant.checkpoints.layout import kv_file_scale, model_modules, own_tensors
+from dbr_quant.checkpoints.meta_model import architecture_of
 from dbr_quant.checkpoints.safetensors_io import StoredTensor, read_header, read_tensor
 from dbr_quant.checkpoints.save import INDEX
 from dbr_quant.formats import FP8Format
@@ -41,11 +50,9 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 def _read_sidecar(folder: Path) -> dict[str, Any]:
     path = folder / sidecar.FILENAME
     if not path.is_file():
-        raise CheckpointError(f"{folder}: no {sidecar.FILENAME}, so this is not a folder written by "
-                              "dbr_quant.save_pretrained nor a block-scaled FP8 folder (compressed-tensors "
-                              "FP8_BLOCK, transformers FineGrainedFP8), the other layouts load_pretrained reads (load "
-                              "a per-channel / per-tensor compressed-tensors folder with transformers' "
-                              "from_pretrained or vLLM instead)")
+        raise CheckpointError(f"{folder}: no {sidecar.FILENAME} and no quantization_config in config.json (nor "
+                              "hf_quant_config.json), so this is neither a folder written by dbr_quant.save_pretrained "
+                              "nor an FP8 folder of another tool (compressed-tensors, fp8, fbgemm_fp8, ModelOpt)")
     try:
         meta = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -321,30 +328,47 @@ def _check_fp8_as_saved(converted: nn.Module, meta: dict[str, Any], states: list
                               f"{stacked[:3]} (a dbr_quant version difference?)")
 
 
-def load_pretrained(save_directory: str | Path, model: nn.Module, *, example_inputs: Any = None,
-                    example_kwargs: dict[str, Any] | None = None) -> nn.Module:
-    """The converted model saved by :func:`save_pretrained` in ``save_directory``, built on ``model``: the
-    same architecture (e.g. built from its config, in the dtype it was saved from; on the meta device when it
-    has no non-persistent buffers), whose parameters are never copied nor modified: every tensor comes from
-    the folder, FP8 weights placed as FP8 (peak memory: the FP8 model plus about one layer). prepare()'s
-    example inputs come from the folder unless given.
+def load_pretrained(save_directory: str | Path, model: nn.Module | None = None, *, example_inputs: Any = None,
+                    example_kwargs: dict[str, Any] | None = None, recalibrate: bool = False) -> nn.Module:
+    """The converted model of the FP8 folder ``save_directory``, running dbr_quant's kernels.
 
-    A folder without ``dbr_quant.json`` whose ``config.json`` describes block-scaled FP8 written by another
-    tool (compressed-tensors ``FP8_BLOCK``, transformers FineGrainedFP8; see ``checkpoints/foreign.py``) loads
-    as a converted model running dbr_quant's block kernels (example inputs: given, else a short ``input_ids``
-    for a Hugging Face model). Raises :class:`CheckpointError` naming the tensor for anything missing, of the
-    wrong shape or dtype, non-finite, or truncated; nothing in the folder is executed (JSON and raw bytes).
+    ``model``: the high-precision architecture (e.g. built from its config, in the dtype the folder was saved
+    from; on the meta device when it has no non-persistent buffers), whose parameters are never copied nor
+    modified: every tensor comes from the folder, FP8 weights placed as FP8 (peak memory: the FP8 model plus
+    about one layer). Without ``model``, the Hugging Face architecture ``config.json`` names is built with its
+    parameters on the meta device (``meta_model.py``), so no high-precision weight is ever materialized.
+
+    The folder is one that :func:`save_pretrained` wrote (``dbr_quant.json``: restored bit for bit, prepare()'s
+    example inputs from the folder unless given), or an FP8 folder of another tool, told by its config
+    (``readers.py``): compressed-tensors ``float-quantized`` (any FP8 weight strategy; static or dynamic
+    per-tensor / token / group inputs; ``ignore``; ``kv_cache_scheme``), the Hub's ``quant_method: "fp8"``,
+    ``fbgemm_fp8``, ModelOpt FP8 (``foreign.py``; example inputs: given, else a short ``input_ids`` for a
+    Hugging Face model).
+
+    ``recalibrate=True`` (folders of other tools) returns the model *prepared*, its FP8 weights as read and a
+    static per-tensor input observer on every FP8 linear: ``dbr_quant.calibrate`` it, ``dbr_quant.convert`` it
+    (the weights stay the file's bytes) and ``save_pretrained`` it — an FP8_DYNAMIC checkpoint made static.
+
+    Raises :class:`CheckpointError` naming the tensor for anything missing, of the wrong shape or dtype,
+    non-finite, or truncated, and naming the setting for a scheme dbr_quant cannot run exactly (weight-only
+    FP8, E5M2, zero points); nothing in the folder is executed (JSON and raw bytes).
     """
+    folder = Path(save_directory)
+    if model is None:
+        model = architecture_of(folder)
     if not isinstance(model, nn.Module):
         raise TypeError(f"load_pretrained() takes the high-precision nn.Module to rebuild, got {type(model).__name__}")
     if "_dbr_record" in model.__dict__:
         raise TypeError("load_pretrained() needs the original (high-precision) architecture, not a model returned "
                         "by dbr_quant.prepare()/convert()")
-    folder = Path(save_directory)
     if not (folder / sidecar.FILENAME).is_file():
-        qc = foreign.quantization_config_of(folder)
-        if qc is not None and foreign.is_block_config(qc):  # another tool's (compressed-tensors, FineGrainedFP8)
-            return foreign.load_foreign(folder, model, qc, _read_headers(folder), example_inputs, example_kwargs)
+        scheme = readers.folder_scheme(folder)
+        if scheme is not None:  # another tool's FP8 folder
+            return foreign.load_foreign(folder, model, scheme, _read_headers(folder), example_inputs, example_kwargs,
+                                        recalibrate)
+    if recalibrate:
+        raise CheckpointError(f"{folder}: recalibrate=True takes a folder of another tool; a dbr_quant folder keeps "
+                              "the scales it was saved with (prepare and calibrate the high-precision model instead)")
     meta = _read_sidecar(folder)
     stored = experts.file_to_model_names(_read_headers(folder), meta)
     values = _read_and_check(model, meta, stored)
@@ -352,6 +376,8 @@ def load_pretrained(save_directory: str | Path, model: nn.Module, *, example_inp
     skeleton = Skeleton(model)
     _place(skeleton, meta, values)
     del values
+    if example_inputs is None and example_kwargs is None:  # the folder's (CPU) examples go where the model is
+        args, kwargs = on_model_device(skeleton.model, args, kwargs)
     prepared = trace(skeleton.model, args, kwargs, sidecar.rebuild_qconfig(meta["qconfig"], meta["states"]))
     states = prepared.__dict__["_dbr_record"].states
     diff = sidecar.compare_trace(meta["states"], states)

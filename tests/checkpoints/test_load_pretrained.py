@@ -10,7 +10,7 @@ import struct
 
 import pytest
 import torch
-from ckpt_models import LLAMA, convert_hf, gpt2, llama, twice
+from ckpt_models import LLAMA, convert_hf, fp8_linears, gpt2, llama, twice
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -243,8 +243,15 @@ def test_other_architecture_or_folder_is_refused(llama_converted, tmp_path):
     (tmp_path / "dbr_quant.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="dbr_quant.json: .*scale 'input': a scale must be a positive finite"):
         dq.load_pretrained(tmp_path, llama())
-    (tmp_path / "dbr_quant.json").unlink()
-    with pytest.raises(CheckpointError, match="no dbr_quant.json, so this is not a folder written by"):
+    (tmp_path / "dbr_quant.json").unlink()  # now a compressed-tensors folder of another tool (issue #22): it loads
+    as_foreign = dq.load_pretrained(tmp_path, llama())
+    for name, mod in fp8_linears(llama_converted.converted).items():
+        a, b = fp8_weight_of(mod), fp8_weight_of(as_foreign.get_submodule(name))
+        assert torch.equal(a.qdata.view(torch.uint8), b.qdata.view(torch.uint8)), name
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="no dbr_quant.json and no quantization_config in config.json"):
         dq.load_pretrained(tmp_path, llama())
 
 

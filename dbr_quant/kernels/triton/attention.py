@@ -144,7 +144,8 @@ def _attn_fwd(
         p_q = round_to_fp8(p * p_inv, FP8_MAX, MANTISSA_BITS, MIN_NORMAL).to(V.dtype.element_ty)
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = tl.dot(p_q, v, acc * alpha[:, None])
+        # promoted to fp32 after each tile (see gemm_core.main_loop): else sm_90 sums all of Lk in the tensor core
+        acc = tl.dot(p_q, v, acc * alpha[:, None], max_num_imprecise_acc=BLOCK_N)
         m_i = m_new
 
     # fully masked rows have l = 0 and acc = 0: divide by 1 to output exact zeros instead of NaN
