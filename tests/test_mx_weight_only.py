@@ -174,6 +174,21 @@ def test_weight_only_per_tensor_in_bf16():
     assert F.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0) > 0.999
 
 
+@pytest.mark.parametrize("qconfig, op", [(dq.QConfig.mxfp8(), "fp8_mx_linear"),
+                                         (dq.QConfig.fp8_weight_only(), "fp8_weight_only_linear")])
+def test_rewritten_graph_runs_the_ops_and_equals_eager(qconfig, op):
+    from dbr_quant.fx_rewriter import rewrite
+
+    c = _convert(_model(), qconfig)
+    g = rewrite(c)
+    ops = [n.target._name for n in g.graph.nodes if n.op == "call_function" and hasattr(n.target, "_name")
+           and n.target._name.startswith("dbr_quant::")]
+    assert ops.count(f"dbr_quant::{op}") == 5 and "dbr_quant::fp8_linear" not in ops
+    with torch.no_grad():
+        for x in (_x(2, 5), _x(3, 8, seed=7)):  # the traced shape and another
+            assert torch.equal(g(x), c(x))
+
+
 # ----------------------------------------------------------------------------------------- real model
 @pytest.mark.slow
 def test_minilm_end_to_end_on_cpu():

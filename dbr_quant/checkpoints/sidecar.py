@@ -97,12 +97,17 @@ def op_config(cfg: OpQConfig) -> dict[str, Any]:
            "weight": _tensor_cfg(cfg.weight)}
     if cfg.untie:  # only where set: files without it read as before
         out["untie"] = True
+    if cfg.weight_only:
+        out["weight_only"] = True
     return out
 
 
 def global_config(q: QConfig) -> dict[str, Any]:
-    return {"activation": _tensor_cfg(q.activation), "weight": _tensor_cfg(q.weight), "dynamic": q.dynamic,
-            "strict": q.strict, "fuse": q.fuse, "quantize_attention": q.quantize_attention}
+    out = {"activation": _tensor_cfg(q.activation), "weight": _tensor_cfg(q.weight), "dynamic": q.dynamic,
+           "strict": q.strict, "fuse": q.fuse, "quantize_attention": q.quantize_attention}
+    if q.weight_only:  # only where set: files without it read as before
+        out["weight_only"] = True
+    return out
 
 
 def rebuild_qconfig(saved: dict[str, Any], states: list[dict[str, Any]]) -> QConfig:
@@ -111,7 +116,7 @@ def rebuild_qconfig(saved: dict[str, Any], states: list[dict[str, Any]]) -> QCon
     g = saved
     base = QConfig(activation=_tensor_cfg_from(g["activation"]), weight=_tensor_cfg_from(g["weight"]),
                    dynamic=g["dynamic"], strict=g["strict"], fuse=g["fuse"],
-                   quantize_attention=g["quantize_attention"])
+                   quantize_attention=g["quantize_attention"], weight_only=g.get("weight_only", False))
     default = op_config(base.for_op("", ()))
     overrides: dict[str, Override] = {}
     for st in states:
@@ -124,7 +129,8 @@ def rebuild_qconfig(saved: dict[str, Any], states: list[dict[str, Any]]) -> QCon
                 activation=_tensor_cfg_from(cfg["activation"]), weight=_tensor_cfg_from(cfg["weight"]),
                 untie=cfg.get("untie", False))
     return QConfig(activation=base.activation, weight=base.weight, dynamic=base.dynamic, strict=base.strict,
-                   fuse=base.fuse, quantize_attention=base.quantize_attention, overrides=tuple(overrides.values()))
+                   fuse=base.fuse, quantize_attention=base.quantize_attention, overrides=tuple(overrides.values()),
+                   weight_only=base.weight_only)
 
 
 # ------------------------------------------------------------------------------------------ ops
