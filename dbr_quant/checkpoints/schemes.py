@@ -68,9 +68,9 @@ def scheme(fqn: str, w: FP8Weight, ops: list[SeenOp]) -> Scheme:
     group = ops[0].qconfig.activation.group_size if granularity == "group" else None
     if w.scale.dtype == torch.uint8:  # E8M0 codes: MXFP8
         if w.qdata.shape[-1] % MX_BLOCK and not w.transposed:
-            raise CheckpointError(f"'{fqn}': in_features {w.qdata.shape[-1]} is not a multiple of 32; compressed-tensors' "
-                                  "MXFP8 (group strategy, group_size 32) needs whole groups. Keep it in high precision "
-                                  "(Override(pattern=..., skip=True)).")
+            raise CheckpointError(f"'{fqn}': in_features {w.qdata.shape[-1]} is not a multiple of 32; "
+                                  "compressed-tensors' MXFP8 (group strategy, group_size 32) needs whole groups. Keep "
+                                  "it in high precision (Override(pattern=..., skip=True)).")
         return "mx", "mx", True, None, MX_BLOCK
     if w.block is not None:
         in_features = w.qdata.shape[-1]
