@@ -23,6 +23,8 @@ GRANULARITIES = ("tensor", "channel", "token", "block", "group", "mx")
 WEIGHT_GRANULARITIES = ("tensor", "channel", "block", "mx")
 ACTIVATION_GRANULARITIES = ("tensor", "token", "group", "mx")
 WEIGHT_ONLY_GRANULARITIES = ("tensor", "channel")  # what vLLM's CompressedTensorsW8A16Fp8 reads
+MXScaleRounding = Literal["floor", "ceil"]
+MX_SCALE_ROUNDINGS = ("floor", "ceil")
 WeightRounding = Literal["nearest", "gptq"]
 WEIGHT_ROUNDINGS = ("nearest", "gptq")
 # GPTQ's damping candidates, relative to the mean Hessian diagonal: a half-decade log grid from 1e-3 to 10, then
@@ -41,8 +43,11 @@ class TensorQConfig:
     those granularities; a linear with block weights needs its activation group to equal the block's column
     count (one activation scale per K block of the GEMM). "mx" (weights and dynamic activations, together): OCP
     MX, one power-of-two E8M0 scale per 32 elements along K (``kernels.reference.mx`` says how the exponent is
-    rounded); ``block`` / ``group_size`` are not read. With ``quantize_attention``, "group" and "mx" activations of
-    matmul / attention operands are quantized per token where the operand allows it (a, q, k), else per tensor.
+    rounded); ``block`` / ``group_size`` are not read. ``mx_scale_rounding`` (read by "mx" only): "floor", the OCP
+    spec's rule (amax's binade minus the element format's; the block's largest values may saturate), or "ceil" (the
+    smallest power of two that saturates nothing, torchao's RCEIL). With ``quantize_attention``, "group" and "mx"
+    activations of matmul / attention operands are quantized per token where the operand allows it (a, q, k), else
+    per tensor.
     """
 
     format: FP8Format = FP8Format.E4M3
@@ -50,9 +55,12 @@ class TensorQConfig:
     granularity: Granularity = "tensor"
     block: tuple[int, int] = (128, 128)
     group_size: int = 128
+    mx_scale_rounding: MXScaleRounding = "floor"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "format", FP8Format.parse(self.format))
+        if self.mx_scale_rounding not in MX_SCALE_ROUNDINGS:
+            raise ValueError(f"mx_scale_rounding must be 'floor' or 'ceil', not {self.mx_scale_rounding!r}")
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {', '.join(map(repr, GRANULARITIES))}, "
                              f"not {self.granularity!r}")
@@ -213,13 +221,15 @@ class QConfig:
                    **kwargs)
 
     @classmethod
-    def mxfp8(cls, fmt: FP8Format | str = FP8Format.E4M3, **kwargs) -> QConfig:
+    def mxfp8(cls, fmt: FP8Format | str = FP8Format.E4M3, scale_rounding: MXScaleRounding = "floor",
+              **kwargs) -> QConfig:
         """MXFP8 (OCP MX v1.0, compressed-tensors ``MXFP8``, Blackwell's scaled MMA): FP8 weights and dynamic FP8
-        activations, one power-of-two E8M0 scale per 32 elements along K. No calibration needed. Other QConfig
-        fields go in ``kwargs``."""
+        activations, one power-of-two E8M0 scale per 32 elements along K, its exponent rounded per
+        ``scale_rounding`` ("floor": the spec; "ceil": nothing saturates, see TensorQConfig). No calibration
+        needed. Other QConfig fields go in ``kwargs``."""
         fmt = FP8Format.parse(fmt)
-        return cls(weight=TensorQConfig(format=fmt, granularity="mx"),
-                   activation=TensorQConfig(format=fmt, granularity="mx"), dynamic=True, **kwargs)
+        mx = TensorQConfig(format=fmt, granularity="mx", mx_scale_rounding=scale_rounding)
+        return cls(weight=mx, activation=mx, dynamic=True, **kwargs)
 
     @classmethod
     def fp8_weight_only(cls, granularity: Literal["channel", "tensor"] = "channel", **kwargs) -> QConfig:

@@ -85,6 +85,9 @@ def test_invalid_combinations_are_refused_with_a_reason(kwargs, match):
 def test_presets():
     mx = dq.QConfig.mxfp8()
     assert (mx.weight.granularity, mx.activation.granularity, mx.dynamic) == ("mx", "mx", True)
+    assert dq.QConfig.mxfp8(scale_rounding="ceil").activation.mx_scale_rounding == "ceil"
+    with pytest.raises(ValueError, match="mx_scale_rounding must be 'floor' or 'ceil'"):
+        dq.TensorQConfig(granularity="mx", mx_scale_rounding="nearest")
     with pytest.raises(ValueError, match="observer MSE is not supported"):
         dq.TensorQConfig(granularity="mx", observer=dq.MSE())
     with pytest.raises(ValueError, match="weight_rounding='gptq' supports per-channel"):
@@ -118,6 +121,26 @@ def test_mx_convert_stores_e8m0_weights_and_runs_the_mx_kernels(close_to_referen
     single = _convert(m, dq.QConfig.mxfp8(fuse=False))
     with torch.no_grad():
         assert torch.equal(out, single(x))
+
+
+def test_mx_ceil_rounding_reaches_weights_and_activations():
+    m = _model()
+    c = _convert(m, dq.QConfig.mxfp8(scale_rounding="ceil"))
+    orig = m.fc1.weight.detach()
+    floor = log2_codes(orig)
+    amax = F.pad(orig.abs(), (0, 32 * 7 - D)).reshape(HIDDEN, 7, 32).amax(-1)
+    want = floor + (amax > 448 * torch.exp2(floor.float() - 127)).to(torch.uint8)
+    assert torch.equal(c.fc1.weight.scale, want) and not torch.equal(want, floor)
+    x = _x(2, 3)
+    with dq.kernels.count_launches() as counts, torch.no_grad():
+        out = c(x)
+    assert counts["mx_quantize"] == 5
+    x_q, x_s = dq.kernels.mx_quantize(m.norm1(x), round_up=True)  # fc1's input, as the run quantizes it
+    floor_x = dq.kernels.mx_quantize(m.norm1(x))[1]
+    assert not torch.equal(x_s, floor_x)  # the activations took the ceil rule too (some block rounds up)
+    with torch.no_grad():
+        torch.testing.assert_close(out, _convert(m, dq.QConfig.mxfp8(scale_rounding="ceil", fuse=False))(x),
+                                   rtol=0, atol=0)
 
 
 def test_mx_state_dict_holds_uint8_weight_scale_and_loads_back():

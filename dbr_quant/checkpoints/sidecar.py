@@ -80,6 +80,8 @@ def _tensor_cfg(cfg: TensorQConfig) -> dict[str, Any]:
         out["block"] = list(cfg.block)
     if cfg.granularity == "group":
         out["group_size"] = cfg.group_size
+    if cfg.granularity == "mx" and cfg.mx_scale_rounding != "floor":
+        out["mx_scale_rounding"] = cfg.mx_scale_rounding
     return out
 
 
@@ -89,6 +91,8 @@ def _tensor_cfg_from(d: dict) -> TensorQConfig:
         extra["block"] = tuple(d["block"])
     if "group_size" in d:
         extra["group_size"] = d["group_size"]
+    if "mx_scale_rounding" in d:
+        extra["mx_scale_rounding"] = d["mx_scale_rounding"]
     return TensorQConfig(format=FP8Format.parse(d["format"]), granularity=d["granularity"], **extra)
 
 

@@ -226,9 +226,10 @@ def fp8_block_linear(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor,
 
 
 @kernel_op(launches="mx_quantize", reference=reference_mx)  # plain torch on every backend (one pass of torch ops)
-def mx_quantize(x: Tensor, fmt: FP8Format = FP8Format.E4M3) -> tuple[Tensor, Tensor]:
+def mx_quantize(x: Tensor, fmt: FP8Format = FP8Format.E4M3, round_up: bool = False) -> tuple[Tensor, Tensor]:
     """MX quantization along the last dim (weights [N, K] and dynamic activations alike): (fp8 like x, E8M0 codes
-    uint8 [..., ⌈K/32⌉], scale = 2^(code - 127), floor rounding of the exponent; see reference_mx)."""
+    uint8 [..., ⌈K/32⌉], scale = 2^(code - 127); the exponent rounded down (OCP, saturating) or up (``round_up``:
+    nothing saturates); see reference_mx)."""
     return (torch.empty_like(x, dtype=fmt.dtype),
             x.new_empty(_group_scale_shape(x, reference_mx.MX_BLOCK), dtype=torch.uint8))
 

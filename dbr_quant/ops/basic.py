@@ -138,7 +138,7 @@ def quantized_input(call: Call, slot: str, x: torch.Tensor, env: Env, block: tup
         if block is not None and cfg.activation.granularity == "group":
             return kernels.group_quantize(x, block[1], cfg.activation.format)
         if block is not None and cfg.activation.granularity == "mx":
-            return kernels.mx_quantize(x, cfg.activation.format)
+            return kernels.mx_quantize(x, cfg.activation.format, cfg.activation.mx_scale_rounding == "ceil")
         per_token = cfg.activation.granularity in ("token", "group", "mx") and slot in PER_TOKEN_SLOTS
         x_q, scale = kernels.dynamic_quantize(x, cfg.activation.format, per_token)
     else:

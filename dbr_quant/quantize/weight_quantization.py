@@ -75,7 +75,7 @@ def quantize_weight(w: torch.Tensor, cfg: TensorQConfig, *, rounding: WeightRoun
     if w.dim() == 3:
         return _quantize_experts(w, cfg)
     if cfg.granularity == "mx":
-        q, scale = kernels.mx_quantize(w, cfg.format)
+        q, scale = kernels.mx_quantize(w, cfg.format, cfg.mx_scale_rounding == "ceil")
         return QuantizedWeight(q if per_call else q.contiguous(), scale, MX_WEIGHT_BLOCK)
     if cfg.granularity == "block":
         q, scale = kernels.block_quantize_weight(w, cfg.block, cfg.format)
@@ -141,7 +141,7 @@ def _quantize_experts(w3: torch.Tensor, cfg: TensorQConfig) -> QuantizedWeight:
     channel ([E, N]) or per expert ([E, 1]); block scales per expert (blocks never straddle two experts)."""
     num_e, n, k = w3.shape
     if cfg.granularity == "mx":
-        q, scale = kernels.mx_quantize(w3, cfg.format)  # along K: each expert's rows on their own
+        q, scale = kernels.mx_quantize(w3, cfg.format, cfg.mx_scale_rounding == "ceil")  # each expert's rows
         return QuantizedWeight(q.contiguous(), scale, MX_WEIGHT_BLOCK)
     if cfg.granularity == "block":
         pairs = [kernels.block_quantize_weight(w3[e], cfg.block, cfg.format) for e in range(num_e)]

@@ -56,9 +56,10 @@ def _round_trip(model, tok, converted, folder) -> None:
         assert torch.equal(converted(**batch).last_hidden_state, loaded(**batch).last_hidden_state)
 
 
-def test_mxfp8_folder_is_compressed_tensors_mxfp8_and_loads_back_bit_for_bit(minilm_model, tmp_path):
+@pytest.mark.parametrize("rounding", ["floor", "ceil"])  # ceil's activations: kept in dbr_quant.json
+def test_mxfp8_folder_is_compressed_tensors_mxfp8_and_loads_back_bit_for_bit(minilm_model, tmp_path, rounding):
     model, tok = minilm_model
-    c = _convert(model, tok, dq.QConfig.mxfp8())
+    c = _convert(model, tok, dq.QConfig.mxfp8(scale_rounding=rounding))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dq.save_pretrained(c, tmp_path)

@@ -78,6 +78,27 @@ def test_quantize_bit_for_bit_with_torch_cast(fmt):
     assert code[0, 0] == 127 and torch.equal(q[0, :32].float(), torch.zeros(32))
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_ceil_rule_is_the_smallest_scale_that_saturates_nothing(fmt):
+    x = values((6, 96), 3)
+    x[0, :32] = 0.0
+    x[1, :32] = torch.rand(32) * 0.01
+    x[1, 0] = fmt.max * 2.0**-3  # exactly fmt.max·2^e: stays on the floor rule's code
+    x[2, 32:64] = torch.rand(32) * 0.01
+    x[2, 32] = torch.nextafter(torch.tensor(fmt.max), torch.tensor(math.inf)) * 2.0**-3  # just above: one code up
+    q, code = RM.mx_quantize(x, fmt, round_up=True)
+    floor_code = loop_codes(x, fmt)
+    amax = x.abs().reshape(6, 3, 32).amax(-1).double()
+    scale = torch.exp2(floor_code.double() - 127)
+    want = floor_code + ((amax > fmt.max * scale) & (amax > 0)).to(torch.uint8)  # one binade up where floor saturates
+    assert torch.equal(code, want)
+    assert code[1, 0] == floor_code[1, 0] and code[2, 1] == floor_code[2, 1] + 1
+    e = code.to(torch.int32).repeat_interleave(32, -1) - 127
+    assert bool(((x.double() * torch.exp2(-e.double())).abs() <= fmt.max).all())  # nothing saturates
+    want_q = (x.double() * torch.exp2(-e.double())).float().to(fmt.dtype)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
 def test_floor_rule_saturates_above_448_times_scale():
     """amax = 1.9·2^k: scale 2^(k-8), amax/scale = 486.4 > 448 saturates to 448 (OCP floor, torchao FLOOR)."""
     x = torch.zeros(1, 32)
