@@ -185,27 +185,18 @@ fp8_grouped_block_linear = functools.partial(reference_grouped.fp8_grouped_block
 fp8_mx_linear = functools.partial(reference_mx.fp8_mx_linear, operands=block_operands, quantize=quantize)
 
 
-def fp8_weight_only_linear(
-    x: torch.Tensor,
-    w_q: torch.Tensor,
-    w_scale: torch.Tensor,
-    *,
-    bias: torch.Tensor | None = None,
-    activation: str | None = None,
-    residual: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.float32,
-    out_scale: torch.Tensor | None = None,
-    out_fmt: FP8Format = FP8Format.E4M3,
-) -> torch.Tensor:
-    """:func:`reference_weight_only.fp8_weight_only_linear`: bf16 x on the bf16 GEMM path multiplies W upcast
-    exactly to bf16 (the accumulator scaled after, as the reference); anything else is an fp32 GEMM on W
-    dequantized first (:func:`dequantize_operand`, compressed-tensors' order). x itself is never rounded."""
-    reference_weight_only.check_weight_only(x, w_q, w_scale)
+
+def weight_only_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+                     ) -> torch.Tensor:
+    """:data:`reference_weight_only.WeightOnlyGemm` here: bf16 x on the bf16 GEMM path multiplies W upcast exactly to
+    bf16 (the accumulator scaled after, as the reference); anything else is an fp32 GEMM on W dequantized first
+    (:func:`dequantize_operand`, compressed-tensors' order). x itself is never rounded."""
     if x.dtype == torch.bfloat16 and gemm_dtype(x, w_q) == torch.bfloat16:
-        acc = F.linear(x, fp8_upcast(w_q, torch.bfloat16, reuse_buffer=True))
-        y = dequantize_accumulator(acc, w_scale.reshape(-1) if w_scale.dim() else w_scale, bias)
-    else:
-        w = dequantize_operand(w_q, w_scale.reshape(-1, 1) if w_scale.numel() > 1 else w_scale.reshape(()),
-                               reuse_buffer=True)
-        y = F.linear(x.float(), w, None if bias is None else bias.float())
-    return linear_epilogue(y, activation, residual, out_dtype, out_scale, out_fmt, quantize)
+        return dequantize_accumulator(F.linear(x, fp8_upcast(w_q, torch.bfloat16, reuse_buffer=True)), w_scale, bias)
+    w = dequantize_operand(w_q, w_scale.reshape(-1, 1) if w_scale.numel() > 1 else w_scale.reshape(()),
+                           reuse_buffer=True)
+    return F.linear(x.float(), w, None if bias is None else bias.float())
+
+
+fp8_weight_only_linear = functools.partial(reference_weight_only.fp8_weight_only_linear, gemm=weight_only_gemm,
+                                           quantize=quantize)

@@ -44,12 +44,13 @@ only in the order of the fp32 additions.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from dbr_quant.formats import FP8Format
-from dbr_quant.kernels.reference.block import Operands, exact_operands, expand_group_scale, fp8_block_linear, group_amax
-from dbr_quant.kernels.reference.dense import Quantize, quantize
+from dbr_quant.kernels.reference.block import expand_group_scale, fp8_block_linear, group_amax
+from dbr_quant.kernels.reference.dense import quantize
 
 MX_BLOCK = 32  # OCP MX: one scale per 32 elements along the reduction dimension
 MX_WEIGHT_BLOCK = (1, MX_BLOCK)  # a weight's MX blocks as block-scaled (rows, columns) tiles
@@ -109,26 +110,13 @@ def mx_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = tor
     return (q.float() * expand_group_scale(e8m0_to_float(scale), q.shape[-1], MX_BLOCK)).to(dtype)
 
 
-def fp8_mx_linear(
-    x_q: torch.Tensor,
-    x_scale: torch.Tensor,
-    w_q: torch.Tensor,
-    w_scale: torch.Tensor,
-    *,
-    bias: torch.Tensor | None = None,
-    activation: str | None = None,
-    residual: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.float32,
-    out_scale: torch.Tensor | None = None,
-    out_fmt: FP8Format = FP8Format.E4M3,
-    operands: Operands = exact_operands,
-    quantize: Quantize = quantize,
-) -> torch.Tensor:
+def fp8_mx_linear(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                  **epilogue: Any) -> torch.Tensor:
     """MXFP8 ``act(x·Wᵀ + bias) + residual``: x_scale [..., ⌈K/32⌉] and w_scale [N, ⌈K/32⌉] E8M0 codes (from
     :func:`mx_quantize`); gated activations take W as [gate; up] with scales [gate rows; up rows]. The block GEMM
-    of :mod:`.block` on the decoded scales (see the module docstring); ``operands`` / ``quantize`` as there."""
+    of :mod:`.block` on the decoded scales (see the module docstring): ``epilogue`` is its keyword arguments (bias,
+    activation, residual, out_dtype, out_scale, out_fmt; ``operands`` / ``quantize`` for the CPU backend)."""
     check_e8m0(x_scale, "fp8_mx_linear: x_scale")
     check_e8m0(w_scale, "fp8_mx_linear: w_scale")
     return fp8_block_linear(x_q, e8m0_to_float(x_scale), w_q, e8m0_to_float(w_scale), block=MX_WEIGHT_BLOCK,
-                            bias=bias, activation=activation, residual=residual, out_dtype=out_dtype,
-                            out_scale=out_scale, out_fmt=out_fmt, operands=operands, quantize=quantize)
+                            **epilogue)

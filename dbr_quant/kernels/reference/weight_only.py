@@ -19,11 +19,22 @@ fp32, accumulated in fp32; ``y = acc · w_scale + bias`` (the scale on the accum
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from dbr_quant.formats import FP8Format
-from dbr_quant.kernels.reference.dense import dequantize_accumulator, linear_epilogue
+from dbr_quant.kernels.reference.dense import Quantize, dequantize_accumulator, linear_epilogue, quantize
+
+# (x, w_q, w_scale as one value or [N], bias) → the fp32 ``x·(w_q·w_scale)ᵀ + bias``: here exact (the accumulator
+# scaled); the CPU backend passes its upcasts and GEMM dtype
+WeightOnlyGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def exact_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x·w_qᵀ`` in fp32 on the exact FP8 values, then ``· w_scale + bias`` on the accumulator."""
+    return dequantize_accumulator(F.linear(x.float(), w_q.float()), w_scale, bias)
 
 
 def check_weight_only(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> None:
@@ -49,9 +60,11 @@ def fp8_weight_only_linear(
     out_dtype: torch.dtype = torch.float32,
     out_scale: torch.Tensor | None = None,
     out_fmt: FP8Format = FP8Format.E4M3,
+    gemm: WeightOnlyGemm = exact_gemm,
+    quantize: Quantize = quantize,
 ) -> torch.Tensor:
-    """``act(x·(w_q·w_scale)ᵀ + bias) + residual`` with x high precision (see the module docstring)."""
+    """``act(x·(w_q·w_scale)ᵀ + bias) + residual`` with x high precision (see the module docstring). ``gemm`` and
+    ``quantize`` are swappable (the CPU backend passes its upcasts and its C quantize)."""
     check_weight_only(x, w_q, w_scale)
-    acc = F.linear(x.float(), w_q.float())
-    y = dequantize_accumulator(acc, w_scale.reshape(-1) if w_scale.dim() else w_scale, bias)
-    return linear_epilogue(y, activation, residual, out_dtype, out_scale, FP8Format.parse(out_fmt))
+    y = gemm(x, w_q, w_scale.reshape(-1) if w_scale.dim() else w_scale, bias)
+    return linear_epilogue(y, activation, residual, out_dtype, out_scale, FP8Format.parse(out_fmt), quantize)
