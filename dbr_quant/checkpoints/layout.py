@@ -7,6 +7,11 @@ The mapping (each choice also in the README, "Save for serving"):
   per tensor; ``input_scale`` [1] when activations are static (dynamic: none, and the scheme says
   ``dynamic: true`` with strategy ``tensor`` or ``token``); ``bias`` as is. A gate/up pair stacked into one
   buffer is written as the two modules' own tensors.
+* MXFP8 (``QConfig.mxfp8()``): compressed-tensors' MXFP8 preset, format ``mxfp8-quantized``, weights and
+  (dynamic) input activations strategy ``group`` with ``group_size`` 32 and ``scale_dtype`` uint8;
+  ``weight_scale`` uint8 [out, in/32], the E8M0 codes (an ``in_features`` not a multiple of 32 is refused).
+* Weight-only (``QConfig.fp8_weight_only()``): vLLM's ``CompressedTensorsW8A16Fp8`` layout, weights strategy
+  ``channel`` (or ``tensor``), ``input_activations`` null, no ``input_scale``.
 * Block-scaled (``QConfig.fp8_block()``): compressed-tensors' FP8_BLOCK scheme, ``weights`` strategy
   ``block`` with ``block_structure`` [bn, bk], ``weight_scale`` float32 [⌈out/bn⌉, ⌈in/bk⌉];
   ``input_activations`` strategy ``group`` (``group_size`` bk, dynamic). An ``in_features`` that is not a
@@ -324,7 +329,12 @@ def _fp8_linear_entries(fqn: str, mod: nn.Module, w: FP8Weight, sites: list, pla
         plan.notes.append(f"'{fqn}' has {out_features} output rows, not a multiple of the {w.block[0]}-row block; "
                           "vLLM merges q/k/v and gate/up into one layer and refuses partial row blocks there "
                           "(transformers loads it)")
-    # block: [⌈out/bn⌉, ⌈in/bk⌉] as it is (compressed-tensors' FP8_BLOCK weight_scale)
+    # block: [⌈out/bn⌉, ⌈in/bk⌉] as it is (compressed-tensors' FP8_BLOCK weight_scale); mx: the E8M0 codes uint8
+    # [out, ⌈in/32⌉] as they are (compressed-tensors' MXFP8 compressor stores exactly these, mx_utils.compress_mx_scale)
+    if wstrat == "mx":
+        entries = [Entry(_join(fqn, "weight"), w.qdata.dtype, tuple(w.qdata.shape), lambda: w.qdata),
+                   tensor_entry(_join(fqn, "weight_scale"), w.scale, torch.uint8)]
+        return entries
     scale = (w.scale.float() if wstrat == "block" else w.scale.float().reshape(out_features, 1)
              if wstrat == "channel" else w.scale.float().reshape(1))
     entries = [Entry(_join(fqn, "weight"), w.qdata.dtype, tuple(w.qdata.shape), lambda: w.qdata),

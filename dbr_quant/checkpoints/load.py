@@ -39,12 +39,14 @@ from dbr_quant.checkpoints.meta_model import architecture_of
 from dbr_quant.checkpoints.safetensors_io import StoredTensor, read_header, read_tensor
 from dbr_quant.checkpoints.save import INDEX
 from dbr_quant.formats import FP8Format
+from dbr_quant.kernels.reference.mx import E8M0_NAN, MX_WEIGHT_BLOCK
 from dbr_quant.ops.mappings import LINEAR, SDPA, is_transposed_linear
 from dbr_quant.ops.state import AutoQuantizationState, SeenOp
 from dbr_quant.ops.tags import tag_of
 from dbr_quant.quantize.weights import fp8_weight_of
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_E8M0 = (torch.uint8,)  # MXFP8 weight_scale: E8M0 codes
 
 
 def _read_sidecar(folder: Path) -> dict[str, Any]:
@@ -154,7 +156,8 @@ def _expected(model: nn.Module, meta: dict[str, Any]) -> dict[str, tuple[tuple[t
                 out[name] = ((t.dtype,), tuple(t.shape))
                 continue
             out[name] = ((torch.float8_e4m3fn,), tuple(t.shape))
-            out[name + "_scale"] = (_FLOATS, _scale_shape(info, tuple(t.shape)))
+            scale_dtypes = _E8M0 if info["granularity"] == "mx" else _FLOATS
+            out[name + "_scale"] = (scale_dtypes, _scale_shape(info, tuple(t.shape)))
             if not any(op["qconfig"]["dynamic"] for op in sites.get(fqn, [])):
                 out[f"{fqn}.input_scale"] = (_FLOATS, (1,))
     return out
@@ -162,13 +165,15 @@ def _expected(model: nn.Module, meta: dict[str, Any]) -> dict[str, tuple[tuple[t
 
 def _scale_shape(info: dict[str, Any], shape: tuple[int, ...]) -> tuple[int, ...]:
     """The weight_scale shape of a saved FP8 linear with weight ``shape`` [out, in]."""
-    if info["granularity"] == "block":
-        (bn, bk), (n, k) = info["block"], shape
+    if info["granularity"] in ("block", "mx"):
+        (bn, bk), (n, k) = _block(info) or (1, 1), shape
         return (-(-n // bn), -(-k // bk))
     return (shape[0], 1) if info["granularity"] == "channel" else (1,)
 
 
 def _block(info: dict[str, Any]) -> tuple[int, int] | None:
+    if info["granularity"] == "mx":
+        return MX_WEIGHT_BLOCK
     return tuple(info["block"]) if info["granularity"] == "block" else None
 
 
@@ -221,6 +226,8 @@ def _read_and_check(model: nn.Module, meta: dict[str, Any], stored: dict[str, St
     for name, value in values.items():
         if expected[name][0] == _FLOATS:
             check_scale(name, value)
+        elif expected[name][0] == _E8M0 and bool((value == E8M0_NAN).any()):
+            raise CheckpointError(f"{name}: an MXFP8 scale holds the E8M0 NaN code 255")
         elif value.dtype == torch.float8_e4m3fn and bool(((value.view(torch.uint8) & 0x7F) == 0x7F).any()):
             raise CheckpointError(f"{name}: the FP8 weight holds NaN bytes (0x7f/0xff)")
     for st in meta["states"]:
@@ -275,7 +282,8 @@ def _place(skeleton: Skeleton, meta: dict[str, Any], values: dict[str, torch.Ten
         if info["layout"] == "dequantized":  # Conv1D, re-quantized when read (_as_stored)
             s = torch.tensor(info["scale"], dtype=torch.float32)
         else:
-            s = values.pop(f"{fqn}.weight_scale").float()
+            s = values.pop(f"{fqn}.weight_scale")
+            s = s if info["granularity"] == "mx" else s.float()  # MX: E8M0 codes, as convert stores them
             s = s if block else s.reshape(-1) if info["granularity"] == "channel" else s.reshape(())
         skeleton.put_fp8(f"{fqn}.weight", q, s, is_transposed_linear(skeleton.model.get_submodule(fqn)), block)
     experts.place_experts(skeleton, meta, values)
@@ -316,7 +324,7 @@ def _check_fp8_as_saved(converted: nn.Module, meta: dict[str, Any], states: list
         if not fp8_here:
             raise CheckpointError(f"'{fqn}': saved as an FP8 linear, but this trace runs it in high precision")
         cfg = ops[0].qconfig.weight
-        traced = tuple(cfg.block) if cfg.granularity == "block" else None
+        traced = {"block": tuple(cfg.block), "mx": MX_WEIGHT_BLOCK}.get(cfg.granularity)
         if _block(info) != traced:
             raise CheckpointError(f"'{fqn}': saved with weight block {_block(info)}, traced here with {traced}")
     experts.check_experts_as_saved(meta, states)
