@@ -67,7 +67,11 @@ class ConvertRun(Run):
         self.onloaded: dict[int, nn.Module] = {}  # accelerate-offloaded modules whose weights we loaded
         self.pool = _placeholder_pool()  # this thread's placeholder tensors (grown by _placeholder_tensor)
         self.subgraphs = self.record.subgraphs
-        self.in_function = False  # inside function_call (torch_work)
+        # The context of the run's own torch work (kernels, ops run as written, materializing), made per use:
+        # interception suspended when it comes from a module call; nothing from a torch function (function_call
+        # swaps it), whose handler runs with this run's mode already off and must leave torch-function modes below
+        # it (torch.export's) on. A class, not a method: entering it costs no Python frame.
+        self.torch_work: Callable[[], AbstractContextManager[None]] = suspended
 
     # ------------------------------------------------------------------ placeholders
     def _scan(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, _Pending | None]:
@@ -220,7 +224,7 @@ class ConvertRun(Run):
             kind = call_kind(func, args, kwargs)
         if kind not in INDEXED and not (self.placeholders or self.resolved):
             return func(*args, **kwargs)
-        before, self.in_function = self.in_function, True  # torch work below runs as the function would (torch_work)
+        before, self.torch_work = self.torch_work, contextlib.nullcontext  # torch work runs as the function would
         try:
             if kind in INDEXED:
                 return self._run_op(kind, func, args, kwargs, None, self.warns(kind))
@@ -235,13 +239,7 @@ class ConvertRun(Run):
                 args, kwargs = self._resolve_all(args, kwargs, hit)
             return func(*args, **kwargs)
         finally:
-            self.in_function = before
-
-    def torch_work(self) -> AbstractContextManager[None]:
-        """The context of the run's own torch work (kernels, ops run as written, materializing): interception
-        suspended when it comes from a module call; nothing from a torch function, whose handler runs with this
-        run's mode already off and must leave torch-function modes below it (torch.export's) on."""
-        return _AS_CALLED if self.in_function else suspended()
+            self.torch_work = before
 
     def _moves_nothing(self, args: tuple, kwargs: dict) -> bool:
         """A placeholder moved to the device its subgraph computes on (accelerate's hooks do it at module
@@ -383,7 +381,6 @@ def _plain_container(cls: type) -> bool:
 
 
 _pool = threading.local()
-_AS_CALLED = contextlib.nullcontext()
 _is_grad_enabled = torch._C.is_grad_enabled
 
 
