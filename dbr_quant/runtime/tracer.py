@@ -194,7 +194,7 @@ class TraceRun(Run):
 
     def module_call(self, module, args, kwargs):
         if is_linear_module(module):
-            with suspended(self):  # the bookkeeping's own torch calls must not be recorded
+            with suspended():  # the bookkeeping's own torch calls must not be recorded
                 out = self._call_unrecorded(module, args, kwargs)
                 x = args[0] if args else kwargs.get("input")
                 self._record(LINEAR, module, (x,), {}, out, module)
@@ -202,7 +202,7 @@ class TraceRun(Run):
                     self._escape((x, out))
             return out
         if experts_of(module) is not None:  # MoE experts module, called as one op: moe/
-            with suspended(self):
+            with suspended():
                 out = self._call_unrecorded(module, args, kwargs)
                 self._record(None, module, args, kwargs, out)  # an opaque op: its inputs have a consumer
                 if has_hooks(module):
@@ -213,11 +213,11 @@ class TraceRun(Run):
             return self._norm_module_call(module, args[0])
         hooked = has_hooks(module)
         if hooked:
-            with suspended(self):
+            with suspended():
                 self._escape((args, kwargs))
         out = self.call_module(module, args, kwargs)
         if hooked:
-            with suspended(self):
+            with suspended():
                 self._escape(out)
         return out
 
@@ -235,7 +235,7 @@ class TraceRun(Run):
     def _norm_module_call(self, module: nn.Module, x: Any) -> Any:
         """An RMSNorm module written as elementwise ops: one NORM op if it computes F.rms_norm (so it can
         head a fused norm → linear subgraph), else an opaque call. The verdict is kept on the module."""
-        with suspended(self):
+        with suspended():
             self.stack.append(module)
             try:
                 out = original_call(module, x)
@@ -268,7 +268,7 @@ class TraceRun(Run):
             self.escaped.add(self.tid(t))
 
     def finish(self, out: Any) -> Any:
-        with suspended(self):
+        with suspended():
             self._escape(out)
         return out
 
