@@ -21,8 +21,8 @@ from dbr_quant.formats import safe_scale
 from dbr_quant.inspect.experts import run_experts
 from dbr_quant.inspect.features import Feature, LayerInfo, Quantized, Quantizer, TensorContext, feature_pass
 from dbr_quant.inspect.layers import RecordedLayer
-from dbr_quant.moe.experts import MoeState
 from dbr_quant.kernels.reference.mx import MX_BLOCK
+from dbr_quant.moe.experts import MoeState
 from dbr_quant.ops.basic import (
     PER_TOKEN_GRANULARITIES,
     PER_TOKEN_SLOTS,
@@ -183,9 +183,10 @@ class Inspector:
                 ws = qw.scale.reshape(-1) if qw.scale.dim() else qw.scale
                 return kernels.fp8_weight_only_linear(x["input"], qw.data, ws, bias=bias, out_dtype=x["input"].dtype)
             if (qw.scale.dtype == torch.uint8) != (qi.scale.dtype == torch.uint8):
-                raise ValueError(f"dbr_quant.inspect: layer {op.fqn!r} has an MX {'weight' if qi.group is None else 'input'}"
-                                 " and a non-MX other operand; the MX GEMM needs E8M0 scales on both (Scaling: set "
-                                 "input_granularity and weight_granularity together)")
+                mx = "weight" if qi.group is None else "input"
+                raise ValueError(f"dbr_quant.inspect: layer {op.fqn!r} has an MX {mx} and a non-MX other operand; the "
+                                 "MX GEMM needs E8M0 scales on both (Scaling: set input_granularity and "
+                                 "weight_granularity together)")
             if qw.scale.dtype == torch.uint8:  # MXFP8: E8M0 codes on both operands
                 return kernels.fp8_mx_linear(qi.data, qi.scale, qw.data, qw.scale, bias=bias,
                                              out_dtype=x["input"].dtype)
