@@ -1,8 +1,10 @@
 """The object dbr_quant's ``InspectRun`` calls for every recorded quantized op: ``execute(call, env)``.
 
 Layers without features run exactly as convert would (``ops.basic.run_basic``). Layers with features
-run through :meth:`Inspector._run`: hooks per tensor, then the GEMM in FP8 (same kernels) or in high
-precision. Weights are quantized once per layer and setting and cached for the inspector's lifetime
+run through :meth:`Inspector._run`: hooks per tensor, then the GEMM in FP8 (same kernels: per-tensor / channel,
+block, MX, weight-only) or in high precision. A tensor the layer does not quantize (a weight-only linear's input,
+``LayerInfo.quantizes``) skips quantization and its FP8 hooks. Weights are quantized once per layer and setting
+and cached for the inspector's lifetime
 (on a prepared model with the weight observer convert would use; on a converted model the stored FP8
 weight is used unless ``Scaling`` changes it, then the dequantized weight is re-quantized).
 """

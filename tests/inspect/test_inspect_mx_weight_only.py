@@ -150,7 +150,8 @@ def test_sensitivity_is_the_model_with_only_that_layer_quantized(scheme):
 def test_scaling_an_mx_layer_to_per_token_per_channel_is_that_model():
     model, p, cal = _prepared(dq.QConfig.mxfp8())
     x = cal[0]
-    cfg = "s:\n  layers: {name_regex: fc}\n  features: {Scaling: {input_granularity: token, weight_granularity: channel}}\n"
+    cfg = ("s:\n  layers: {name_regex: fc}\n"
+           "  features: {Scaling: {input_granularity: token, weight_granularity: channel}}\n")
     with dqi.session(p, cfg):
         y = p(x)
     per_token = dq.QConfig(activation=dq.TensorQConfig(granularity="token"), dynamic=True)
