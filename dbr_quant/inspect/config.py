@@ -82,8 +82,22 @@ class InspectConfig:
                     f"{_short(list(layers))}", sec.selector_line or sec.line, self.source)
             for n in hit:
                 have = {type(f) for f in plan[n]}
-                plan[n].extend(f for f in sec.features if type(f) not in have)
+                new = [f for f in sec.features if type(f) not in have]
+                self._check_settings(sec, layers[n].info, new)
+                plan[n].extend(new)
         return {n: tuple(fs) for n, fs in plan.items() if fs}
+
+    def _check_settings(self, sec: Section, layer: LayerInfo, features: list[Feature]) -> None:
+        """A linear's input / weight settings (``tensor_config``) that no GEMM of this layer computes (e.g. Scaling
+        of a weight-only layer's input) fail here, at the section's line, before anything runs."""
+        if layer.kind != "linear":
+            return
+        for f in features:
+            for tensor, base in (("input", layer.qconfig.activation), ("weight", layer.qconfig.weight)):
+                try:
+                    f.tensor_config(layer, tensor, base)
+                except ValueError as e:
+                    raise InspectConfigError(f"section {sec.name!r}: {e}", sec.line, self.source) from None
 
 
 def _short(names: list[str], k: int = 8) -> str:

@@ -28,6 +28,7 @@ from dbr_quant.formats import FP8Format
 from dbr_quant.inspect.stats import FP8_STATS, TENSOR_STATS, fp8_stats, tensor_stats
 from dbr_quant.kernels.reference import block as reference_block
 from dbr_quant.kernels.reference.dense import head_view
+from dbr_quant.kernels.reference.mx import e8m0_to_float
 from dbr_quant.qconfig import Granularity, OpQConfig, TensorQConfig
 from dbr_quant.quantize.weight_quantization import elementwise_block_scale
 
@@ -44,13 +45,23 @@ class LayerInfo:
     module_type: str  # class name of the nn.Linear, or of the module whose forward calls the op
     qconfig: OpQConfig
 
+    def quantizes(self, tensor: str) -> bool:
+        """Whether FP8 execution quantizes ``tensor`` of this layer: never the output, and not the input of a
+        weight-only linear (``QConfig.fp8_weight_only()``: the W8A16 GEMM reads it as it is). Such a tensor has
+        no FP8 scale and no quantization error (no FP8 stats, FakeQuant leaves it alone)."""
+        if tensor == "output":
+            return False
+        return not (tensor == "input" and self.kind == "linear" and self.qconfig.weight_only)
+
 
 @dataclass(frozen=True)
 class Quantized:
     """An FP8 tensor and its dequantization scale: x ≈ data·scale, where ``scale`` broadcasts against data —
     or, for block-scaled weights (``block`` = (rows, columns)), is one scale per block [⌈N/bn⌉, ⌈K/bk⌉],
     and for group-scaled activations (``group``) one per token per ``group`` channels [..., ⌈K/group⌉].
-    ``elementwise_scale()`` is the scale broadcastable against ``data`` in every case."""
+    MXFP8 (``QConfig.mxfp8()``): the same layouts with block (1, 32) / group 32, the scales as uint8 E8M0 codes
+    (``kernels.mx_quantize``; scale = 2^(code - 127)), what the MX GEMM reads. ``elementwise_scale()`` is the
+    scale (fp32 where decoded) broadcastable against ``data`` in every case."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -72,7 +83,8 @@ class Quantized:
         if self.block is not None:
             return elementwise_block_scale(self.scale, self.data.shape, self.block)
         if self.group is not None:
-            return reference_block.expand_group_scale(self.scale, self.data.shape[-1], self.group)
+            scale = e8m0_to_float(self.scale) if self.scale.dtype == torch.uint8 else self.scale  # MX codes
+            return reference_block.expand_group_scale(scale, self.data.shape[-1], self.group)
         return head_view(self.scale)  # an attention operand's per-head [H] scale as (H, 1, 1); others as they are
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -232,7 +244,9 @@ class LogTensorStats(Feature, StepRange):
 class LogFP8Stats(Feature, StepRange):
     """Log underflow %, saturation %, quantization MSE, SQNR (dB) and the scale of quantized tensors.
 
-    Layers that run in high precision (DisableFP8 / FakeQuant) are measured on what FP8 would do."""
+    Layers that run in high precision (DisableFP8 / FakeQuant) are measured on what FP8 would do. A tensor the
+    layer does not quantize (the input of a weight-only linear, ``LayerInfo.quantizes``) gets no FP8 stats: it
+    has no quantization, which a zero error / infinite SQNR would misreport."""
 
     tensors: tuple[str, ...] = ("input", "weight")
     stats: tuple[str, ...] = FP8_STATS
@@ -271,7 +285,7 @@ class FakeQuant(Feature):
         return False
 
     def process_tensor(self, ctx: TensorContext, x: torch.Tensor) -> torch.Tensor:
-        if ctx.tensor not in self.tensors:
+        if ctx.tensor not in self.tensors or not ctx.layer.quantizes(ctx.tensor):  # weight-only input: exact
             return x
         return ctx.quantize(x).dequantize(x.dtype)
 
@@ -295,6 +309,7 @@ class Scaling(Feature):
         _check_names("weight_granularity", (self.weight_granularity or "tensor",), ("tensor", "channel"))
 
     def tensor_config(self, layer: LayerInfo, tensor: str, cfg: TensorQConfig) -> TensorQConfig:
+        self._check_layer(layer)
         fmt, gran = (self.weight_format, self.weight_granularity) if tensor == "weight" else (
             self.input_format, self.input_granularity)
         if fmt is None and gran is None:
@@ -302,3 +317,19 @@ class Scaling(Feature):
         # replace: a block / group layer keeps its block and group sizes when only the format changes
         granularity = cast(Granularity, gran or cfg.granularity)  # checked in __post_init__
         return dataclasses.replace(cfg, format=FP8Format.parse(fmt or cfg.format), granularity=granularity)
+
+    def _check_layer(self, layer: LayerInfo) -> None:
+        """Settings no GEMM of ``layer`` computes: a ValueError naming the layer and what to set instead."""
+        if layer.kind != "linear":
+            return
+        if layer.qconfig.weight_only and (self.input_format is not None or self.input_granularity is not None):
+            raise ValueError(f"Scaling(input_format / input_granularity) on layer {layer.name!r}: it runs weight-only "
+                             "FP8 (QConfig.fp8_weight_only()), its input is not quantized, so it has no scaling to "
+                             "change; set only weight_format / weight_granularity there, or select other layers")
+        if layer.qconfig.weight.granularity == "mx" and (self.input_granularity is None) != (
+                self.weight_granularity is None):
+            kept = "input" if self.input_granularity is None else "weight"
+            raise ValueError(f"Scaling on layer {layer.name!r}: it is MXFP8 (QConfig.mxfp8(): E8M0 scales per 32 "
+                             f"elements on both GEMM operands), and only the other operand's granularity changes, so "
+                             f"the {kept} would stay MX, which no GEMM computes with a non-MX operand; set both "
+                             "input_granularity and weight_granularity (e.g. token and channel), or neither")

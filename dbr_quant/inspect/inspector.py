@@ -1,8 +1,10 @@
 """The object dbr_quant's ``InspectRun`` calls for every recorded quantized op: ``execute(call, env)``.
 
 Layers without features run exactly as convert would (``ops.basic.run_basic``). Layers with features
-run through :meth:`Inspector._run`: hooks per tensor, then the GEMM in FP8 (same kernels) or in high
-precision. Weights are quantized once per layer and setting and cached for the inspector's lifetime
+run through :meth:`Inspector._run`: hooks per tensor, then the GEMM in FP8 (same kernels: per-tensor / channel,
+block, MX, weight-only) or in high precision. A tensor the layer does not quantize (a weight-only linear's input,
+``LayerInfo.quantizes``) skips quantization and its FP8 hooks. Weights are quantized once per layer and setting
+and cached for the inspector's lifetime
 (on a prepared model with the weight observer convert would use; on a converted model the stored FP8
 weight is used unless ``Scaling`` changes it, then the dequantized weight is re-quantized).
 """
@@ -21,8 +23,18 @@ from dbr_quant.formats import safe_scale
 from dbr_quant.inspect.experts import run_experts
 from dbr_quant.inspect.features import Feature, LayerInfo, Quantized, Quantizer, TensorContext, feature_pass
 from dbr_quant.inspect.layers import RecordedLayer
+from dbr_quant.kernels.reference.mx import MX_BLOCK
 from dbr_quant.moe.experts import MoeState
-from dbr_quant.ops.basic import Call, Env, linear_hp_weight, linear_operands, run_basic, sdpa_arguments
+from dbr_quant.ops.basic import (
+    PER_TOKEN_GRANULARITIES,
+    PER_TOKEN_SLOTS,
+    Call,
+    Env,
+    linear_hp_weight,
+    linear_operands,
+    run_basic,
+    sdpa_arguments,
+)
 from dbr_quant.ops.call import OpRecord
 from dbr_quant.ops.heads import head_view, operand_scale
 from dbr_quant.ops.mappings import LINEAR, MATMUL
@@ -79,9 +91,11 @@ class Inspector:
         quantized: dict[str, Quantized] = {}
         for name, t in inputs.items():
             cfg = self._tensor_cfg(layer, name, features)
-            quantize = self._quantizer(call, op, env, name, cfg, t)
+            quantize = self._quantizer(call, op, env, name, cfg, t) if layer.quantizes(name) else \
+                _not_quantized(layer, name)
             ctx = TensorContext(layer, name, self.step, fp8, self._logger(layer.name, name), quantize)
-            processed[name], q = feature_pass(features, ctx, t, name == "weight", want_q, fp8, quantize)
+            processed[name], q = feature_pass(features, ctx, t, name == "weight", want_q and layer.quantizes(name),
+                                              fp8, quantize)
             if q is not None:
                 quantized[name] = q
         y = self._gemm(call, op, processed, quantized if fp8 else None)
@@ -122,8 +136,11 @@ class Inspector:
             if cfg.granularity == "group" and call.kind == LINEAR:  # block-scaled linears: per token per group
                 data, scale = kernels.group_quantize(x, cfg.group_size, cfg.format)
                 return Quantized(data, scale, cfg.format, group=cfg.group_size)
-            # matmul / attention operands of a "group" model: per token where the operand allows it (as run)
-            token = cfg.granularity in ("token", "group") and name in ("input", "a", "q", "k")
+            if cfg.granularity == "mx" and call.kind == LINEAR:  # MXFP8 linears: E8M0 codes per 32 along K
+                data, code = kernels.mx_quantize(x, cfg.format, cfg.mx_scale_rounding == "ceil")
+                return Quantized(data, code, cfg.format, group=MX_BLOCK)
+            # matmul / attention operands of a "group" / "mx" model: per token where the operand allows it (as run)
+            token = cfg.granularity in PER_TOKEN_GRANULARITIES and name in PER_TOKEN_SLOTS
             if token or op.qconfig.dynamic:
                 scale = kernels.dynamic_scale(x, cfg.format, per_token=token)
             else:
@@ -162,7 +179,19 @@ class Inspector:
             _, _, bias = linear_operands(call)
             if q is None:
                 return F.linear(x["input"], x["weight"], bias)
-            qi, qw = q["input"], q["weight"]
+            qw = q["weight"]
+            qi = q.get("input")
+            if qi is None:  # weight-only FP8 (W8A16): the input as it is
+                ws = qw.scale.reshape(-1) if qw.scale.dim() else qw.scale
+                return kernels.fp8_weight_only_linear(x["input"], qw.data, ws, bias=bias, out_dtype=x["input"].dtype)
+            if (qw.scale.dtype == torch.uint8) != (qi.scale.dtype == torch.uint8):
+                mx = "weight" if qi.group is None else "input"
+                raise ValueError(f"dbr_quant.inspect: layer {op.fqn!r} has an MX {mx} and a non-MX other operand; the "
+                                 "MX GEMM needs E8M0 scales on both (Scaling: set input_granularity and "
+                                 "weight_granularity together)")
+            if qw.scale.dtype == torch.uint8:  # MXFP8: E8M0 codes on both operands
+                return kernels.fp8_mx_linear(qi.data, qi.scale, qw.data, qw.scale, bias=bias,
+                                             out_dtype=x["input"].dtype)
             if qw.block is not None:
                 return kernels.fp8_block_linear(qi.data, _group_scale(qi, qw.block[1]), qw.data, qw.scale,
                                                 block=qw.block, bias=bias, out_dtype=x["input"].dtype)
@@ -207,6 +236,15 @@ def _group_scale(q: Quantized, group: int) -> torch.Tensor:
     s = q.scale.float()
     s = s.reshape(*q.data.shape[:-1], 1) if s.numel() > 1 else s.reshape([1] * q.data.dim())
     return s.expand(*q.data.shape[:-1], groups).contiguous()
+
+
+def _not_quantized(layer: LayerInfo, tensor: str) -> Quantizer:
+    """The quantizer of a tensor FP8 execution leaves in high precision (``LayerInfo.quantizes``): a clear error."""
+    def refuse(x: torch.Tensor | None) -> Quantized:
+        raise RuntimeError(f"dbr_quant.inspect: layer {layer.name!r} runs weight-only FP8 (QConfig.fp8_weight_only()): "
+                           f"its {tensor!r} is not quantized, so it has no FP8 scale; check "
+                           "ctx.layer.quantizes(ctx.tensor) before ctx.quantize(x)")
+    return refuse
 
 
 def _raise_no_quantizer() -> Quantized:

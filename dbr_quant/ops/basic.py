@@ -124,6 +124,8 @@ def linear_parts(call: Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
 # Per-token scales only for operands whose rows are not the GEMM's reduction dimension (a scale along
 # K could not be taken out of the dot product): linear inputs, matmul's left operand, q and k.
 PER_TOKEN_SLOTS = ("input", "a", "q", "k")
+# Activation granularities that run per token on those slots outside a block / MX linear's input (finest there)
+PER_TOKEN_GRANULARITIES = ("token", "group", "mx")
 
 
 def quantized_input(call: Call, slot: str, x: torch.Tensor, env: Env, block: tuple[int, int] | None = None
@@ -140,7 +142,7 @@ def quantized_input(call: Call, slot: str, x: torch.Tensor, env: Env, block: tup
             return kernels.group_quantize(x, block[1], cfg.activation.format)
         if block is not None and cfg.activation.granularity == "mx":
             return kernels.mx_quantize(x, cfg.activation.format, cfg.activation.mx_scale_rounding == "ceil")
-        per_token = cfg.activation.granularity in ("token", "group", "mx") and slot in PER_TOKEN_SLOTS
+        per_token = cfg.activation.granularity in PER_TOKEN_GRANULARITIES and slot in PER_TOKEN_SLOTS
         x_q, scale = kernels.dynamic_quantize(x, cfg.activation.format, per_token)
     else:
         scale = env.input_scale(call, slot, x)

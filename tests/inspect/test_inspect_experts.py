@@ -149,3 +149,26 @@ def test_module_list_experts_share_their_traced_flops_evenly(style):
     assert sum(flops.values()) == total == dqi.linear_flops(prepared)
     layer0 = [n for n in flops if n.startswith("moes.0.experts.")]
     assert dqi.fp8_flop_fraction(prepared, layer0) == pytest.approx(1 - experts_per_layer / total, rel=1e-12)
+
+
+@pytest.mark.parametrize("qconfig", [dq.QConfig.mxfp8(), dq.QConfig.fp8_weight_only()], ids=["mxfp8", "weight_only"])
+def test_session_matches_convert_under_mx_and_weight_only(qconfig):
+    """Every layer logged (attention linears, experts, lm_head): the same bits as the converted model, prepared or
+    converted. MX expert weights hold decoded power-of-two scales; weight-only experts run the W8A8 grouped kernels
+    (moe/compute.py), so their input is quantized and logged as such, unlike a weight-only linear's."""
+    with torch.random.fork_rng():
+        prepared = dq.prepare(build("mixtral", "grouped_mm"), example_kwargs=batches(1, EXAMPLE, 1)[0],
+                              qconfig=qconfig)
+    batch = batches(1, (2, 12), 7)[0]
+    converted = dq.convert(prepared)
+    cfg = "all:\n  layers: {name_regex: '.'}\n  features:\n    LogFP8Stats: {stats: [sqnr_db]}\n"
+    with torch.no_grad():
+        want = _fn(converted, batch)
+        for model in (converted, prepared):
+            with dqi.session(model, cfg) as s:
+                got = _fn(model, batch)
+            assert torch.equal(got, want)
+    logged = {(r["layer"], r["tensor"]) for r in s.records}
+    assert (EXPERT_LAYERS[0], "input") in logged
+    assert ("model.layers.0.self_attn.q_proj", "input") in logged if qconfig.weight.granularity == "mx" else \
+        ("model.layers.0.self_attn.q_proj", "input") not in logged

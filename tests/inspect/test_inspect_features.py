@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from inspect_toys import MLP, batches
+from inspect_toys import MLP, Attn, batches
 
 import dbr_quant as dq
 import dbr_quant.inspect as dqi
@@ -37,8 +37,23 @@ def known():
     return model, p, cal
 
 
-def test_logging_only_is_bit_identical_to_fp8(mlp_prepared, attn_prepared):
-    for model, p in (mlp_prepared, attn_prepared):
+# each scheme's QConfig, given whether to quantize attention (weight-only leaves activations alone: never)
+SCHEMES = {
+    "per_tensor": lambda attention: dq.QConfig(quantize_attention=attention),
+    "mxfp8": lambda attention: dq.QConfig.mxfp8(quantize_attention=attention),
+    "mxfp8_ceil": lambda attention: dq.QConfig.mxfp8(scale_rounding="ceil", quantize_attention=attention),
+    "weight_only": lambda attention: dq.QConfig.fp8_weight_only(),
+    "weight_only_tensor": lambda attention: dq.QConfig.fp8_weight_only("tensor"),
+}
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_logging_only_is_bit_identical_to_fp8(scheme):
+    for model_cls, example, attention in ((MLP, (8, 16), False), (Attn, (2, 6, 16), True)):
+        torch.manual_seed(0)
+        model = model_cls().eval()
+        p = dq.prepare(model, (torch.randn(*example),), SCHEMES[scheme](attention))
+        dq.calibrate(p, batches(3, example), progress=False)
         x = torch.randn(2, 6, 16)
         c = dq.convert(p)
         expected = c(x)
