@@ -17,7 +17,6 @@ half's scale rows start at ⌈N/bn⌉ (UP_SCALE_ROW).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 
 import torch
@@ -26,7 +25,6 @@ import triton.language as tl
 
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.block import DEFAULT_BLOCK, check_block, check_block_linear_operands
-from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
 from dbr_quant.kernels.triton import gemm_core as core
 from dbr_quant.kernels.triton import tma_gemm
 from dbr_quant.kernels.triton.common import AotEntry, Kernel
@@ -156,14 +154,8 @@ def _entry(cfg: core.GemmConfig, block: tuple[int, int], fmt_a: FP8Format, fmt_w
                                  scales_desc=f"block={block[0]}x{block[1]} ")
 
 
-def _aot_configs() -> list[AotEntry]:
-    fmts = list(FP8Format)
-    rows = itertools.product(BLOCK_CONFIGS.values(), AOT_BLOCKS, fmts, fmts, (None,) + ACTIVATIONS + GATED,
-                             (False, True), core.RESIDUAL_DTYPES, core.LINEAR_OUTS)
-    return [_entry(*args) for args in rows]
-
-
-AOT_CONFIGS: list[AotEntry] = _aot_configs()
+AOT_CONFIGS: list[AotEntry] = [_entry(cfg, block, *variant) for cfg in BLOCK_CONFIGS.values() for block in AOT_BLOCKS
+                               for variant in core.linear_variants()]
 
 
 def aot_options(entry: AotEntry) -> dict[str, int]:

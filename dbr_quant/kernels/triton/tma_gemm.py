@@ -31,7 +31,6 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import itertools
 from collections.abc import Iterator
 
 import torch
@@ -40,7 +39,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dbr_quant.formats import FP8Format
-from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
+from dbr_quant.kernels.reference.dense import GATED
 from dbr_quant.kernels.triton import gemm_core as core
 from dbr_quant.kernels.triton.common import AotEntry, Kernel, device_function, on_interpreter
 
@@ -248,24 +247,20 @@ def _descriptor(fmt: FP8Format, rows: int, cols: int) -> str:
 def _entry(cfg: core.GemmConfig, block: tuple[int, int] | None, fmt_a: FP8Format, fmt_w: FP8Format,
            activation: str | None, has_bias: bool, res_dtype: str | None, out: str | FP8Format) -> AotEntry:
     """One row: the linear entry of :func:`gemm_core.linear_aot_entry` with descriptors for A and W."""
-    scales = {"SCALE_N": block[0], "SCALE_K": block[1]} if block else {"SCALE_N": 1, "SCALE_K": 0}
+    scales: dict[str, object] = {"SCALE_N": block[0], "SCALE_K": block[1]} if block else {"SCALE_N": 1, "SCALE_K": 0}
     words = f"sm_90 block={block[0]}x{block[1]} " if block else "sm_90 "
     name, desc, kernel, sig, consts = core.linear_aot_entry("_fp8_linear_tma_kernel", TMA_LINEAR_KERNEL, cfg, fmt_a,
                                                             fmt_w, activation, has_bias, res_dtype, out, scales, words)
-    sig.update(a_desc=_descriptor(fmt_a, int(consts["BLOCK_M"]), int(consts["BLOCK_K"])),
-               w_desc=_descriptor(fmt_w, int(consts["BLOCK_N"]), int(consts["BLOCK_K"])))
+    tile = cfg.gated() if activation in GATED else cfg  # as linear_aot_entry
+    sig.update(a_desc=_descriptor(fmt_a, tile.BLOCK_M, tile.BLOCK_K),
+               w_desc=_descriptor(fmt_w, tile.BLOCK_N, tile.BLOCK_K))
     params = {p.name for p in kernel.jit.params}
     return (name, desc, kernel, sig, {key: v for key, v in consts.items() if key in params})
 
 
-def _aot_configs() -> list[AotEntry]:
-    fmts = list(FP8Format)
-    rows = itertools.product(TMA_CONFIGS.values(), (None, (128, 128)), fmts, fmts, (None,) + ACTIVATIONS + GATED,
-                             (False, True), core.RESIDUAL_DTYPES, core.LINEAR_OUTS)
-    return [_entry(*args) for args in rows]
-
-
-AOT_CONFIGS: list[AotEntry] = _aot_configs()
+# dense (no block) and the 128x128 blocks of the checkpoints in use, each with every epilogue variant
+AOT_CONFIGS: list[AotEntry] = [_entry(cfg, block, *variant) for cfg in TMA_CONFIGS.values()
+                               for block in (None, (128, 128)) for variant in core.linear_variants()]
 
 
 def aot_options(entry: AotEntry) -> dict[str, int]:
