@@ -186,6 +186,12 @@ def test_forced_tma_refuses_what_it_cannot_run():
             G.fp8_linear(x_q, torch.tensor(1.0), w_q, torch.tensor(1.0), kernel="tma")
         with pytest.raises(ValueError, match="unknown kernel"):
             G.fp8_linear(x_q, torch.tensor(1.0), w_q, torch.tensor(1.0), kernel="wgmma")
+    x_q, w_q = _fp8((20, 64), FP8Format.E4M3, gen), _fp8((24, 64), FP8Format.E4M3, gen)
+    with use_backend("triton-interpret"):  # a plain GemmConfig (no flatten field) is taken as a TMA tile
+        got = G.fp8_linear(x_q, torch.tensor(0.5), w_q, torch.tensor(0.25), kernel="tma",
+                           config=G.GemmConfig("plain", 16, 16, 32, num_warps=4, num_stages=2))
+    ref = R.fp8_linear(x_q, torch.tensor(0.5), w_q, torch.tensor(0.25))
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
     with pytest.raises(ValueError, match="unknown kernel"), T.forced_kernel("fast"):
         pass
     x_q, x_s, w_q, w_s = _operands(gen, (), 4, 16, 128, (16, 64), FP8Format.E4M3, FP8Format.E4M3, False)

@@ -218,6 +218,8 @@ def launch_linear(a: torch.Tensor, w_q: torch.Tensor, ep: core.EpilogueOperands,
     with the operands the dense/block wrapper prepared. ``block`` = (SCALE_N, SCALE_K): (1, 0) dense."""
     m, k = a.shape
     cfg = config or TMA_CONFIGS["tma"]
+    if not isinstance(cfg, TmaConfig):  # a plain tile config: pipelined within tiles only, as the default
+        cfg = TmaConfig(**dataclasses.asdict(cfg), flatten=False)
     if activation in GATED and config is None:
         cfg = cfg.gated()
     if block[1] % cfg.BLOCK_K:
