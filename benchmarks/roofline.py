@@ -329,6 +329,8 @@ def gemm_kernel_model(cfg: triton_gemm.GemmConfig, efficiency: float, m: int, n:
       (block: BLOCK_SCALE_FLOPS) on CUDA cores, not overlapped with the MMAs (an upper bound): BLOCK_K 128
       (TMA) pays this half as often as BLOCK_K 64 (the pointer kernel's large tile).
     - Bytes as gemm(): operands and output once (HBM roofline), scale tensors ignored.
+    - Nothing else of the tile shape: the TMA kernel's 128x64 tile (chosen so the epilogue does not spill)
+      reads 1.33x the shared memory per FLOP of the anchors' 128x128+ tiles, which may keep it below the anchor.
     """
     tiles_m, tiles_n = math.ceil(m / cfg.BLOCK_M), math.ceil(n / cfg.BLOCK_N)
     tiles = tiles_m * tiles_n

@@ -56,13 +56,19 @@ class TmaConfig(core.GemmConfig):
     def constexprs(self) -> dict[str, int]:
         return {**super().constexprs(), "FLATTEN": self.flatten}
 
+    def gated(self) -> TmaConfig:
+        """The same tile: its BLOCK_N is already the gated width (see TMA_CONFIGS)."""
+        return dataclasses.replace(self, name=self.name + "-gated")
 
-# 128×128 output tiles, 8 warps (two consumer warpgroups of 64×128 wgmma each: 64 accumulator registers a
-# thread), BLOCK_K 128 = one 128-byte swizzled TMA row per operand row and one scale pair per step for
-# 128-wide scale blocks. smem: 4 stages × (128 + 128) × 128 B = 128 KB of Hopper's 227 KB. Gated kernels
-# (two accumulators) halve BLOCK_N, as the other GEMMs do.
+
+# 128×64 output tiles, 8 warps (two consumer warpgroups of 64×64 wgmma: 32 accumulator registers a thread,
+# 64 when gated), BLOCK_K 128 = one 128-byte swizzled TMA row per operand row and one scale pair per step for
+# 128-wide scale blocks; smem 4 stages × (128 + 64) × 128 B = 96 KB. Gated kernels keep the tile (two
+# accumulators). 128×128 tiles spill: the epilogue (gemm_core.linear_epilogue) on 64 values a thread needs
+# 255+ registers for gelu + bias + fp32 residual + fp16 out (12 B spilled under triton 3.6, also with 3
+# stages, BLOCK_K 64 or 4 warps on 128×64 / 64×128); 128×64 with 8 warps needs 150.
 TMA_CONFIGS: dict[str, core.GemmConfig] = {
-    "tma": TmaConfig("tma", 128, 128, 128, GROUP_M=8, num_warps=8, num_stages=4, flatten=False),
+    "tma": TmaConfig("tma", 128, 64, 128, GROUP_M=8, num_warps=8, num_stages=4, flatten=False),
 }
 # Rows above which sm_90 takes the TMA kernel: the pointer kernels' "large" range (gemm.pick_config). Below
 # it a 128-row tile is mostly padding and decode GEMVs are bound by streaming W, which cp.async does as well.
@@ -220,8 +226,6 @@ def launch_linear(a: torch.Tensor, w_q: torch.Tensor, ep: core.EpilogueOperands,
     cfg = config or TMA_CONFIGS["tma"]
     if not isinstance(cfg, TmaConfig):  # a plain tile config: pipelined within tiles only, as the default
         cfg = TmaConfig(**dataclasses.asdict(cfg), flatten=False)
-    if activation in GATED and config is None:
-        cfg = cfg.gated()
     if block[1] % cfg.BLOCK_K:
         raise ValueError(f"TMA linear: BLOCK_K={cfg.BLOCK_K} must divide the scale block's K ({block[1]})")
     if not (m and n):
