@@ -8,7 +8,7 @@ VENV_STAMP := .venv/.installed
 EXTRA_TRITONS := $(patsubst requirements-triton-%.txt,%,$(wildcard requirements-triton-*.txt))
 EXTRA_STAMPS := $(foreach t,$(EXTRA_TRITONS),.venv-triton-$(t)/.installed)
 
-.PHONY: demo test typecheck lint bench venv venv-tritons wheel-check clean
+.PHONY: demo test typecheck lint bench venv venv-tritons wheel-check gpu-check clean
 
 $(VENV_STAMP): requirements-dev.txt setup.cfg
 	test -x $(PY) || python3 -m venv .venv
@@ -52,6 +52,13 @@ typecheck: $(VENV_STAMP)
 
 bench: $(VENV_STAMP)
 	$(PY) benchmarks/run.py --threads 1 --rounds 7
+
+# On a CUDA machine as it is (no venv, no installs: its own python3 with torch >= 2.11, triton >= 3.6):
+# tests/gpu + benchmarks/gpu.py into one report file. GPU_PYTEST_ARGS / GPU_BENCH_ARGS pass options on.
+GPU_PY ?= python3
+GPU_REPORT ?= gpu-report.txt
+gpu-check:
+	.ci/gpu_check.sh $(GPU_PY) $(GPU_REPORT)
 
 clean:
 	rm -rf .venv .venv-triton-* .pytest_cache build *.egg-info

@@ -3,6 +3,7 @@
 ``dbr_quant.load_pretrained`` of the saved folder onto a freshly built high-precision model.
 
     .venv/bin/python benchmarks/checkpoint_memory.py [--hidden 1024 --layers 8 --shard 50MB]
+    .venv/bin/python benchmarks/checkpoint_memory.py --foreign   # streamed load vs transformers from_pretrained
 
 Extra memory = the process's peak resident set size during the save (load) minus its size just before (freed
 memory returned to the OS first; for the load, the given high-precision model already built), sampled every
@@ -116,6 +117,44 @@ def measure_load(hidden: int, layers: int, shard: str) -> dict:
             "hp_model_mb": hp_mb, "hp_layer_mb": layer_mb}
 
 
+def foreign_folder(hidden: int, layers: int, shard: str) -> str:
+    """A compressed-tensors folder of another tool: a dbr_quant save without dbr_quant.json (per-channel FP8
+    weights, static inputs; what transformers and vLLM load), kept across the variants."""
+    import dbr_quant as dq
+
+    out = os.path.join(tempfile.gettempdir(), f"ckpt_foreign_{hidden}_{layers}_{shard}")
+    if not os.path.isdir(out):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dq.save_pretrained(build(hidden, layers), out, max_shard_size=shard)
+        os.remove(os.path.join(out, "dbr_quant.json"))
+    return out
+
+
+def measure_foreign(variant: str, hidden: int, layers: int, shard: str) -> dict:
+    """Peak RSS (absolute: the process holds nothing else) of loading the foreign folder, from the folder alone."""
+    out = foreign_folder(hidden, layers, shard)
+    _free()
+    before = rss()
+    t = time.perf_counter()
+    with PeakRSS() as peak, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if variant == "dbr_quant.load_pretrained(folder)":
+            import dbr_quant as dq
+
+            loaded = dq.load_pretrained(out)
+        else:
+            from transformers import AutoModelForCausalLM
+
+            loaded = AutoModelForCausalLM.from_pretrained(out)
+            loaded(input_ids=__import__("torch").ones(1, 8, dtype=__import__("torch").long))  # decompresses
+    seconds = time.perf_counter() - t
+    sizes = sorted(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors"))
+    del loaded
+    return {"variant": variant, "rss_before_mb": before / 1e6, "extra_mb": (peak.peak - before) / 1e6,
+            "seconds": seconds, "files": len(sizes), "largest_file_mb": sizes[-1] / 1e6, "total_mb": sum(sizes) / 1e6}
+
+
 def measure(variant: str, hidden: int, layers: int, shard: str) -> dict:
     import torch
 
@@ -124,6 +163,8 @@ def measure(variant: str, hidden: int, layers: int, shard: str) -> dict:
     torch.set_num_threads(1)
     if variant == "dbr_quant.load_pretrained":
         return measure_load(hidden, layers, shard)
+    if variant in FOREIGN:
+        return measure_foreign(variant, hidden, layers, shard)
     converted = build(hidden, layers)
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -150,6 +191,9 @@ def measure(variant: str, hidden: int, layers: int, shard: str) -> dict:
             "total_mb": sum(sizes) / 1e6}
 
 
+FOREIGN = ("dbr_quant.load_pretrained(folder)", "transformers from_pretrained + forward")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=1024)
@@ -157,6 +201,8 @@ def main() -> None:
     ap.add_argument("--shard", default="50MB")
     ap.add_argument("--load-only", action="store_true", help="measure load_pretrained only (e.g. with PYTHONPATH "
                     "pointing at another dbr_quant checkout, to compare)")
+    ap.add_argument("--foreign", action="store_true", help="a compressed-tensors folder of another tool: "
+                    "dbr_quant's streamed load (no model given) against transformers' from_pretrained")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant:
@@ -165,6 +211,9 @@ def main() -> None:
     print(f"random bf16 Llama, hidden {args.hidden}, {args.layers} layers, vocab 32000; max_shard_size {args.shard}")
     print(f"{'variant':<42} {'RSS before':>10} {'peak extra':>10} {'files':>5} {'largest':>8} {'total':>8} {'time':>6}")
     variants = ("dbr_quant.save_pretrained", "safetensors save_file(state_dict())", "dbr_quant.load_pretrained")
+    if args.foreign:
+        foreign_folder(args.hidden, args.layers, args.shard)  # written once, outside the measured processes
+        variants = FOREIGN
     for variant in variants[2:] if args.load_only else variants:
         res = subprocess.run([sys.executable, __file__, "--variant", variant, "--hidden", str(args.hidden),
                               "--layers", str(args.layers), "--shard", args.shard],

@@ -1,72 +1,265 @@
-"""FP8 GEMM on the GPU (issue #23, first rows): dbr_quant's Triton ``fp8_linear`` vs ``torch._scaled_mm``
-(cuBLASLt FP8) vs bf16 ``torch.matmul``, on Llama-3-8B layer shapes at decode and prefill M, one table of
-times, TFLOP/s and ratios measured side by side in one run. Needs CUDA (prints why not, else).
+"""dbr_quant on a CUDA GPU (issue #23): one run, tables of times, TFLOP/s and ratios measured side by side.
 
-    python benchmarks/gpu.py
+    python benchmarks/gpu.py [--quick]
+
+1. GEMM: our Triton ``fp8_linear`` vs ``torch._scaled_mm`` (cuBLASLt FP8, per-tensor scales, no fast
+   accumulation) vs bf16 ``torch.matmul`` on Llama-3-8B and -70B layer shapes at decode (M = 1, 16) and
+   prefill (M = 512 … 8192) sizes, plus the 8192×8192×4096 anchor of triton-lang/triton#5461.
+2. Fused vs unfused: a Llama-3-8B MLP converted with ``fuse=True`` vs ``fuse=False`` vs the bf16 module;
+   FP8 flash attention vs the unfused reference ops (plain torch on the GPU) vs bf16 SDPA.
+3. End to end: a MiniLM-shaped BERT (random weights: the real checkpoint is not on the GPU image) and a bf16
+   Llama (Llama-3-8B layer sizes, 2 layers), FP8 eager and ``rewrite`` + ``torch.compile`` vs the bf16 model
+   eager and compiled.
+4. Host time per decode-size call: entry point, Triton wrapper, Triton's launch, cuBLASLt; a profile.
+Times are medians of CUDA-event runs after warm-up. Prints the device, driver, torch, triton and CUDA versions.
+Needs CUDA (prints why not, else).
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
 
 import torch
+from torch import nn
 
-# (name, N, K) of Llama-3-8B linears: qkv, o, gate+up, down
-SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
-MS = [1, 16, 512, 4096]
+# (model, name, N, K) of Llama-3 linears: qkv, o, gate+up, down
+SHAPES = [("8B", "qkv", 6144, 4096), ("8B", "o", 4096, 4096), ("8B", "gate_up", 28672, 4096),
+          ("8B", "down", 4096, 14336), ("70B", "qkv", 10240, 8192), ("70B", "o", 8192, 8192),
+          ("70B", "gate_up", 57344, 8192), ("70B", "down", 8192, 28672), ("anchor", "#5461", 8192, 4096)]
+MS = [1, 16, 512, 2048, 8192]
 
 
-def timed(fn, reps: int = 30) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` runs after warm-up, CUDA events around each run."""
-    for _ in range(5):
-        fn()
+def timed(fn: Callable[..., object], *args: object, reps: int = 25, **kwargs: object) -> float:
+    """Median milliseconds of ``fn(*args, **kwargs)`` over ``reps`` runs after warm-up, CUDA events around each."""
+    for _ in range(3):
+        fn(*args, **kwargs)
+    torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        fn(*args, **kwargs)
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
 
 
-def gemm_times(x: torch.Tensor, w: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) -> tuple[float, float, float]:
-    """Milliseconds of (dbr_quant's Triton FP8 linear, cuBLASLt FP8, bf16 matmul), bf16 out, x quantized per tensor."""
+def table(header: list[str], rows: list[list[object]]) -> None:
+    widths = [max([len(str(h))] + [len(f"{r[i]}") for r in rows]) for i, h in enumerate(header)]
+    print("  ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(f"{c:>{w}}" for c, w in zip(r, widths, strict=True)), flush=True)
+
+
+def gemm_section(quick: bool) -> None:
     from dbr_quant import kernels
     from dbr_quant.formats import FP8Format
 
-    x_q, x_s = kernels.dynamic_quantize(x, FP8Format.E4M3)
-    with kernels.use_backend("triton"):
-        ours = timed(lambda: kernels.fp8_linear(x_q, x_s, w_q, w_s, out_dtype=torch.bfloat16))
-    cublas = timed(lambda: torch._scaled_mm(x_q, w_q.t(), scale_a=x_s.float(), scale_b=w_s.float(),
-                                            out_dtype=torch.bfloat16))
-    return ours, cublas, timed(lambda: torch.matmul(x, w.t()))
+    print("\n## 1. GEMM, bf16 output, x and W per-tensor FP8 (what _scaled_mm takes for both)")
+    rows = []
+    for model, name, n, k in SHAPES:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        w_q, w_s = kernels.dynamic_quantize(w, FP8Format.E4M3)
+        w_t = w_q.t()
+        for m in ([4096] if model == "anchor" else MS[::2] if quick else MS):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            x_q, x_s = kernels.dynamic_quantize(x, FP8Format.E4M3)
+            with kernels.use_backend("triton"):
+                ours = timed(kernels.fp8_linear, x_q, x_s, w_q, w_s, out_dtype=torch.bfloat16)
+            cublas = timed(torch._scaled_mm, x_q, w_t, scale_a=x_s, scale_b=w_s, out_dtype=torch.bfloat16)
+            bf16 = timed(torch.matmul, x, w.t())
+            tf = [2 * m * n * k / t / 1e9 for t in (ours, cublas, bf16)]
+            rows.append([f"{model} {name}", m, n, k, f"{bf16:.4f}", f"{cublas:.4f}", f"{ours:.4f}", f"{tf[0]:.0f}",
+                         f"{tf[1]:.0f}", f"{tf[2]:.0f}", f"{cublas / ours:.2f}", f"{bf16 / ours:.2f}"])
+    table(["shape", "M", "N", "K", "bf16 ms", "cuBLAS fp8 ms", "ours ms", "TFLOP/s ours", "cuBLAS", "bf16",
+           "ours/cuBLAS", "ours/bf16"], rows)
+    print("ours/cuBLAS, ours/bf16: speed-ups (> 1: ours faster). Anchor (triton#5461, H100 SXM): cuBLAS FP8 "
+          "1278 TFLOP/s, Triton TMA-persistent FP8 1347 TFLOP/s on 8192x8192x4096.")
 
 
-def main() -> None:
-    if not torch.cuda.is_available():
-        print("benchmarks/gpu.py: no CUDA device here; run it on a GPU machine")
-        return
+def _convert(model: nn.Module, example: dict[str, torch.Tensor], fuse: bool = True) -> nn.Module:
+    import dbr_quant as dq
+
+    prepared = dq.prepare(model, example_kwargs=example, qconfig=dq.QConfig(fuse=fuse))
+    dq.calibrate(prepared, [example], progress=False)
+    return dq.convert(prepared)
+
+
+class _Mlp(nn.Module):
+    """Llama's MLP: down(silu(gate(x)) · up(x))."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(hidden, inter, bias=False), nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def fused_section() -> None:
+    from dbr_quant import kernels
+    from dbr_quant.formats import FP8Format
+    from dbr_quant.kernels.reference import dense as reference
+
+    print("\n## 2. Fused vs unfused")
+    rows = []
+    mlp = _Mlp(4096, 14336).to("cuda", torch.bfloat16).eval()
+    for m in (16, 2048):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        fused, unfused = _convert(mlp, {"x": x}, True), _convert(mlp, {"x": x}, False)
+        with torch.no_grad():
+            t = [timed(mod, x) for mod in (mlp, unfused, fused)]
+        rows.append(["Llama-3-8B MLP", f"M={m}", f"{t[0]:.4f}", f"{t[1]:.4f}", f"{t[2]:.4f}", f"{t[1] / t[2]:.2f}",
+                     f"{t[0] / t[2]:.2f}"])
+    for b, h, seq, d in ((1, 32, 2048, 128), (8, 12, 128, 32)):
+        q, k, v = (torch.randn(b, h, seq, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        (qq, qs), (kq, ks), (vq, vs) = (kernels.dynamic_quantize(t, FP8Format.E4M3) for t in (q, k, v))
+        with kernels.use_backend("triton"):
+            ours = timed(kernels.fp8_attention, qq, qs, kq, ks, vq, vs, is_causal=True)
+        ref = timed(reference.fp8_attention, qq, qs, kq, ks, vq, vs, is_causal=True)
+        sdpa = timed(nn.functional.scaled_dot_product_attention, q, k, v, is_causal=True)
+        rows.append(["attention causal", f"{b}x{h}x{seq}x{d}", f"{sdpa:.4f}", f"{ref:.4f}", f"{ours:.4f}",
+                     f"{ref / ours:.2f}", f"{sdpa / ours:.2f}"])
+    table(["what", "size", "bf16 ms", "FP8 unfused ms", "FP8 fused ms", "unfused/fused", "bf16/fused"], rows)
+    print("attention: unfused = the reference's plain torch ops (quantize, matmuls, softmax) on the GPU; "
+          "bf16 = torch SDPA (flash)")
+
+
+def _e2e_row(name: str, model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[object]:
+    from dbr_quant.fx_rewriter import rewrite
+
+    conv = _convert(model, inputs)
+    gm = rewrite(conv, example_kwargs=inputs)
+    bf16_c = torch.compile(model)
+    fp8_c = torch.compile(gm, fullgraph=True)
+    with torch.no_grad():
+        t = [timed(f, reps=15, **inputs) for f in (model, bf16_c, conv, fp8_c)]
+    shape = "x".join(str(s) for s in next(iter(inputs.values())).shape)
+    return [name, shape, *(f"{x:.3f}" for x in t), f"{t[0] / t[2]:.2f}", f"{t[1] / t[3]:.2f}"]
+
+
+def e2e_section() -> None:
+    from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
+
+    print("\n## 3. End to end (random weights, bf16 models)")
+    minilm = BertModel(BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+                                  intermediate_size=1536, attn_implementation="sdpa"))
+    minilm = minilm.to("cuda", torch.bfloat16).eval()
+    llama = LlamaForCausalLM(LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+                                         num_attention_heads=32, num_key_value_heads=8, vocab_size=32000))
+    llama = llama.to("cuda", torch.bfloat16).eval()
+    rows = []
+    for name, model, shape in (("MiniLM-shaped BERT", minilm, (32, 128)), ("Llama-3-8B 2 layers", llama, (4, 512))):
+        ids = torch.randint(0, 30000, shape, device="cuda")
+        try:
+            rows.append(_e2e_row(name, model, {"input_ids": ids}))
+        except Exception as e:  # noqa: BLE001 - the table goes on; the error is printed
+            print(f"{name} {shape}: {type(e).__name__}: {e}")
+    table(["model", "input", "bf16 eager ms", "bf16 compiled", "FP8 eager", "FP8 compiled", "eager speed-up",
+           "compiled speed-up"], rows)
+
+
+def _host_us(fn: Callable[[], object], calls: int = 300) -> float:
+    """Microseconds of host time per call: ``calls`` back-to-back calls, one synchronize at the end. When the
+    GPU work is shorter than the host work (decode GEMMs) this is what a call costs."""
+    import time
+
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def host_section() -> None:
+    """Where a decode-size call's time goes on the host: the entry point (op table + backend dispatch), the
+    Triton wrapper (checks, operands), Triton's own launch, against cuBLASLt; then a profile of the entry point."""
+    import cProfile
+    import io
+    import pstats
+
     import triton
 
     from dbr_quant import kernels
     from dbr_quant.formats import FP8Format
+    from dbr_quant.kernels.triton import gemm
 
-    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"CUDA {torch.version.cuda}")
-    header = f"{'shape':<10}{'M':>6}{'N':>7}{'K':>7}  {'bf16 ms':>9}{'cuBLAS fp8':>11}{'ours fp8':>10}" \
-             f"  {'TFLOP/s ours':>12}{'cuBLAS':>8}{'bf16':>7}  {'ours/cuBLAS':>11}{'ours/bf16':>10}"
-    print(header + "\n" + "-" * len(header))
-    for name, n, k in SHAPES:
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        w_q, w_s = kernels.dynamic_quantize(w, FP8Format.E4M3)  # per tensor: what _scaled_mm takes for both
-        for m in MS:
-            ours, cublas, bf16 = gemm_times(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), w, w_q, w_s)
-            tf = [2 * m * n * k / t / 1e9 for t in (ours, cublas, bf16)]
-            print(f"{name:<10}{m:>6}{n:>7}{k:>7}  {bf16:>9.4f}{cublas:>11.4f}{ours:>10.4f}  {tf[0]:>12.0f}"
-                  f"{tf[1]:>8.0f}{tf[2]:>7.0f}  {cublas / ours:>11.2f}{bf16 / ours:>10.2f}")
-    print("ours/cuBLAS and ours/bf16 are speed-ups (> 1: ours faster); times are medians of 30 CUDA-event runs")
+    print("\n## 4. Host time per call, M = 1, N = K = 4096 (µs; 300 calls, one synchronize)")
+    w_q, w_s = kernels.dynamic_quantize(torch.randn(4096, 4096, device="cuda"), FP8Format.E4M3)
+    x_q, x_s = kernels.dynamic_quantize(torch.randn(1, 4096, device="cuda"), FP8Format.E4M3)
+    out = torch.empty(1, 4096, device="cuda", dtype=torch.bfloat16)
+    cfg = gemm.pick_config(1)
+    xs, ws, w_t = x_s.reshape(1), w_s.reshape(1), w_q.t()
+
+    def launch_only() -> None:
+        gemm.LINEAR_KERNEL[(triton.cdiv(4096, cfg.BLOCK_N),)](
+            x_q, w_q, out.view(torch.uint16), xs, ws, xs, xs, xs, 1, 4096, 4096, 4096, 1, 4096, 1, 4096, 1, 0, 0,
+            0, 0, **cfg.constexprs(), ACTIVATION="none", GATED=False, HAS_BIAS=False, HAS_RESIDUAL=False,
+            OUT_KIND="bf16", FP8_MAX=448.0, MANTISSA_BITS=3, MIN_NORMAL=2.0**-6, EXP_BIAS=7,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def entry() -> None:
+        kernels.fp8_linear(x_q, x_s, w_q, w_s, out_dtype=torch.bfloat16)
+
+    def cublas() -> None:
+        torch._scaled_mm(x_q, w_t, scale_a=x_s, scale_b=w_s, out_dtype=torch.bfloat16)
+
+    with kernels.use_backend("triton"):
+        rows = [["kernels.fp8_linear (entry point)", f"{_host_us(entry):.1f}"],
+                ["kernels.triton.gemm.fp8_linear (wrapper)",
+                 f"{_host_us(lambda: gemm.fp8_linear(x_q, x_s, w_q, w_s, out_dtype=torch.bfloat16)):.1f}"],
+                ["Triton launch alone (JITFunction[grid])", f"{_host_us(launch_only):.1f}"],
+                ["torch._scaled_mm", f"{_host_us(cublas):.1f}"],
+                ["torch.empty (floor)", f"{_host_us(lambda: torch.empty(1, 4096, device='cuda')):.1f}"]]
+        table(["call", "µs"], rows)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(300):
+            entry()
+        prof.disable()
+    stream = io.StringIO()
+    pstats.Stats(prof, stream=stream).sort_stats("tottime").print_stats(14)
+    print("profile of 300 entry-point calls, by own time:")
+    print("\n".join(line for line in stream.getvalue().splitlines()[4:] if line.strip()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer GEMM sizes")
+    parser.add_argument("--only", choices=["gemm", "fused", "e2e", "host"], help="one section")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/gpu.py: no CUDA device here; run it on a GPU machine (make gpu-check)")
+        return
+    import triton
+
+    driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                            capture_output=True, text=True).stdout.strip() or "?"
+    print(f"device {torch.cuda.get_device_name()}, driver {driver}, torch {torch.__version__}, "
+          f"triton {triton.__version__}, CUDA {torch.version.cuda}, Python {sys.version.split()[0]}")
+    torch.manual_seed(0)
+    sections = {"gemm": lambda: gemm_section(args.quick), "fused": fused_section, "e2e": e2e_section,
+                "host": host_section}
+    failed = False
+    for name, run in sections.items():
+        if args.only in (None, name):
+            try:
+                run()
+            except Exception:  # noqa: BLE001 - one broken section must not hide the others' figures
+                failed = True
+                traceback.print_exc()
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

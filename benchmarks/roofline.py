@@ -21,9 +21,15 @@ Assumptions (identical for the fused and unfused columns, so the comparison is f
   whole row and a row spans many N tiles; norm+quantize owns whole rows, so it can use dynamic per-token scales.
 - Batch 1. RoPE and KV-cache writes are left out of both columns (unfused would need one more elementwise launch;
   fused could fold RoPE into the qkv epilogue), so the block tables slightly understate the fusion gain.
-
-Table 4 (which sm_90 GEMM kernel) models the kernels themselves instead of the peak; its assumptions are in
-gemm_kernel_model's docstring.
+- Tables 4 and 5 use other GPUs' datasheet peaks (dense), with the same model: 4 (MXFP8) a B200 (HGX B200: FP8 and
+  MXFP8 4.5 PFLOP/s, bf16 2.25 PFLOP/s, HBM3e 8 TB/s; CUDA cores 80 TFLOP/s assumed) and, for comparison, the
+  sm_90 path on the H100 above (the block GEMM with 1x32 blocks: no scaled MMA, so every 32-wide K step's partial
+  product is scaled on CUDA cores); 5 (weight-only FP8) an A100 SXM (bf16 312 TFLOP/s, no FP8 tensor cores, HBM2e
+  2.04 TB/s, CUDA cores 19.5 TFLOP/s fp32 / 19.5 TOP/s int32). MX scales are uint8 and counted (M x K/32 + N x K/32
+  bytes); the weight-only kernel's decode (DECODE_OPS integer ops per weight element) runs once per BLOCK_M-row
+  tile of the output (16 rows up to M = 16, then 64, then 128: the wrapper's tiles) and is counted as CUDA-core work.
+- Table 6 (which sm_90 GEMM kernel) models the kernels themselves instead of the peak; its assumptions are in
+  gemm_kernel_model's docstring.
 """
 
 from __future__ import annotations
@@ -71,16 +77,18 @@ class Kernel:
     vec_flops: float
     bytes: float
     mma_peak: float = FP8_FLOPS
+    vector_peak: float = VECTOR_FLOPS
+    hbm_bytes_per_s: float = HBM_BYTES_PER_S
 
     @property
     def flops(self) -> float:
         return self.mma_flops + self.vec_flops
 
     def compute_s(self) -> float:
-        return self.mma_flops / self.mma_peak + self.vec_flops / VECTOR_FLOPS
+        return self.mma_flops / self.mma_peak + self.vec_flops / self.vector_peak
 
     def memory_s(self) -> float:
-        return self.bytes / HBM_BYTES_PER_S
+        return self.bytes / self.hbm_bytes_per_s
 
     def time_s(self, overhead_s: float) -> float:
         return max(self.compute_s(), self.memory_s()) + overhead_s
@@ -307,7 +315,7 @@ def block_scaled(m: int, n: int, k: int) -> Seqs:
     }
 
 
-# Table 4: sustained fraction of the dense FP8 peak of a Triton FP8 GEMM main loop at large shapes on an H100 SXM,
+# Table 6: sustained fraction of the dense FP8 peak of a Triton FP8 GEMM main loop at large shapes on an H100 SXM,
 # both with fast accumulation (no promotion), from published measurements:
 TMA_PERSISTENT_EFFICIENCY = 1347 / 1979  # TMA-persistent tutorial kernel, 8192x8192x4096 (triton-lang/triton#5461)
 POINTER_EFFICIENCY = 1280 / 1979  # pointer loads (cp.async) + wgmma, tutorial 03, 3584^3 (triton-lang/triton#3546)
@@ -317,7 +325,7 @@ PROMOTE_FLOPS = 1  # per accumulator element per K step: the step's wgmma partia
 
 def gemm_kernel_model(cfg: triton_gemm.GemmConfig, efficiency: float, m: int, n: int, k: int, *,
                       block_scaled: bool = False) -> Kernel:
-    """(4) One dbr_quant FP8 linear (bf16 out) run by the kernel with tile config ``cfg``. Assumptions:
+    """(6) One dbr_quant FP8 linear (bf16 out) run by the kernel with tile config ``cfg``. Assumptions:
 
     - The main loop sustains ``efficiency`` x the dense FP8 peak per SM (the anchors above; whatever TMA and
       persistence buy beyond that is not modelled), one CTA per SM (both kernels use ~230 of 255 registers with
@@ -343,7 +351,7 @@ def gemm_kernel_model(cfg: triton_gemm.GemmConfig, efficiency: float, m: int, n:
 
 
 def sm90_gemms(m: int, n: int, k: int) -> dict[str, Kernel]:
-    """(4) The dense and block-scaled linears by the pointer kernel (gemm.pick_config / block_gemm's config for M)
+    """(6) The dense and block-scaled linears by the pointer kernel (gemm.pick_config / block_gemm's config for M)
     and by the TMA persistent kernel (tma_gemm.TMA_CONFIGS), whichever the dispatcher would pick."""
     tma = tma_gemm.TMA_CONFIGS["tma"]
     return {
@@ -356,8 +364,8 @@ def sm90_gemms(m: int, n: int, k: int) -> dict[str, Kernel]:
 
 
 def print_sm90_gemm_table(hiddens: list[int], overhead_s: float) -> None:
-    """(4) Estimated TFLOP/s of each kernel on Llama-3 linear shapes, the dispatcher's pick, and TMA's speedup."""
-    print(f"\n4. sm_90 FP8 linear (bf16 out) by kernel: pointer (cp.async) vs TMA persistent -- {LABEL}; the "
+    """(6) Estimated TFLOP/s of each kernel on Llama-3 linear shapes, the dispatcher's pick, and TMA's speedup."""
+    print(f"\n6. H100 sm_90 FP8 linear (bf16 out) by kernel: pointer (cp.async) vs TMA persistent -- {LABEL}; the "
           f"dispatcher takes TMA for M > {tma_gemm.TMA_MIN_ROWS}")
     names = list(sm90_gemms(1, 128, 128))
     print(f"{'layer':>22} {'M':>6} {'N':>6} {'K':>6} | " + " ".join(f"{n:>13}" for n in names)
@@ -376,6 +384,75 @@ def print_sm90_gemm_table(hiddens: list[int], overhead_s: float) -> None:
     anchor = sm90_gemms(8192, 8192, 4096)["dense TMA"]
     print(f"  anchor 8192x8192x4096: TMA {2.0 * 8192 * 8192 * 4096 / anchor.time_s(0.0) / 1e12:.0f} TFLOP/s modelled "
           f"(with per-step promotion) vs 1347 measured with fast accumulation (triton-lang/triton#5461)")
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """Datasheet peaks (dense) of a GPU other than the H100 above; fp8 0 where it has no FP8 tensor cores."""
+
+    name: str
+    bf16: float
+    fp8: float
+    vector: float
+    hbm: float
+
+    def on(self, k: Kernel) -> Kernel:
+        """``k`` with this GPU's peaks (its tensor-core peak picked by the operand type it was built for)."""
+        peak = self.bf16 if k.mma_peak == BF16_FLOPS or not k.mma_flops else self.fp8
+        if k.mma_flops and not peak:
+            raise ValueError(f"{self.name} has no FP8 tensor cores to run {k.name!r}")
+        return Kernel(k.name, k.mma_flops, k.vec_flops, k.bytes, peak, self.vector, self.hbm)
+
+
+B200 = Gpu("B200", bf16=2.25e15, fp8=4.5e15, vector=80e12, hbm=8.0e12)
+A100 = Gpu("A100 SXM", bf16=312e12, fp8=0.0, vector=19.5e12, hbm=2.039e12)
+MX_BLOCK = 32  # OCP MX: one uint8 E8M0 scale per 32 elements along K
+DECODE_OPS = 6  # FP8 -> bf16 by bit moves per weight element: shift, mask, add, select, sign, convert
+
+
+def mx_linear(m: int, n: int, k: int) -> Seqs:
+    """(4) One linear, bf16 x in, bf16 out, on a B200: bf16, FP8 per-tensor (static quantize + GEMM), MXFP8 (dynamic
+    MX quantize writing M x K/32 uint8 scales in one pass + tl.dot_scaled: the tensor core applies the scales, the
+    epilogue only adds). Scales of MX counted as bytes."""
+    a_scales, w_scales = m * math.ceil(k / MX_BLOCK), n * math.ceil(k / MX_BLOCK)  # uint8
+    return {
+        "bf16": [B200.on(gemm("bf16 gemm", m, n, k, in_bytes=BF16, epi_flops=0))],
+        "FP8 per-tensor": [B200.on(elementwise("quantize (static per-tensor)", m * k, BF16, FP8, 1)),
+                           B200.on(gemm("fp8 gemm", m, n, k))],
+        "MXFP8 (dot_scaled)": [B200.on(elementwise("mx quantize (dynamic, 1 pass)", m * k, BF16, FP8, QUANT_FLOPS,
+                                                   a_scales)),
+                               B200.on(gemm("mxfp8 gemm", m, n, k, epi_flops=0, extra_bytes=a_scales + w_scales))],
+    }
+
+
+def mx_on_hopper(m: int, n: int, k: int) -> Seqs:
+    """(4b) The same linear on the H100 model: FP8 per-tensor vs MXFP8 through the block GEMM (sm_89/90 path): every
+    32-wide K step's partial product scaled on CUDA cores (BLOCK_SCALE_FLOPS per output per K block)."""
+    kb = math.ceil(k / MX_BLOCK)
+    a_scales, w_scales = m * kb, n * kb
+    return {
+        "FP8 per-tensor": [elementwise("quantize (static per-tensor)", m * k, BF16, FP8, 1), gemm("fp8 gemm", m, n, k)],
+        "MXFP8 (block path)": [elementwise("mx quantize (dynamic, 1 pass)", m * k, BF16, FP8, QUANT_FLOPS, a_scales),
+                               gemm("block fp8 gemm, 1x32", m, n, k, epi_flops=BLOCK_SCALE_FLOPS * kb,
+                                    extra_bytes=a_scales + w_scales)],
+    }
+
+
+def weight_only(m: int, n: int, k: int) -> Seqs:
+    """(5) One linear, bf16 x in, bf16 out, on an A100: bf16 weights; FP8 weights through the torch path the
+    dispatcher took before (an upcast kernel writing W in bf16, then the bf16 GEMM reading it); FP8 weights through
+    the weight-only kernel (W read as one byte per element, decoded in the K loop once per BLOCK_M-row tile, bf16
+    MMA, the per-channel scale in the epilogue)."""
+    block_m = 16 if m <= 16 else 64 if m <= 128 else 128
+    decode = DECODE_OPS * n * k * math.ceil(m / block_m)
+    return {
+        "bf16": [A100.on(gemm("bf16 gemm", m, n, k, in_bytes=BF16, epi_flops=0))],
+        "upcast + bf16": [A100.on(elementwise("fp8 -> bf16 upcast of W", n * k, FP8, BF16, 1)),
+                          A100.on(gemm("bf16 gemm", m, n, k, in_bytes=BF16, epi_flops=0))],
+        "W8A16 kernel": [A100.on(Kernel("weight-only gemm (decode in K loop)", 2.0 * m * n * k,
+                                        decode + SCALE_FLOPS * m * n, m * k * BF16 + n * k * FP8 + m * n * BF16,
+                                        BF16_FLOPS))],
+    }
 
 
 def ffn(hidden: int) -> int:
@@ -442,6 +519,12 @@ def main(argv: list[str] | None = None) -> None:
     print_table("2. Transformer block (norm, qkv, attention, o_proj, MLP)", block, hs, ov)
     print_table(f"3. Mixtral-8x7B MoE experts after routing ({MOE_EXPERTS} experts, top-{MOE_TOP_K}, I = 14336; "
                 "decode M <= 16, prefill M = 4096)", moe_block, [4096], ov)
+    print_table("4. B200: linear N=K=hidden, MXFP8 (tl.dot_scaled) vs FP8 per-tensor vs bf16",
+                lambda m, h, f: mx_linear(m, h, h), hs, ov, ratio="MXFP8 speedup vs")
+    print_table("4b. H100: linear N=K=hidden, MXFP8 through the block GEMM (sm_90 path) vs FP8 per-tensor",
+                lambda m, h, f: mx_on_hopper(m, h, h), hs, ov, ratio="MXFP8 speedup vs")
+    print_table("5. A100: linear N=K=hidden, weight-only FP8 kernel vs upcast + bf16 GEMM vs bf16",
+                lambda m, h, f: weight_only(m, h, h), hs, ov, ratio="W8A16 speedup vs")
     print_sm90_gemm_table(hs, ov)
 
 

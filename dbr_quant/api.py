@@ -24,7 +24,7 @@ from dbr_quant.ops.state import AutoQuantizationState, UncalibratedError
 from dbr_quant.ops.tags import TAG, ModuleTag, fqn_of
 from dbr_quant.qconfig import QConfig
 from dbr_quant.quantize.weight_quantization import all_finite, quantize_weight
-from dbr_quant.quantize.weights import attach_fp8_weight
+from dbr_quant.quantize.weights import attach_fp8_weight, fp8_weight_of
 from dbr_quant.runtime import hessians as collect
 from dbr_quant.runtime import precision
 from dbr_quant.runtime.convert_run import ConvertRun
@@ -291,6 +291,8 @@ def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:
         if not all(op.quantize for op in ops):
             continue  # some call runs in high precision: it needs the original weight
         module = m.get_submodule(fqn)
+        if fp8_weight_of(module) is not None:
+            continue  # FP8 already: placed by load_pretrained(..., recalibrate=True), its bytes are the file's
         home = offload.weight_home(m, fqn, token)  # accelerate keeps an offloaded weight in its weights map (meta here)
         w = linear_weight(module).detach() if home is None else _loaded_weight(module, home)
         if not all_finite(w):

@@ -55,7 +55,10 @@ def safe_scale(amax: torch.Tensor, fmt: FP8Format, margin: int = 0) -> torch.Ten
     ``margin`` leaves 2**margin headroom (Transformer Engine's delayed-scaling margin).
     """
     amax = amax.float()
-    scale = amax * (2.0**margin) / fmt.max
+    # divided by a tensor on amax's device: CUDA torch turns a division by a Python number into a multiply
+    # by its reciprocal (BinaryDivTrueKernel.cu), 1 ulp off IEEE amax / max now and then, which would make
+    # a scale computed on the GPU differ from the CPU's and from the Triton kernels' div_rn
+    scale = amax * (2.0**margin) / torch.tensor(fmt.max, dtype=torch.float32, device=amax.device)
     ok = torch.isfinite(scale) & (scale > 0) & torch.isfinite(amax)
     scale = torch.where(ok, scale, torch.ones_like(scale))
     # a tiny but non-zero amax must not produce a subnormal/zero scale whose inverse overflows

@@ -18,12 +18,17 @@ from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.block import check_block, check_group
 from dbr_quant.observers import ObserverConfig, RunningMax
 
-Granularity = Literal["tensor", "channel", "token", "block", "group"]
-GRANULARITIES = ("tensor", "channel", "token", "block", "group")
-WEIGHT_GRANULARITIES = ("tensor", "channel", "block")
-ACTIVATION_GRANULARITIES = ("tensor", "token", "group")
+Granularity = Literal["tensor", "channel", "token", "block", "group", "mx"]
+GRANULARITIES = ("tensor", "channel", "token", "block", "group", "mx")
+WEIGHT_GRANULARITIES = ("tensor", "channel", "block", "mx")
+ACTIVATION_GRANULARITIES = ("tensor", "token", "group", "mx")
+WEIGHT_ONLY_GRANULARITIES = ("tensor", "channel")  # what vLLM's CompressedTensorsW8A16Fp8 reads
+MXScaleRounding = Literal["floor", "ceil"]
+MX_SCALE_ROUNDINGS = ("floor", "ceil")
 WeightRounding = Literal["nearest", "gptq"]
 WEIGHT_ROUNDINGS = ("nearest", "gptq")
+AttentionScales = Literal["tensor", "head"]
+ATTENTION_SCALES = ("tensor", "head")
 # GPTQ's damping candidates, relative to the mean Hessian diagonal: a half-decade log grid from 1e-3 to 10, then
 # round-to-nearest (inf); cross-validated over calibration batches (quantize/rounding/damping.py)
 DEFAULT_DAMPINGS: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, math.inf)
@@ -38,8 +43,13 @@ class TensorQConfig:
     tile of [out, in], the DeepSeek-V3 / compressed-tensors FP8_BLOCK layout) or "group" (activations,
     dynamic only: one per token per ``group_size`` channels). ``block`` and ``group_size`` are read only by
     those granularities; a linear with block weights needs its activation group to equal the block's column
-    count (one activation scale per K block of the GEMM). With ``quantize_attention``, "group" activations of
-    matmul / attention operands are quantized per token where the operand allows it (a, q, k), else per tensor.
+    count (one activation scale per K block of the GEMM). "mx" (weights and dynamic activations, together): OCP
+    MX, one power-of-two E8M0 scale per 32 elements along K (``kernels.reference.mx`` says how the exponent is
+    rounded); ``block`` / ``group_size`` are not read. ``mx_scale_rounding`` (read by "mx" only): "floor", the OCP
+    spec's rule (amax's binade minus the element format's; the block's largest values may saturate), or "ceil" (the
+    smallest power of two that saturates nothing, torchao's RCEIL). With ``quantize_attention``, "group" and "mx"
+    activations of matmul / attention operands are quantized per token where the operand allows it (a, q, k), else
+    per tensor.
     """
 
     format: FP8Format = FP8Format.E4M3
@@ -47,9 +57,12 @@ class TensorQConfig:
     granularity: Granularity = "tensor"
     block: tuple[int, int] = (128, 128)
     group_size: int = 128
+    mx_scale_rounding: MXScaleRounding = "floor"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "format", FP8Format.parse(self.format))
+        if self.mx_scale_rounding not in MX_SCALE_ROUNDINGS:
+            raise ValueError(f"mx_scale_rounding must be 'floor' or 'ceil', not {self.mx_scale_rounding!r}")
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {', '.join(map(repr, GRANULARITIES))}, "
                              f"not {self.granularity!r}")
@@ -59,6 +72,10 @@ class TensorQConfig:
             raise ValueError(f"granularity 'block' takes each block's amax as its scale (as compressed-tensors "
                              f"FP8_BLOCK and transformers FineGrainedFP8 do, so checkpoints match); observer "
                              f"{type(self.observer).__name__} is not supported there: use RunningMax()")
+        if self.granularity == "mx" and type(self.observer) is not RunningMax:
+            raise ValueError(f"granularity 'mx' takes each 32-element block's amax for its power-of-two scale (OCP MX, "
+                             f"compressed-tensors MXFP8); observer {type(self.observer).__name__} is not supported "
+                             "there: use RunningMax()")
 
 
 @dataclass(frozen=True)
@@ -92,10 +109,10 @@ class GPTQOptions:
 def _check_rounding(rounding: str | None, weight: TensorQConfig, where: str) -> None:
     if rounding is not None and rounding not in WEIGHT_ROUNDINGS:
         raise ValueError(f"{where}: weight_rounding must be 'nearest' or 'gptq', not {rounding!r}")
-    if rounding == "gptq" and weight.granularity == "block":
+    if rounding == "gptq" and weight.granularity in ("block", "mx"):
         raise ValueError(f"{where}: weight_rounding='gptq' supports per-channel and per-tensor weights, not "
-                         "granularity 'block'; use weight_rounding='nearest' for block-scaled weights (or an Override "
-                         "that gives those modules nearest rounding)")
+                         f"granularity {weight.granularity!r}; use weight_rounding='nearest' for block-scaled weights "
+                         "(or an Override that gives those modules nearest rounding)")
 
 
 @dataclass(frozen=True)
@@ -159,6 +176,15 @@ class QConfig:
     cross-validation over calibration batches (``gptq`` holds its options; ``dbr_quant.runtime.hessians``
     says what calibration keeps). Same scales and FP8 layout as nearest: only which grid point each weight
     takes changes. Needs calibration batches also with ``dynamic=True``.
+    attention_scales: the static scales of FP8 attention's operands (with ``quantize_attention``): "tensor", one
+    per operand; "head", one per attention head (q, the probabilities of eager attention's p·v) and per KV
+    head (k, v under GQA), calibrated per head (``dbr_quant.ops.heads``). Heads whose ranges differ keep their
+    own resolution; ``save_pretrained`` writes per-KV-head ``k_scale`` / ``v_scale`` (compressed-tensors
+    ``attn_head``). SDPA's probabilities keep the fixed scale 1/fmt.max: every row's largest probability is
+    1 in the Triton kernel (at most 1 in the reference), so no head has a smaller range to calibrate.
+    weight_only: FP8 weights, activations left in high precision (W8A16, ``QConfig.fp8_weight_only()``): linears
+    read their input as it is (``kernels.fp8_weight_only_linear``), nothing is calibrated (``dynamic`` is set);
+    weights per channel or per tensor, no FP8 attention.
     """
 
     activation: TensorQConfig = field(default_factory=TensorQConfig)
@@ -170,9 +196,15 @@ class QConfig:
     overrides: tuple[Override, ...] = ()
     weight_rounding: WeightRounding = "nearest"
     gptq: GPTQOptions = field(default_factory=GPTQOptions)
+    attention_scales: AttentionScales = "tensor"
+    weight_only: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "overrides", tuple(self.overrides))
+        if self.weight_only:
+            object.__setattr__(self, "dynamic", True)  # no activation scale to observe: nothing to calibrate
+            _check_weight_only(self)
+        _check_attention_scales(self)
         check_combination(self.activation, self.weight, self.dynamic, "QConfig")
         _check_rounding(self.weight_rounding, self.weight, "QConfig")
         if not isinstance(self.gptq, GPTQOptions):
@@ -198,6 +230,24 @@ class QConfig:
                    activation=TensorQConfig(format=fmt, granularity="group", group_size=block[1]), dynamic=True,
                    **kwargs)
 
+    @classmethod
+    def mxfp8(cls, fmt: FP8Format | str = FP8Format.E4M3, scale_rounding: MXScaleRounding = "floor",
+              **kwargs) -> QConfig:
+        """MXFP8 (OCP MX v1.0, compressed-tensors ``MXFP8``, Blackwell's scaled MMA): FP8 weights and dynamic FP8
+        activations, one power-of-two E8M0 scale per 32 elements along K, its exponent rounded per
+        ``scale_rounding`` ("floor": the spec; "ceil": nothing saturates, see TensorQConfig). No calibration
+        needed. Other QConfig fields go in ``kwargs``."""
+        fmt = FP8Format.parse(fmt)
+        mx = TensorQConfig(format=fmt, granularity="mx", mx_scale_rounding=scale_rounding)
+        return cls(weight=mx, activation=mx, dynamic=True, **kwargs)
+
+    @classmethod
+    def fp8_weight_only(cls, granularity: Literal["channel", "tensor"] = "channel", **kwargs) -> QConfig:
+        """Weight-only FP8 (W8A16, vLLM's ``CompressedTensorsW8A16Fp8``): E4M3 weights per output channel (or per
+        tensor), activations high precision. For GPUs without FP8 tensor cores and memory-bound decode. Other
+        QConfig fields go in ``kwargs``."""
+        return cls(weight=TensorQConfig(granularity=granularity), weight_only=True, **kwargs)
+
     def override_for(self, fqn: str, enclosing_types: tuple[type, ...]) -> Override | None:
         """The first override that matches an op (the one whose settings it takes), or None."""
         return next((ov for ov in self.overrides if ov.matches(fqn, enclosing_types)), None)
@@ -208,13 +258,37 @@ class QConfig:
         if ov is not None:
             return self.for_op_override(ov)
         return OpQConfig(skip=False, activation=self.activation, weight=self.weight, dynamic=self.dynamic,
-                         weight_rounding=self.weight_rounding)
+                         weight_rounding=self.weight_rounding, weight_only=self.weight_only)
 
     def for_op_override(self, ov: Override) -> OpQConfig:
         """The settings of an op that ``ov`` matches: its fields, unset ones from self."""
         return OpQConfig(skip=ov.skip, activation=ov.activation or self.activation, weight=ov.weight or self.weight,
-                         dynamic=self.dynamic if ov.dynamic is None else ov.dynamic,
-                         weight_rounding=ov.weight_rounding or self.weight_rounding, untie=ov.untie)
+                         dynamic=self.dynamic if ov.dynamic is None or self.weight_only else ov.dynamic,
+                         weight_rounding=ov.weight_rounding or self.weight_rounding, untie=ov.untie,
+                         weight_only=self.weight_only)
+
+
+def _check_weight_only(qconfig: QConfig) -> None:
+    weights = [qconfig.weight] + [ov.weight for ov in qconfig.overrides if ov.weight is not None]
+    bad = sorted({w.granularity for w in weights if w.granularity not in WEIGHT_ONLY_GRANULARITIES})
+    if bad:
+        raise ValueError(f"QConfig(weight_only=True): weight-only FP8 takes per-channel or per-tensor weights (vLLM's "
+                         f"CompressedTensorsW8A16Fp8), not granularity {bad}; use QConfig.fp8_weight_only()")
+    if qconfig.quantize_attention:
+        raise ValueError("QConfig(weight_only=True, quantize_attention=True): weight-only FP8 leaves activations in "
+                         "high precision, and FP8 attention quantizes them; choose one")
+
+
+def _check_attention_scales(q: QConfig) -> None:
+    if q.attention_scales not in ATTENTION_SCALES:
+        raise ValueError(f"QConfig.attention_scales must be 'tensor' or 'head', not {q.attention_scales!r}")
+    if q.attention_scales == "head" and not q.quantize_attention:
+        raise ValueError("QConfig(attention_scales='head') sets the scales of FP8 attention: set "
+                         "quantize_attention=True too")
+    if q.attention_scales == "head" and q.dynamic:
+        raise ValueError("QConfig(attention_scales='head') calibrates one scale per attention head (static); with "
+                         "dynamic=True attention scales are computed per tensor or per token at run time: set "
+                         "dynamic=False (Override(dynamic=True) keeps chosen ops dynamic)")
 
 
 def check_combination(activation: TensorQConfig, weight: TensorQConfig, dynamic: bool, where: str) -> None:
@@ -238,6 +312,11 @@ def check_combination(activation: TensorQConfig, weight: TensorQConfig, dynamic:
         raise ValueError(f"{where}: activation granularity 'group' needs weight granularity 'block' (group scales "
                          f"vary along the GEMM's reduction dimension; only the block-scaled GEMM applies them); "
                          f"got weight granularity {wg!r}")
+    if (ag == "mx") != (wg == "mx"):
+        raise ValueError(f"{where}: MX scales go on both GEMM operands (weights and activations granularity 'mx', as "
+                         f"QConfig.mxfp8() sets them); got weight {wg!r} with activation {ag!r}")
+    if ag == "mx" and not dynamic:
+        raise ValueError(f"{where}: MX activation scales are computed at run time: set dynamic=True")
     if ag == "group" and activation.group_size != weight.block[1]:
         raise ValueError(f"{where}: the activation group size ({activation.group_size}) must equal the weight "
                          f"block's column count (block={weight.block}): the block GEMM applies one activation "
@@ -254,4 +333,5 @@ class OpQConfig:
     dynamic: bool
     weight_rounding: WeightRounding = "nearest"  # convert's rounding of this op's weight (not saved: load reads bytes)
     untie: bool = False  # quantize a linear whose weight is tied to another parameter (Override.untie)
+    weight_only: bool = False  # FP8 weight, high-precision input (QConfig.weight_only)
 

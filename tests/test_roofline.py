@@ -154,6 +154,47 @@ def test_block_scaled_vs_per_tensor_hand_computed(rl):
     assert rl.seq_time_s(one["block FP8"], 3e-6) == pytest.approx(rl.seq_time_s(one["per-tensor FP8"], 3e-6), rel=1e-3)
 
 
+def test_mxfp8_on_b200_hand_computed(rl):
+    m, n, k = 1024, 4096, 4096
+    seqs = rl.mx_linear(m, n, k)
+    assert list(seqs) == ["bf16", "FP8 per-tensor", "MXFP8 (dot_scaled)"]
+    quant, gemm = seqs["MXFP8 (dot_scaled)"]
+    a_scales, w_scales = m * k // 32, n * k // 32  # uint8 E8M0 codes
+    assert quant.bytes == m * k * 3 + a_scales and quant.vec_flops == 3 * m * k
+    assert gemm.bytes == m * k + n * k + 2 * m * n + a_scales + w_scales and gemm.vec_flops == 0  # scales in the MMA
+    # compute-bound: 2·m·n·k at B200's 4.5 PFLOP/s dense FP8 = 7.64 us, + 3 us launch
+    assert gemm.time_s(3e-6) * 1e6 == pytest.approx(2 * m * n * k / 4.5e15 * 1e6 + 3, rel=1e-12)
+    bf16 = seqs["bf16"][0]
+    assert bf16.mma_peak == 2.25e15 and bf16.bytes == (m * k + n * k) * 2 + m * n * 2
+    # decode on B200: HBM bound at 8 TB/s: (k + n·k + n/32·k + ...) bytes
+    one = rl.mx_linear(1, n, k)["MXFP8 (dot_scaled)"][1]
+    assert one.memory_s() == pytest.approx((k + n * k + 2 * n + k // 32 + n * k // 32) / 8e12, rel=1e-12)
+
+
+def test_mxfp8_on_hopper_scales_every_32_wide_step_on_cuda_cores(rl):
+    m, n, k = 4096, 4096, 4096
+    quant, gemm = rl.mx_on_hopper(m, n, k)["MXFP8 (block path)"]
+    assert gemm.vec_flops == 3 * m * n * (k // 32)  # partial · sa · sw + acc per K block of 32
+    assert gemm.compute_s() == pytest.approx(2 * m * n * k / 1979e12 + 3 * m * n * k / 32 / 67e12, rel=1e-12)
+
+
+def test_weight_only_on_a100_hand_computed(rl):
+    n, k = 4096, 4096
+    for m, block_m in ((1, 16), (16, 16), (100, 64), (4096, 128)):
+        (kernel,) = rl.weight_only(m, n, k)["W8A16 kernel"]
+        assert kernel.bytes == m * k * 2 + n * k + m * n * 2  # W one byte per element, read once
+        assert kernel.vec_flops == 6 * n * k * -(-m // block_m) + 2 * m * n  # decode per row tile + scale
+        assert kernel.mma_peak == 312e12 and kernel.hbm_bytes_per_s == 2.039e12 and kernel.vector_peak == 19.5e12
+    upcast, gemm = rl.weight_only(1, n, k)["upcast + bf16"]
+    assert upcast.bytes == n * k * 3 and gemm.bytes == (k + n * k) * 2 + n * 2
+    # decode (M = 1) is HBM bound: the W8A16 kernel moves half of bf16's weight bytes
+    t = {name: rl.seq_time_s(ks, 3e-6) for name, ks in rl.weight_only(1, n, k).items()}
+    assert t["W8A16 kernel"] == pytest.approx((2 * k + n * k + 2 * n) / 2.039e12 + 3e-6, rel=1e-12)
+    assert t["W8A16 kernel"] < t["bf16"] < t["upcast + bf16"]
+    with pytest.raises(ValueError, match="no FP8 tensor cores"):
+        rl.A100.on(rl.gemm("fp8 gemm", 1, n, k))
+
+
 def test_ffn_matches_llama3(rl):
     assert rl.ffn(4096) == 14336 and rl.ffn(8192) == 28672
 
@@ -161,9 +202,11 @@ def test_ffn_matches_llama3(rl):
 def test_main_prints_labelled_tables(rl, capsys):
     rl.main(["--hidden", "4096", "--launch-overhead-us", "0"])
     out = capsys.readouterr().out
-    # header + 1a, 1b, 1c x2, 1d, 1e, 1f, 2, 3 (MoE), 4 (sm_90 GEMM kernels)
-    assert out.count("estimated from a roofline model, not measured") == 11
-    assert "3. Mixtral-8x7B MoE experts after routing" in out and "4. sm_90 FP8 linear" in out
+    # header + 1a, 1b, 1c x2, 1d, 1e, 1f, 2, 3 (MoE), 4 (B200 MXFP8), 4b (H100 MXFP8 block path), 5 (A100 W8A16),
+    # 6 (H100 sm_90 GEMM kernels)
+    assert out.count("estimated from a roofline model, not measured") == 14
+    assert "4. B200" in out and "4b. H100" in out and "5. A100" in out and "6. H100 sm_90 FP8 linear" in out
+    assert "3. Mixtral-8x7B MoE experts after routing" in out
     assert "block speedup vs" in out
     assert "0 us/launch" in out
     assert "MLP   unfused FP8  8:" in out and "MLP   fused FP8    3:" in out
@@ -171,7 +214,7 @@ def test_main_prints_labelled_tables(rl, capsys):
 
 
 def test_sm90_gemm_model_waves_padding_and_promotion(rl):
-    """Table 4 by hand: 8192x8192x4096 on the TMA tile (128x64x128): 64 x 128 = 8192 tiles in ceil(8192/132) = 63
+    """Table 6 by hand: 8192x8192x4096 on the TMA tile (128x64x128): 64 x 128 = 8192 tiles in ceil(8192/132) = 63
     waves (98.5% of 63 x 132 slots busy) at 1347 TFLOP/s sustained; 2 scale + 32 promotion FLOPs per output."""
     cfg = rl.tma_gemm.TMA_CONFIGS["tma"]
     assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K) == (128, 64, 128)

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from dbr_quant.api import prepare
 from dbr_quant.checkpoints.errors import CheckpointError
@@ -136,6 +137,14 @@ class Skeleton:
                         f"{fqn + '.' if fqn else ''}{name}: on the meta device and not in the checkpoint (a "
                         "non-persistent buffer such as a rotary table is computed when the model is built); build "
                         "the architecture on a real device, or load it with that buffer materialized")
+
+
+def on_model_device(model: nn.Module, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Example inputs the loader made (read from the folder, or a default ``input_ids``: CPU tensors) moved to the
+    device of the assembled model's first parameter, so a model loaded onto a GPU traces there."""
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), (args, kwargs))
 
 
 def trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], qconfig: QConfig) -> nn.Module:

@@ -7,6 +7,11 @@ The mapping (each choice also in the README, "Save for serving"):
   per tensor; ``input_scale`` [1] when activations are static (dynamic: none, and the scheme says
   ``dynamic: true`` with strategy ``tensor`` or ``token``); ``bias`` as is. A gate/up pair stacked into one
   buffer is written as the two modules' own tensors.
+* MXFP8 (``QConfig.mxfp8()``): compressed-tensors' MXFP8 preset, format ``mxfp8-quantized``, weights and
+  (dynamic) input activations strategy ``group`` with ``group_size`` 32 and ``scale_dtype`` uint8;
+  ``weight_scale`` uint8 [out, in/32], the E8M0 codes (an ``in_features`` not a multiple of 32 is refused).
+* Weight-only (``QConfig.fp8_weight_only()``): vLLM's ``CompressedTensorsW8A16Fp8`` layout, weights strategy
+  ``channel`` (or ``tensor``), ``input_activations`` null, no ``input_scale``.
 * Block-scaled (``QConfig.fp8_block()``): compressed-tensors' FP8_BLOCK scheme, ``weights`` strategy
   ``block`` with ``block_structure`` [bn, bk], ``weight_scale`` float32 [⌈out/bn⌉, ⌈in/bk⌉];
   ``input_activations`` strategy ``group`` (``group_size`` bk, dynamic). An ``in_features`` that is not a
@@ -27,9 +32,12 @@ The mapping (each choice also in the README, "Save for serving"):
   dtype) and listed in ``ignore``; ``load_pretrained`` re-quantizes it exactly with the scale kept in
   ``dbr_quant.json``.
 * FP8 attention (``quantize_attention=True``): per attention layer ``k_scale`` / ``v_scale`` [1] and a
-  ``kv_cache_scheme``, only when every layer compressed-tensors treats as KV-cached attention has static
-  k/v scales; otherwise (and for q, and for activation × activation matmuls) loaders run attention in
-  high precision and a warning says so.
+  ``kv_cache_scheme`` with strategy ``tensor``; with ``attention_scales="head"`` one value per KV head,
+  [num_key_value_heads, 1, 1], and strategy ``attn_head`` (the shape compressed-tensors' initialize_qparams gives
+  an ``attn_head`` k/v scale; vLLM's CompressedTensorsKVCacheMethod flattens it into its [num_kv_heads] k_scale
+  and shards it by kv head under tensor parallelism). Only when every layer compressed-tensors treats as
+  KV-cached attention has static k/v scales; otherwise (and for q, and for activation × activation matmuls)
+  loaders run attention in high precision and a warning says so.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from dbr_quant.checkpoints.errors import CheckpointError
 from dbr_quant.checkpoints.safetensors_io import Entry, tensor_entry
 from dbr_quant.checkpoints.schemes import Scheme, quantization_config, scale_dtype, scheme
 from dbr_quant.formats import FP8Format
+from dbr_quant.ops.heads import fit_heads
 from dbr_quant.ops.mappings import LINEAR, MATMUL, SDPA
 from dbr_quant.ops.state import AutoQuantizationState, SeenOp
 from dbr_quant.ops.tags import tag_of
@@ -139,8 +148,26 @@ def _linear_input_scales(record: ConvertedRecord) -> dict[str, list[tuple[AutoQu
     return sites
 
 
+def _kv_heads(mod: nn.Module, observed: int) -> int:
+    """The KV heads of an attention module (its config's num_key_value_heads, as vLLM counts them), else the
+    count its per-head scales were calibrated on."""
+    heads = getattr(getattr(mod, "config", None), "num_key_value_heads", None)
+    return heads if isinstance(heads, int) and heads > 0 else observed
+
+
+def kv_file_scale(scales: list[torch.Tensor], mod: nn.Module, what: str) -> torch.Tensor:
+    """The file's k or v scale of one attention module: the largest over its call sites, [1] per tensor or
+    [num_kv_heads, 1, 1] per head (scales calibrated on repeated kv heads are equal within a group)."""
+    if all(s.dim() == 0 for s in scales):
+        return torch.stack(scales).max().reshape(1)
+    heads = _kv_heads(mod, max(s.numel() for s in scales))
+    fitted = [fit_heads(s.reshape(-1).expand(heads) if s.numel() == 1 else s, heads, what) for s in scales]
+    return torch.stack(fitted).amax(dim=0).reshape(heads, 1, 1)
+
+
 def _kv_scales(model: nn.Module, record: ConvertedRecord, plan: Plan) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Per attention module: (k_scale, v_scale) [1] fp32, when the whole model can carry a kv_cache_scheme."""
+    """Per attention module: (k_scale, v_scale) fp32, [1] or per KV head [H_kv, 1, 1], when the whole model can
+    carry a kv_cache_scheme."""
     found: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
     dynamic = matmuls = 0
     for st in record.states:
@@ -171,9 +198,9 @@ def _kv_scales(model: nn.Module, record: ConvertedRecord, plan: Plan) -> dict[st
         return {}
     out, extra = {}, [fqn for fqn in found if fqn not in cached]
     for fqn in cached:
-        pairs = found[fqn]
-        out[fqn] = (torch.stack([k for k, _ in pairs]).max().reshape(1),
-                    torch.stack([v for _, v in pairs]).max().reshape(1))
+        pairs, mod = found[fqn], model.get_submodule(fqn)
+        out[fqn] = (kv_file_scale([k for k, _ in pairs], mod, _join(fqn, "k_scale")),
+                    kv_file_scale([v for _, v in pairs], mod, _join(fqn, "v_scale")))
         if len(pairs) > 1:
             plan.notes.append(f"attention '{fqn}' runs at {len(pairs)} call sites: its k/v scales are the largest")
     if extra:
@@ -250,7 +277,9 @@ def build_plan(model: nn.Module) -> Plan:
         plan.groups = [(g, [experts.renamed(e, plan.renames) for e in entries]) for g, entries in plan.groups]
         schemes = {experts.rename(k, plan.renames): v for k, v in schemes.items()}
         ignore = [experts.rename(k, plan.renames) for k in ignore]
-    plan.quantization_config = quantization_config(schemes, ignore, bool(kv))
+    per_head = any(k.dim() == 3 for k, _ in kv.values())
+    plan.quantization_config = quantization_config(schemes, ignore, ("attn_head" if per_head else "tensor") if kv
+                                                   else None)
     return plan
 
 
@@ -300,7 +329,12 @@ def _fp8_linear_entries(fqn: str, mod: nn.Module, w: FP8Weight, sites: list, pla
         plan.notes.append(f"'{fqn}' has {out_features} output rows, not a multiple of the {w.block[0]}-row block; "
                           "vLLM merges q/k/v and gate/up into one layer and refuses partial row blocks there "
                           "(transformers loads it)")
-    # block: [⌈out/bn⌉, ⌈in/bk⌉] as it is (compressed-tensors' FP8_BLOCK weight_scale)
+    # block: [⌈out/bn⌉, ⌈in/bk⌉] as it is (compressed-tensors' FP8_BLOCK weight_scale); mx: the E8M0 codes uint8
+    # [out, ⌈in/32⌉] as they are (compressed-tensors' MXFP8 compressor stores exactly these, mx_utils.compress_mx_scale)
+    if wstrat == "mx":
+        entries = [Entry(_join(fqn, "weight"), w.qdata.dtype, tuple(w.qdata.shape), lambda: w.qdata),
+                   tensor_entry(_join(fqn, "weight_scale"), w.scale, torch.uint8)]
+        return entries
     scale = (w.scale.float() if wstrat == "block" else w.scale.float().reshape(out_features, 1)
              if wstrat == "channel" else w.scale.float().reshape(1))
     entries = [Entry(_join(fqn, "weight"), w.qdata.dtype, tuple(w.qdata.shape), lambda: w.qdata),

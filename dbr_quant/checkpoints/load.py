@@ -23,29 +23,38 @@ import torch
 from torch import nn
 
 from dbr_quant import kernels
-from dbr_quant.checkpoints import experts, foreign, sidecar
-from dbr_quant.checkpoints.assemble import ScaleSource, Skeleton, check_scale, example_args, finish_convert, trace
+from dbr_quant.checkpoints import experts, foreign, readers, sidecar
+from dbr_quant.checkpoints.assemble import (
+    ScaleSource,
+    Skeleton,
+    check_scale,
+    example_args,
+    finish_convert,
+    on_model_device,
+    trace,
+)
 from dbr_quant.checkpoints.errors import CheckpointError
-from dbr_quant.checkpoints.layout import model_modules, own_tensors
+from dbr_quant.checkpoints.layout import kv_file_scale, model_modules, own_tensors
+from dbr_quant.checkpoints.meta_model import architecture_of
 from dbr_quant.checkpoints.safetensors_io import StoredTensor, read_header, read_tensor
 from dbr_quant.checkpoints.save import INDEX
 from dbr_quant.formats import FP8Format
+from dbr_quant.kernels.reference.mx import E8M0_NAN, MX_WEIGHT_BLOCK
 from dbr_quant.ops.mappings import LINEAR, SDPA, is_transposed_linear
 from dbr_quant.ops.state import AutoQuantizationState, SeenOp
 from dbr_quant.ops.tags import tag_of
 from dbr_quant.quantize.weights import fp8_weight_of
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_E8M0 = (torch.uint8,)  # MXFP8 weight_scale: E8M0 codes
 
 
 def _read_sidecar(folder: Path) -> dict[str, Any]:
     path = folder / sidecar.FILENAME
     if not path.is_file():
-        raise CheckpointError(f"{folder}: no {sidecar.FILENAME}, so this is not a folder written by "
-                              "dbr_quant.save_pretrained nor a block-scaled FP8 folder (compressed-tensors "
-                              "FP8_BLOCK, transformers FineGrainedFP8), the other layouts load_pretrained reads (load "
-                              "a per-channel / per-tensor compressed-tensors folder with transformers' "
-                              "from_pretrained or vLLM instead)")
+        raise CheckpointError(f"{folder}: no {sidecar.FILENAME} and no quantization_config in config.json (nor "
+                              "hf_quant_config.json), so this is neither a folder written by dbr_quant.save_pretrained "
+                              "nor an FP8 folder of another tool (compressed-tensors, fp8, fbgemm_fp8, ModelOpt)")
     try:
         meta = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -147,7 +156,8 @@ def _expected(model: nn.Module, meta: dict[str, Any]) -> dict[str, tuple[tuple[t
                 out[name] = ((t.dtype,), tuple(t.shape))
                 continue
             out[name] = ((torch.float8_e4m3fn,), tuple(t.shape))
-            out[name + "_scale"] = (_FLOATS, _scale_shape(info, tuple(t.shape)))
+            scale_dtypes = _E8M0 if info["granularity"] == "mx" else _FLOATS
+            out[name + "_scale"] = (scale_dtypes, _scale_shape(info, tuple(t.shape)))
             if not any(op["qconfig"]["dynamic"] for op in sites.get(fqn, [])):
                 out[f"{fqn}.input_scale"] = (_FLOATS, (1,))
     return out
@@ -155,25 +165,32 @@ def _expected(model: nn.Module, meta: dict[str, Any]) -> dict[str, tuple[tuple[t
 
 def _scale_shape(info: dict[str, Any], shape: tuple[int, ...]) -> tuple[int, ...]:
     """The weight_scale shape of a saved FP8 linear with weight ``shape`` [out, in]."""
-    if info["granularity"] == "block":
-        (bn, bk), (n, k) = info["block"], shape
+    if info["granularity"] in ("block", "mx"):
+        (bn, bk), (n, k) = _block(info) or (1, 1), shape
         return (-(-n // bn), -(-k // bk))
     return (shape[0], 1) if info["granularity"] == "channel" else (1,)
 
 
 def _block(info: dict[str, Any]) -> tuple[int, int] | None:
+    if info["granularity"] == "mx":
+        return MX_WEIGHT_BLOCK
     return tuple(info["block"]) if info["granularity"] == "block" else None
 
 
-def _kv_expected(meta: dict[str, Any], stored: dict[str, StoredTensor]) -> dict[str, float]:
-    """k_scale / v_scale tensors of the file → the value dbr_quant.json implies (the largest per module)."""
-    implied: dict[str, float] = {}
+def _kv_expected(model: nn.Module, meta: dict[str, Any], stored: dict[str, StoredTensor]) -> dict[str, torch.Tensor]:
+    """k_scale / v_scale tensors of the file → the value dbr_quant.json implies (save_pretrained's reduction of the
+    per-call-site scales: the largest, per tensor [1] or per KV head [H_kv, 1, 1])."""
+    sites: dict[tuple[str, str], list[torch.Tensor]] = {}
     for st in meta["states"]:
         for op in st["ops"]:
             for slot in ("k", "v"):
                 if op["kind"] == SDPA and slot in op.get("scales", {}):
-                    name = f"{st['module']}.{slot}_scale" if st["module"] else f"{slot}_scale"
-                    implied[name] = max(implied.get(name, float("-inf")), float(op["scales"][slot]))
+                    value = torch.tensor(op["scales"][slot], dtype=torch.float32)
+                    sites.setdefault((st["module"], slot), []).append(value)
+    implied = {}
+    for (m, slot), scales in sites.items():
+        name = f"{m}.{slot}_scale" if m else f"{slot}_scale"
+        implied[name] = kv_file_scale(scales, model.get_submodule(m), name)
     found = {n for n in stored if re.search(r"(^|\.)[kv]_scale$", n)}
     stray = sorted(found - set(implied))
     if stray:
@@ -183,11 +200,11 @@ def _kv_expected(meta: dict[str, Any], stored: dict[str, StoredTensor]) -> dict[
 
 def _read_and_check(model: nn.Module, meta: dict[str, Any], stored: dict[str, StoredTensor]) -> dict[str, torch.Tensor]:
     expected = _expected(model, meta)
-    kv = _kv_expected(meta, stored) if meta["quantization_config"].get("kv_cache_scheme") is not None else {}
+    kv = _kv_expected(model, meta, stored) if meta["quantization_config"].get("kv_cache_scheme") is not None else {}
     if meta["quantization_config"].get("kv_cache_scheme") is not None and not kv:
         raise CheckpointError("the quantization_config has a kv_cache_scheme but the folder holds no k_scale / "
                               "v_scale tensors")
-    expected.update({n: (_FLOATS, (1,)) for n in kv})
+    expected.update({n: (_FLOATS, tuple(implied.shape)) for n, implied in kv.items()})
     for name, (dtypes, shape) in expected.items():
         t = stored.get(name)
         if t is None:
@@ -209,6 +226,8 @@ def _read_and_check(model: nn.Module, meta: dict[str, Any], stored: dict[str, St
     for name, value in values.items():
         if expected[name][0] == _FLOATS:
             check_scale(name, value)
+        elif expected[name][0] == _E8M0 and bool((value == E8M0_NAN).any()):
+            raise CheckpointError(f"{name}: an MXFP8 scale holds the E8M0 NaN code 255")
         elif value.dtype == torch.float8_e4m3fn and bool(((value.view(torch.uint8) & 0x7F) == 0x7F).any()):
             raise CheckpointError(f"{name}: the FP8 weight holds NaN bytes (0x7f/0xff)")
     for st in meta["states"]:
@@ -218,17 +237,17 @@ def _read_and_check(model: nn.Module, meta: dict[str, Any], stored: dict[str, St
     for fqn, ops in _linear_sites(meta).items():
         name = f"{fqn}.input_scale"
         if name in values:
-            _agree(name, values[name], max(float(op["scales"]["input"]) for op in ops))
+            _agree(name, values[name], torch.tensor([max(float(op["scales"]["input"]) for op in ops)]))
     for name, implied in kv.items():
         _agree(name, values[name], implied)
     return values
 
 
-def _agree(name: str, stored: torch.Tensor, implied: float) -> None:
-    want = torch.tensor([implied], dtype=torch.float32).to(stored.dtype)
-    if not torch.equal(stored.reshape(1), want):
+def _agree(name: str, stored: torch.Tensor, implied: torch.Tensor) -> None:
+    """The file's scale is what dbr_quant.json implies (in the dtype the file holds it in, as saved)."""
+    if not torch.equal(stored.reshape(implied.shape), implied.to(stored.dtype)):
         raise CheckpointError(f"{name}: the file holds {stored.flatten().tolist()}, {sidecar.FILENAME} implies "
-                              f"{implied}; the folder mixes files of different saves")
+                              f"{implied.flatten().tolist()}; the folder mixes files of different saves")
 
 
 def _as_stored(t: torch.Tensor, info: dict[str, Any] | None) -> torch.Tensor:
@@ -263,7 +282,8 @@ def _place(skeleton: Skeleton, meta: dict[str, Any], values: dict[str, torch.Ten
         if info["layout"] == "dequantized":  # Conv1D, re-quantized when read (_as_stored)
             s = torch.tensor(info["scale"], dtype=torch.float32)
         else:
-            s = values.pop(f"{fqn}.weight_scale").float()
+            s = values.pop(f"{fqn}.weight_scale")
+            s = s if info["granularity"] == "mx" else s.float()  # MX: E8M0 codes, as convert stores them
             s = s if block else s.reshape(-1) if info["granularity"] == "channel" else s.reshape(())
         skeleton.put_fp8(f"{fqn}.weight", q, s, is_transposed_linear(skeleton.model.get_submodule(fqn)), block)
     experts.place_experts(skeleton, meta, values)
@@ -304,7 +324,7 @@ def _check_fp8_as_saved(converted: nn.Module, meta: dict[str, Any], states: list
         if not fp8_here:
             raise CheckpointError(f"'{fqn}': saved as an FP8 linear, but this trace runs it in high precision")
         cfg = ops[0].qconfig.weight
-        traced = tuple(cfg.block) if cfg.granularity == "block" else None
+        traced = {"block": tuple(cfg.block), "mx": MX_WEIGHT_BLOCK}.get(cfg.granularity)
         if _block(info) != traced:
             raise CheckpointError(f"'{fqn}': saved with weight block {_block(info)}, traced here with {traced}")
     experts.check_experts_as_saved(meta, states)
@@ -316,30 +336,47 @@ def _check_fp8_as_saved(converted: nn.Module, meta: dict[str, Any], states: list
                               f"{stacked[:3]} (a dbr_quant version difference?)")
 
 
-def load_pretrained(save_directory: str | Path, model: nn.Module, *, example_inputs: Any = None,
-                    example_kwargs: dict[str, Any] | None = None) -> nn.Module:
-    """The converted model saved by :func:`save_pretrained` in ``save_directory``, built on ``model``: the
-    same architecture (e.g. built from its config, in the dtype it was saved from; on the meta device when it
-    has no non-persistent buffers), whose parameters are never copied nor modified: every tensor comes from
-    the folder, FP8 weights placed as FP8 (peak memory: the FP8 model plus about one layer). prepare()'s
-    example inputs come from the folder unless given.
+def load_pretrained(save_directory: str | Path, model: nn.Module | None = None, *, example_inputs: Any = None,
+                    example_kwargs: dict[str, Any] | None = None, recalibrate: bool = False) -> nn.Module:
+    """The converted model of the FP8 folder ``save_directory``, running dbr_quant's kernels.
 
-    A folder without ``dbr_quant.json`` whose ``config.json`` describes block-scaled FP8 written by another
-    tool (compressed-tensors ``FP8_BLOCK``, transformers FineGrainedFP8; see ``checkpoints/foreign.py``) loads
-    as a converted model running dbr_quant's block kernels (example inputs: given, else a short ``input_ids``
-    for a Hugging Face model). Raises :class:`CheckpointError` naming the tensor for anything missing, of the
-    wrong shape or dtype, non-finite, or truncated; nothing in the folder is executed (JSON and raw bytes).
+    ``model``: the high-precision architecture (e.g. built from its config, in the dtype the folder was saved
+    from; on the meta device when it has no non-persistent buffers), whose parameters are never copied nor
+    modified: every tensor comes from the folder, FP8 weights placed as FP8 (peak memory: the FP8 model plus
+    about one layer). Without ``model``, the Hugging Face architecture ``config.json`` names is built with its
+    parameters on the meta device (``meta_model.py``), so no high-precision weight is ever materialized.
+
+    The folder is one that :func:`save_pretrained` wrote (``dbr_quant.json``: restored bit for bit, prepare()'s
+    example inputs from the folder unless given), or an FP8 folder of another tool, told by its config
+    (``readers.py``): compressed-tensors ``float-quantized`` (any FP8 weight strategy; static or dynamic
+    per-tensor / token / group inputs; ``ignore``; ``kv_cache_scheme``), the Hub's ``quant_method: "fp8"``,
+    ``fbgemm_fp8``, ModelOpt FP8 (``foreign.py``; example inputs: given, else a short ``input_ids`` for a
+    Hugging Face model).
+
+    ``recalibrate=True`` (folders of other tools) returns the model *prepared*, its FP8 weights as read and a
+    static per-tensor input observer on every FP8 linear: ``dbr_quant.calibrate`` it, ``dbr_quant.convert`` it
+    (the weights stay the file's bytes) and ``save_pretrained`` it — an FP8_DYNAMIC checkpoint made static.
+
+    Raises :class:`CheckpointError` naming the tensor for anything missing, of the wrong shape or dtype,
+    non-finite, or truncated, and naming the setting for a scheme dbr_quant cannot run exactly (weight-only
+    FP8, E5M2, zero points); nothing in the folder is executed (JSON and raw bytes).
     """
+    folder = Path(save_directory)
+    if model is None:
+        model = architecture_of(folder)
     if not isinstance(model, nn.Module):
         raise TypeError(f"load_pretrained() takes the high-precision nn.Module to rebuild, got {type(model).__name__}")
     if "_dbr_record" in model.__dict__:
         raise TypeError("load_pretrained() needs the original (high-precision) architecture, not a model returned "
                         "by dbr_quant.prepare()/convert()")
-    folder = Path(save_directory)
     if not (folder / sidecar.FILENAME).is_file():
-        qc = foreign.quantization_config_of(folder)
-        if qc is not None and foreign.is_block_config(qc):  # another tool's (compressed-tensors, FineGrainedFP8)
-            return foreign.load_foreign(folder, model, qc, _read_headers(folder), example_inputs, example_kwargs)
+        scheme = readers.folder_scheme(folder)
+        if scheme is not None:  # another tool's FP8 folder
+            return foreign.load_foreign(folder, model, scheme, _read_headers(folder), example_inputs, example_kwargs,
+                                        recalibrate)
+    if recalibrate:
+        raise CheckpointError(f"{folder}: recalibrate=True takes a folder of another tool; a dbr_quant folder keeps "
+                              "the scales it was saved with (prepare and calibrate the high-precision model instead)")
     meta = _read_sidecar(folder)
     stored = experts.file_to_model_names(_read_headers(folder), meta)
     values = _read_and_check(model, meta, stored)
@@ -347,6 +384,8 @@ def load_pretrained(save_directory: str | Path, model: nn.Module, *, example_inp
     skeleton = Skeleton(model)
     _place(skeleton, meta, values)
     del values
+    if example_inputs is None and example_kwargs is None:  # the folder's (CPU) examples go where the model is
+        args, kwargs = on_model_device(skeleton.model, args, kwargs)
     prepared = trace(skeleton.model, args, kwargs, sidecar.rebuild_qconfig(meta["qconfig"], meta["states"]))
     states = prepared.__dict__["_dbr_record"].states
     diff = sidecar.compare_trace(meta["states"], states)

@@ -13,6 +13,7 @@ objects with a dtype from a fixed list; nothing is imported or executed on load.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -80,6 +81,8 @@ def _tensor_cfg(cfg: TensorQConfig) -> dict[str, Any]:
         out["block"] = list(cfg.block)
     if cfg.granularity == "group":
         out["group_size"] = cfg.group_size
+    if cfg.granularity == "mx" and cfg.mx_scale_rounding != "floor":
+        out["mx_scale_rounding"] = cfg.mx_scale_rounding
     return out
 
 
@@ -89,6 +92,8 @@ def _tensor_cfg_from(d: dict) -> TensorQConfig:
         extra["block"] = tuple(d["block"])
     if "group_size" in d:
         extra["group_size"] = d["group_size"]
+    if "mx_scale_rounding" in d:
+        extra["mx_scale_rounding"] = d["mx_scale_rounding"]
     return TensorQConfig(format=FP8Format.parse(d["format"]), granularity=d["granularity"], **extra)
 
 
@@ -97,12 +102,19 @@ def op_config(cfg: OpQConfig) -> dict[str, Any]:
            "weight": _tensor_cfg(cfg.weight)}
     if cfg.untie:  # only where set: files without it read as before
         out["untie"] = True
+    if cfg.weight_only:
+        out["weight_only"] = True
     return out
 
 
 def global_config(q: QConfig) -> dict[str, Any]:
-    return {"activation": _tensor_cfg(q.activation), "weight": _tensor_cfg(q.weight), "dynamic": q.dynamic,
-            "strict": q.strict, "fuse": q.fuse, "quantize_attention": q.quantize_attention}
+    out = {"activation": _tensor_cfg(q.activation), "weight": _tensor_cfg(q.weight), "dynamic": q.dynamic,
+           "strict": q.strict, "fuse": q.fuse, "quantize_attention": q.quantize_attention}
+    if q.attention_scales != "tensor":  # only where set: files without it read as before
+        out["attention_scales"] = q.attention_scales
+    if q.weight_only:  # only where set: files without it read as before
+        out["weight_only"] = True
+    return out
 
 
 def rebuild_qconfig(saved: dict[str, Any], states: list[dict[str, Any]]) -> QConfig:
@@ -111,7 +123,8 @@ def rebuild_qconfig(saved: dict[str, Any], states: list[dict[str, Any]]) -> QCon
     g = saved
     base = QConfig(activation=_tensor_cfg_from(g["activation"]), weight=_tensor_cfg_from(g["weight"]),
                    dynamic=g["dynamic"], strict=g["strict"], fuse=g["fuse"],
-                   quantize_attention=g["quantize_attention"])
+                   quantize_attention=g["quantize_attention"], attention_scales=g.get("attention_scales", "tensor"),
+                   weight_only=g.get("weight_only", False))
     default = op_config(base.for_op("", ()))
     overrides: dict[str, Override] = {}
     for st in states:
@@ -123,8 +136,7 @@ def rebuild_qconfig(saved: dict[str, Any], states: list[dict[str, Any]]) -> QCon
                 pattern=f"^{re.escape(op['fqn'])}$", skip=cfg["skip"], dynamic=cfg["dynamic"],
                 activation=_tensor_cfg_from(cfg["activation"]), weight=_tensor_cfg_from(cfg["weight"]),
                 untie=cfg.get("untie", False))
-    return QConfig(activation=base.activation, weight=base.weight, dynamic=base.dynamic, strict=base.strict,
-                   fuse=base.fuse, quantize_attention=base.quantize_attention, overrides=tuple(overrides.values()))
+    return dataclasses.replace(base, overrides=tuple(overrides.values()))
 
 
 # ------------------------------------------------------------------------------------------ ops

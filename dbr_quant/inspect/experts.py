@@ -26,7 +26,7 @@ from dbr_quant.inspect.layers import model_record, named_ops
 from dbr_quant.kernels.routing import MoeRouting
 from dbr_quant.moe.compute import flat_inputs
 from dbr_quant.moe.experts import MoeState, observer_of
-from dbr_quant.moe.siblings import ExpertState
+from dbr_quant.moe.siblings import SiblingScales
 from dbr_quant.moe.weights import expert_parameter
 from dbr_quant.ops.state import SeenOp, observer_key
 from dbr_quant.quantize.weight_quantization import quantize_weight
@@ -57,10 +57,11 @@ def sibling_expert_flops(model: nn.Module, flops: dict[str, int]) -> dict[str, i
     names = {id(op): n for n, op in named_ops(model)}
     groups: dict[tuple, list[tuple[str, bool]]] = {}
     for st in model_record(model).states:
-        if isinstance(st, ExpertState):
+        rule = st.scale_fallback
+        if isinstance(rule, SiblingScales):
             for op in st.seen_ops:
                 if id(op) in names:
-                    groups.setdefault((id(st.group), st.rel, op.index), []).append((names[id(op)], st.traced))
+                    groups.setdefault((id(rule.group), rule.rel, op.index), []).append((names[id(op)], rule.traced))
     out = dict(flops)
     for members in groups.values():
         total = sum(flops.get(n, 0) for n, traced in members if traced)

@@ -27,6 +27,7 @@ import torch
 from dbr_quant.formats import FP8Format
 from dbr_quant.inspect.stats import FP8_STATS, TENSOR_STATS, fp8_stats, tensor_stats
 from dbr_quant.kernels.reference import block as reference_block
+from dbr_quant.kernels.reference.dense import head_view
 from dbr_quant.qconfig import Granularity, OpQConfig, TensorQConfig
 from dbr_quant.quantize.weight_quantization import elementwise_block_scale
 
@@ -72,7 +73,7 @@ class Quantized:
             return elementwise_block_scale(self.scale, self.data.shape, self.block)
         if self.group is not None:
             return reference_block.expand_group_scale(self.scale, self.data.shape[-1], self.group)
-        return self.scale
+        return head_view(self.scale)  # an attention operand's per-head [H] scale as (H, 1, 1); others as they are
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.data.float() * self.elementwise_scale().float()).to(dtype)

@@ -24,6 +24,7 @@ from dbr_quant.inspect.layers import RecordedLayer
 from dbr_quant.moe.experts import MoeState
 from dbr_quant.ops.basic import Call, Env, linear_hp_weight, linear_operands, run_basic, sdpa_arguments
 from dbr_quant.ops.call import OpRecord
+from dbr_quant.ops.heads import head_view, operand_scale
 from dbr_quant.ops.mappings import LINEAR, MATMUL
 from dbr_quant.qconfig import TensorQConfig
 from dbr_quant.quantize.weight_quantization import quantize_weight
@@ -126,10 +127,10 @@ class Inspector:
             if token or op.qconfig.dynamic:
                 scale = kernels.dynamic_scale(x, cfg.format, per_token=token)
             else:
-                scale = env.input_scale(call, name, t)
+                scale = operand_scale(env.input_scale(call, name, t), x, f"{call.kind} {op.fqn} '{name}'")
                 if cfg.format != op_cfg.format:  # same amax, other format
                     scale = safe_scale(scale * op_cfg.format.max, cfg.format)
-            return Quantized(kernels.quantize(x, scale, cfg.format), scale, cfg.format)
+            return Quantized(kernels.quantize(x, head_view(scale), cfg.format), scale, cfg.format)
         return activation
 
     def _fp8_weight(self, call: Call, op: OpRecord, cfg: TensorQConfig, env: Env) -> Quantized:
@@ -174,7 +175,7 @@ class Inspector:
         if call.kind == MATMUL:
             if q is None:
                 return call.func(x["a"], x["b"])
-            out = kernels.fp8_matmul(q["a"].data, q["a"].scale, q["b"].data, q["b"].scale)
+            out = kernels.fp8_matmul(q["a"].data, head_view(q["a"].scale), q["b"].data, head_view(q["b"].scale))
             return out.to(torch.promote_types(x["a"].dtype, x["b"].dtype))
         a = sdpa_arguments(call)
         if q is None:

@@ -44,6 +44,7 @@ from dbr_quant.kernels.op_table import KernelOp, build_function, call_arguments
 from dbr_quant.kernels.reference import block as reference_block  # noqa: F401  (kernels.reference_block: checkpoints)
 from dbr_quant.kernels.reference import dense as reference
 from dbr_quant.kernels.reference import grouped as reference_grouped  # noqa: F401  (kernels.reference_grouped)
+from dbr_quant.kernels.reference import mx as reference_mx  # noqa: F401  (kernels.reference_mx: checkpoints, quantize)
 from dbr_quant.kernels.routing import MoeRouting, moe_route
 from dbr_quant.kernels.triton import backend as triton_backend
 
@@ -53,15 +54,16 @@ __all__ = [
     "quantize", "dynamic_quantize", "dequantize", "dynamic_scale", "fp8_linear", "fp8_mlp", "fp8_matmul",
     "fp8_attention", "layer_norm_quantize", "MoeRouting", "moe_route", "moe_quantize", "fp8_grouped_linear",
     "fp8_moe_block", "fp8_grouped_block_linear", "block_quantize_weight", "group_quantize",
-    "layer_norm_group_quantize", "fp8_block_linear",
+    "layer_norm_group_quantize", "fp8_block_linear", "mx_quantize", "fp8_mx_linear", "fp8_weight_only_linear",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _impl(t: torch.Tensor, ref: ModuleType = reference) -> ModuleType:
+def _impl(t: torch.Tensor, ref: ModuleType = reference, fp8_mma: bool = True) -> ModuleType:
     """The implementation module for the backend that runs on ``t``'s device: ``ref`` (the op's reference module)
-    for "reference", the CPU backend for "cpu" (the choice of "auto" off CUDA), else the Triton backend."""
+    for "reference", the CPU backend for "cpu" (the choice of "auto" off CUDA), else the Triton backend (on a
+    CUDA device without FP8 tensor cores only for an op whose kernel does not need them: ``fp8_mma`` False)."""
     backend = _settings.backend  # current_backend() inlined: this runs once per launch
     if backend is None:
         backend = (_env_cache[0] if _env_cache else _env_backend()) or "auto"
@@ -69,7 +71,7 @@ def _impl(t: torch.Tensor, ref: ModuleType = reference) -> ModuleType:
         return cpu_backend
     if backend == "reference":
         return ref
-    if resolve_backend(t.device) == "cpu":  # auto on CUDA without FP8 tensor cores (or without triton)
+    if resolve_backend(t.device, fp8_mma) == "cpu":  # auto on CUDA without FP8 tensor cores (or without triton)
         return cpu_backend
     return triton_backend
 
@@ -93,7 +95,7 @@ def _entry_point(op: KernelOp[F]) -> F:
     args = call_arguments(op.parameters)
     body = ["if (ops := _settings.graph_ops) is not None:",
             f"    return _graph_op(ops, {op.name!r})({args})"]
-    backend = f"_impl({op.device}, _reference)"
+    backend = f"_impl({op.device}, _reference{'' if op.fp8_tensor_cores else ', False'})"
     if op.without_triton:  # the plain backends (reference, cpu) run it; Triton has no kernel for it
         body += [f"_backend = {backend}", "if _backend is triton_backend:",
                  "    raise NotImplementedError(_without_triton)"]
@@ -132,6 +134,9 @@ block_quantize_weight = _entry_point(table.block_quantize_weight)
 group_quantize = _entry_point(table.group_quantize)
 layer_norm_group_quantize = _entry_point(table.layer_norm_group_quantize)
 fp8_block_linear = _entry_point(table.fp8_block_linear)
+mx_quantize = _entry_point(table.mx_quantize)
+fp8_mx_linear = _entry_point(table.fp8_mx_linear)
+fp8_weight_only_linear = _entry_point(table.fp8_weight_only_linear)
 
 
 def fp8_moe_block(x: torch.Tensor, routing: MoeRouting, topk_weights: torch.Tensor, w13_q: torch.Tensor,

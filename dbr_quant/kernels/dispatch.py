@@ -77,18 +77,20 @@ def triton_installed() -> bool:
         return False
 
 
-def resolve_backend(device: torch.device) -> str:
+def resolve_backend(device: torch.device, needs_fp8_tensor_cores: bool = True) -> str:
     """The backend that runs for tensors on ``device``: an explicit choice, else ``triton`` on CUDA with
     FP8 tensor cores (when triton is installed), else ``cpu`` (the CPU, and CUDA below 8.9: FP8 storage,
-    bf16 compute)."""
+    bf16 compute). A kernel that does not need FP8 tensor cores (``needs_fp8_tensor_cores=False``: the
+    weight-only GEMM) gets ``triton`` on every CUDA device."""
     backend = current_backend()
     if backend != "auto":
         return backend
-    if not fp8_tensor_cores(device):
+    if device.type != "cuda" or (needs_fp8_tensor_cores and not fp8_tensor_cores(device)):
         return "cpu"
     if triton_installed():
         return "triton"
-    _warn_no_triton(device)
+    if fp8_tensor_cores(device):
+        _warn_no_triton(device)
     return "cpu"
 
 

@@ -52,6 +52,9 @@ class KernelOp(Generic[F]):
     GEMMs), runs it. ``more_launches``: for an op whose launch count depends on its arguments, records the
     launches beyond ``launches`` (called only while launches are counted). Both are called with the backend
     module, then the op's arguments that their further parameters name (:meth:`hook_arguments`).
+    ``fp8_tensor_cores``: whether its Triton kernel needs FP8 tensor cores (sm_89+); False (the weight-only GEMM,
+    bf16/fp16 MMA) runs it on every CUDA GPU under the default backend choice, where the FP8 ops take the CPU
+    backend's torch path below sm_89.
     """
 
     declaration: F
@@ -62,6 +65,7 @@ class KernelOp(Generic[F]):
     device: str = ""
     launch: Callable[..., Any] | None = None
     more_launches: Callable[..., None] | None = None
+    fp8_tensor_cores: bool = True
 
     def __post_init__(self) -> None:
         if not self.device:
@@ -101,13 +105,15 @@ class KernelOp(Generic[F]):
 def kernel_op(*, launches: str | tuple[str, ...], reference: ModuleType, triton: TritonKernel | None = None,
               without_triton: str = "", device: str = "",
               launch: Callable[..., Any] | None = None,
-              more_launches: Callable[..., None] | None = None) -> Callable[[F], KernelOp[F]]:
+              more_launches: Callable[..., None] | None = None,
+              fp8_tensor_cores: bool = True) -> Callable[[F], KernelOp[F]]:
     """``@kernel_op(launches="quantize", reference=dense, triton=TritonKernel("quantize"))`` over a kernel's
     declaration (see the module docstring): the :class:`KernelOp`."""
     counters = (launches,) if isinstance(launches, str) else launches
 
     def declare(declaration: F) -> KernelOp[F]:
-        return KernelOp(declaration, counters, reference, triton, without_triton, device, launch, more_launches)
+        return KernelOp(declaration, counters, reference, triton, without_triton, device, launch, more_launches,
+                        fp8_tensor_cores)
 
     return declare
 

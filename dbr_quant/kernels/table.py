@@ -27,6 +27,8 @@ from dbr_quant.kernels.op_table import KernelOp, TritonKernel, kernel_op
 from dbr_quant.kernels.reference import block as reference_block
 from dbr_quant.kernels.reference import dense as reference
 from dbr_quant.kernels.reference import grouped as reference_grouped
+from dbr_quant.kernels.reference import mx as reference_mx
+from dbr_quant.kernels.reference import weight_only as reference_weight_only
 from dbr_quant.kernels.reference.block import DEFAULT_BLOCK, DEFAULT_GROUP
 from dbr_quant.kernels.reference.dense import GATED
 from dbr_quant.kernels.routing import MoeRouting
@@ -135,7 +137,8 @@ def fp8_matmul(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor) -> Te
 def fp8_attention(q_q: Tensor, q_scale: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Tensor, *,
                   attn_mask: Tensor | None = None, is_causal: bool = False, softmax_scale: float | None = None,
                   p_scale: Tensor | None = None, fmt: FP8Format = FP8Format.E4M3) -> Tensor:
-    """Scaled dot-product attention on FP8 q, k, v (P quantized with ``p_scale`` when given): fp32 out."""
+    """Scaled dot-product attention on FP8 q, k, v (P quantized with ``p_scale`` when given): fp32 out. Scales
+    per tensor (one element), per head (1-D: q, p [Hq]; k, v [Hkv]) or per token (q, k; see reference)."""
     return q_q.new_empty((*q_q.shape[:-1], v_q.shape[-1]), dtype=torch.float32)
 
 
@@ -218,6 +221,39 @@ def fp8_block_linear(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor,
     """Block-scaled ``act(x·Wᵀ + bias) + residual``: x_scale [..., ⌈K/bk⌉] per token-group, w_scale
     [⌈N/bn⌉, ⌈K/bk⌉] per block, applied per K block in fp32 (see reference_block.fp8_block_linear)."""
     return _linear_output(x_q, w_q, activation, out_dtype, out_scale, out_fmt)
+
+
+# ------------------------------------------- MXFP8 (OCP MX: E8M0 scale per 32 along K) and weight-only FP8
+
+
+@kernel_op(launches="mx_quantize", reference=reference_mx)  # plain torch on every backend (one pass of torch ops)
+def mx_quantize(x: Tensor, fmt: FP8Format = FP8Format.E4M3, round_up: bool = False) -> tuple[Tensor, Tensor]:
+    """MX quantization along the last dim (weights [N, K] and dynamic activations alike): (fp8 like x, E8M0 codes
+    uint8 [..., ⌈K/32⌉], scale = 2^(code - 127); the exponent rounded down (OCP, saturating) or up (``round_up``:
+    nothing saturates); see reference_mx)."""
+    return (torch.empty_like(x, dtype=fmt.dtype),
+            x.new_empty(_group_scale_shape(x, reference_mx.MX_BLOCK), dtype=torch.uint8))
+
+
+@kernel_op(launches="fp8_mx_linear", reference=reference_mx, triton=TritonKernel("mx_gemm"))
+def fp8_mx_linear(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, *, bias: Tensor | None = None,
+                  activation: str | None = None, residual: Tensor | None = None, out_dtype: torch.dtype = torch.float32,
+                  out_scale: Tensor | None = None, out_fmt: FP8Format = FP8Format.E4M3) -> Tensor:
+    """MXFP8 ``act(x·Wᵀ + bias) + residual``: E8M0 scales x_scale [..., ⌈K/32⌉], w_scale [N, ⌈K/32⌉] (see
+    reference_mx.fp8_mx_linear). Triton: ``tl.dot_scaled`` on sm_100, the block GEMM on sm_89/90."""
+    return _linear_output(x_q, w_q, activation, out_dtype, out_scale, out_fmt)
+
+
+@kernel_op(launches="fp8_weight_only_linear", reference=reference_weight_only, fp8_tensor_cores=False,
+           triton=TritonKernel("weight_only_gemm"))
+def fp8_weight_only_linear(x: Tensor, w_q: Tensor, w_scale: Tensor, *, bias: Tensor | None = None,
+                           activation: str | None = None, residual: Tensor | None = None,
+                           out_dtype: torch.dtype = torch.float32, out_scale: Tensor | None = None,
+                           out_fmt: FP8Format = FP8Format.E4M3) -> Tensor:
+    """Weight-only FP8 (W8A16) ``act(x·(w_q·w_scale)ᵀ + bias) + residual``, x high precision, w_scale per channel
+    [N] or per tensor (see reference_weight_only). Triton on every CUDA GPU (FP8 decoded to bf16/fp16 in the K loop:
+    Ampere's path), the CPU backend's upcasts on the CPU."""
+    return _linear_output(x, w_q, activation, out_dtype, out_scale, out_fmt)
 
 
 TABLE: tuple[KernelOp[Any], ...] = tuple(op for op in list(globals().values()) if isinstance(op, KernelOp))

@@ -6,7 +6,7 @@ But experts are structurally identical siblings, so what the trace learned from 
 after the trace, :func:`adopt_untraced_experts` gives every unreached sibling a copy of a reached one's
 record (op kinds, fusions, quantization decisions, its own fqns and observers). Calibration then fills
 their scales from the tokens routed to them; an expert that got none takes, per activation, the largest
-scale among its siblings (:class:`ExpertState`, reported per op). Each expert is an owner of its own
+scale among its siblings (:class:`SiblingScales`, reported per op). Each expert is an owner of its own
 record, so a later forward routing tokens elsewhere matches nothing by call order and warns about nothing.
 
 Experts that are bare ``nn.Linear`` modules (no MLP module around them) are recorded in their parent's
@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol
 
+import torch
 from torch import nn
 
 from dbr_quant.moe.experts import has_data, observer_of, widest_scale
@@ -45,52 +46,47 @@ class ModelRecord(Protocol):
 
 
 class ExpertGroup:
-    """The records of one container's sibling experts (shared by their states; not a module)."""
+    """The records of one container's sibling experts, each with its module's path inside its expert ("" for the
+    expert itself; shared by their :class:`SiblingScales`; not a module)."""
 
     def __init__(self, fqn: str) -> None:
         self.fqn = fqn
-        self.members: list[ExpertState] = []
+        self.members: list[tuple[str, AutoQuantizationState]] = []
+
+    def join(self, st: AutoQuantizationState, rel: str, traced: bool = True) -> AutoQuantizationState:
+        """``st`` becomes a member: its uncalibrated activations fall back on its siblings'."""
+        st.scale_fallback = SiblingScales(self, rel, traced)
+        self.members.append((rel, st))
+        return st
 
 
-class ExpertState(AutoQuantizationState):
-    """The record of one expert (or a module inside it): uncalibrated activations fall back on siblings."""
+@dataclasses.dataclass(eq=False)
+class SiblingScales:
+    """The scale rule of a sibling expert's record (``AutoQuantizationState.scale_fallback``, ops/state.py): an
+    activation that no calibration token reached in this expert takes the largest scale among its siblings' (reported
+    per op)."""
 
-    def __init__(self, fqn: str, group: ExpertGroup, rel: str) -> None:
-        super().__init__(fqn)
-        self.group = group
-        self.rel = rel  # the module's path inside its expert ("" for the expert itself)
-        self.traced = True  # False: a copy of a reached sibling's record (its shapes are the sibling's)
-        group.members.append(self)
+    group: ExpertGroup
+    rel: str  # the module's path inside its expert ("" for the expert itself)
+    traced: bool = True  # False: a copy of a reached sibling's record (its shapes are the sibling's)
+    note = " (and in every sibling expert)"  # an uncalibrated activation was looked for there too
 
-    def _siblings_observers(self, key: str) -> list[AmaxObserver]:
-        return [observer_of(m, key) for m in self.group.members if m.rel == self.rel and key in m.observers]
+    def _observers(self, key: str) -> list[AmaxObserver]:
+        return [observer_of(st, key) for rel, st in self.group.members if rel == self.rel and key in st.observers]
 
-    def uncalibrated(self) -> list[str]:
-        """Only activations that no sibling expert saw either."""
-        return [
-            f"{self.fqn or '<root>'}: op {op.index} {op.kind} {op.fqn} input '{slot}' (and in every sibling expert)"
-            for op in self.seen_ops if op.quantize and not op.qconfig.dynamic
-            for slot in op.slots
-            if not any(o.calibrated for o in self._siblings_observers(observer_key(op.index, slot)))
-        ]
+    def calibrated(self, st: AutoQuantizationState, op: SeenOp, slot: str) -> bool:
+        return any(o.calibrated for o in self._observers(observer_key(op.index, slot)))
 
-    def freeze_scales(self) -> None:
-        for op in self.seen_ops:
-            if not op.quantize or op.qconfig.dynamic:
-                continue
-            for slot in op.slots:
-                key = observer_key(op.index, slot)
-                own = observer_of(self, key)
-                if has_data(own):
-                    scale = own.scale().detach().clone()
-                else:  # the widest range measured on the siblings clips least on inputs nobody measured
-                    siblings = self._siblings_observers(key)
-                    donors = [o for o in siblings if has_data(o)] or [o for o in siblings if o.calibrated]
-                    scale = widest_scale(donors)
-                    op.reason = (f"no calibration token reached this expert: its '{slot}' scale is the max over "
-                                 f"the {len(donors)} calibrated sibling experts of {self.group.fqn}")
-                self.register_buffer(f"scale_{key}", scale)
-        self.converted = True
+    def scale(self, st: AutoQuantizationState, op: SeenOp, slot: str) -> torch.Tensor | None:
+        key = observer_key(op.index, slot)
+        if has_data(observer_of(st, key)):
+            return None
+        # the widest range measured on the siblings clips least on inputs nobody measured
+        siblings = self._observers(key)
+        donors = [o for o in siblings if has_data(o)] or [o for o in siblings if o.calibrated]
+        op.reason = (f"no calibration token reached this expert: its '{slot}' scale is the max over "
+                     f"the {len(donors)} calibrated sibling experts of {self.group.fqn}")
+        return widest_scale(donors)
 
 
 def _structure(m: nn.Module) -> tuple:
@@ -114,7 +110,7 @@ def _path_types(model: nn.Module, fqn: str) -> tuple[type, ...]:
 
 def adopt_untraced_experts(model: nn.Module, run: TracedRecords, record: ModelRecord) -> None:
     """After the trace: sibling experts the example did not reach get a copy of a reached sibling's record;
-    the reached ones' records become ``ExpertState``s too (so their scales can fall back on siblings)."""
+    the reached ones' records join the group too (so their scales can fall back on siblings)."""
     states_by_fqn = {st.fqn: (mod, st) for mod, st in run.states.items()}
     weight_owners = {op.weight_owner for st in run.states.values() for op in st.seen_ops if op.weight_owner}
     groups_in = _subgraph_states(run)
@@ -134,8 +130,7 @@ def adopt_untraced_experts(model: nn.Module, run: TracedRecords, record: ModelRe
         group = ExpertGroup(cfqn)
         for name in reached:
             for rel, st in members[name].items():
-                mod = model.get_submodule(st.fqn)
-                run.states[mod] = _adopt(st, group, rel)
+                group.join(st, rel)
         template, tname = members[reached[0]], prefix + reached[0]
         for name in unreached:
             _clone_member(model, run, record, group, template, tname, prefix + name, groups_in)
@@ -146,13 +141,14 @@ def _order_group(run: TracedRecords, group: ExpertGroup, member_fqns: list[str])
     """Put a group's records together in expert order where its first record was (the report's order)."""
     rank = {fqn: i for i, fqn in enumerate(member_fqns)}
 
-    def key(st: ExpertState) -> tuple[int, str]:
-        top = st.fqn[:len(st.fqn) - len(st.rel) - 1] if st.rel else st.fqn
-        return rank[top], st.rel
+    def key(st: AutoQuantizationState, rel: str) -> tuple[int, str]:
+        top = st.fqn[:len(st.fqn) - len(rel) - 1] if rel else st.fqn
+        return rank[top], rel
 
-    ours = {id(st): st for st in group.members}
+    ours = {id(st): rel for rel, st in group.members}
     items = list(run.states.items())
-    members = sorted(((mod, st) for mod, st in items if id(st) in ours), key=lambda item: key(ours[id(item[1])]))
+    members = sorted(((mod, st) for mod, st in items if id(st) in ours),
+                     key=lambda item: key(item[1], ours[id(item[1])]))
     run.states.clear()
     for mod, st in items:
         if id(st) not in ours:
@@ -181,13 +177,6 @@ def _subgraph_states(run: TracedRecords) -> dict[int, set[int]]:
     return out
 
 
-def _adopt(st: AutoQuantizationState, group: ExpertGroup, rel: str) -> ExpertState:
-    new = ExpertState(st.fqn, group, rel)
-    new.seen_ops = st.seen_ops
-    new.observers = st.observers
-    return new
-
-
 def _rename(fqn: str, old: str, new: str) -> str:
     if fqn == old:
         return new
@@ -202,8 +191,7 @@ def _clone_member(model: nn.Module, run: TracedRecords, record: ModelRecord, gro
     new_ids: dict[int, int] = {}
     for rel, tst in template.items():
         sfqn = f"{fqn}.{rel}" if rel else fqn
-        st = ExpertState(sfqn, group, rel)
-        st.traced = False
+        st = group.join(AutoQuantizationState(sfqn), rel, traced=False)
         ops = []
         for op in tst.seen_ops:
             new_fqn = _rename(op.fqn, tfqn, fqn)
@@ -237,7 +225,7 @@ def _clone_member(model: nn.Module, run: TracedRecords, record: ModelRecord, gro
             target.__dict__[TAG].norm = tag.norm
 
 
-def _make_observer(op: SeenOp) -> nn.Module:
+def _make_observer(op: SeenOp, slot: str) -> nn.Module:  # expert linears: one scale per tensor for every slot
     cfg = op.qconfig.activation
     return cfg.observer.create(cfg.format, None)
 

@@ -106,6 +106,13 @@ class AmaxObserver(nn.Module):
                 old = getattr(self, name)
                 setattr(self, name, torch.zeros((*lead, channels), dtype=old.dtype, device=old.device))
 
+    def _adopt_device(self, device: torch.device) -> None:
+        """Move the statistics to the device of the first data seen. Observers are built on the CPU (at prepare,
+        or for a weight at convert) before any data; kept there, a model on a GPU would get CPU scales, which its
+        kernels refuse. Later batches from another device are reduced there and only the statistic moves."""
+        with torch.inference_mode(False):  # buffers a later normal-mode update or load_state_dict can write
+            self.to(device)
+
     def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: dict,
                               strict: bool, missing_keys: list[str], unexpected_keys: list[str],
                               error_msgs: list[str]) -> None:
@@ -124,6 +131,8 @@ class AmaxObserver(nn.Module):
             raise TypeError(f"{type(self).__name__} observes floating-point tensors, got "
                             f"{x.dtype if isinstance(x, Tensor) else type(x).__name__}")
         x = x.detach()
+        if x.device != self.amax.device and not self.calibrated:
+            self._adopt_device(x.device)
         if self.per_channel:
             assert self.axis is not None
             if not -x.dim() <= self.axis < x.dim():

@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 from dbr_quant import kernels
+from dbr_quant.kernels.reference.mx import MX_WEIGHT_BLOCK
 from dbr_quant.ops.call import Call, Env
 from dbr_quant.ops.call import linear_hp_weight as linear_hp_weight  # where runs and inspect read it
+from dbr_quant.ops.heads import head_view, operand_scale
 from dbr_quant.ops.mappings import LINEAR, MATMUL, MATMUL_AS_LINEAR, SDPA, linear_bias, linear_weight
 from dbr_quant.ops.straight_through import run_straight_through, substitute, wants_gradient
 from dbr_quant.ops.tags import tag_of
@@ -80,7 +82,7 @@ def weight_block(call: Call) -> tuple[int, int] | None:
         return w.block
     assert call.op is not None, "executors run recorded ops"
     wcfg = call.op.qconfig.weight
-    return wcfg.block if wcfg.granularity == "block" else None
+    return wcfg.block if wcfg.granularity == "block" else MX_WEIGHT_BLOCK if wcfg.granularity == "mx" else None
 
 
 def fp8_weight(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,12 +138,26 @@ def quantized_input(call: Call, slot: str, x: torch.Tensor, env: Env, block: tup
     if cfg.dynamic:
         if block is not None and cfg.activation.granularity == "group":
             return kernels.group_quantize(x, block[1], cfg.activation.format)
-        per_token = cfg.activation.granularity in ("token", "group") and slot in PER_TOKEN_SLOTS
+        if block is not None and cfg.activation.granularity == "mx":
+            return kernels.mx_quantize(x, cfg.activation.format, cfg.activation.mx_scale_rounding == "ceil")
+        per_token = cfg.activation.granularity in ("token", "group", "mx") and slot in PER_TOKEN_SLOTS
         x_q, scale = kernels.dynamic_quantize(x, cfg.activation.format, per_token)
     else:
         scale = env.input_scale(call, slot, x)
-        x_q = kernels.quantize(x, scale, cfg.activation.format)
+        if scale.dim() == 1:  # one per head (attention_scales="head"), fitted to x's heads (ops/heads.py)
+            scale = operand_scale(scale, x, f"{call.kind} {call.op.fqn} '{slot}'")
+        x_q = kernels.quantize(x, head_view(scale), cfg.activation.format)
     return (x_q, scale) if block is None else (x_q, as_group_scale(scale, x_q, block[1]))
+
+
+def linear_input(call: Call, x: torch.Tensor, env: Env, block: tuple[int, int] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A linear's input as its GEMM takes it: :func:`quantized_input`, or (x, None) for weight-only FP8
+    (``QConfig.weight_only``: the input stays high precision, :func:`linear_kernel` then runs the W8A16 GEMM)."""
+    assert call.op is not None, "executors run recorded ops"
+    if call.op.qconfig.weight_only:
+        return x, None
+    return quantized_input(call, "input", x, env, block)
 
 
 def as_group_scale(scale: torch.Tensor, x_q: torch.Tensor, group: int) -> torch.Tensor:
@@ -155,22 +171,27 @@ def as_group_scale(scale: torch.Tensor, x_q: torch.Tensor, group: int) -> torch.
 
 
 def run_linear(call: Call, env: Env, *, x: torch.Tensor | None = None, activation: str | None = None,
-               residual: torch.Tensor | None = None, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+               residual: torch.Tensor | None = None, x_fp8: tuple[torch.Tensor, torch.Tensor | None] | None = None,
                out_scale: torch.Tensor | None = None, out_fmt=None) -> torch.Tensor:
     """One FP8 linear: quantize the input (unless ``x_fp8`` = (fp8 data, scale) is given: a previous
     kernel already did), GEMM with epilogue; FP8 output with ``out_scale`` for the next op."""
     w_q, w_scale, bias, block = linear_parts(call)
     x = call.args[0] if x is None else x
     kw = {} if out_scale is None else {"out_scale": out_scale, "out_fmt": out_fmt}
-    x_q, x_scale = quantized_input(call, "input", x, env, block) if x_fp8 is None else x_fp8
+    x_q, x_scale = linear_input(call, x, env, block) if x_fp8 is None else x_fp8
     return linear_kernel(x_q, x_scale, w_q, w_scale, block, bias=bias, activation=activation,
                          residual=residual, out_dtype=x.dtype, **kw)
 
 
-def linear_kernel(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+def linear_kernel(x_q: torch.Tensor, x_scale: torch.Tensor | None, w_q: torch.Tensor, w_scale: torch.Tensor,
                   block: tuple[int, int] | None, **epilogue: Any) -> torch.Tensor:
     """``kernels.fp8_linear``, or ``kernels.fp8_block_linear`` for a block-scaled weight (the input scale
-    brought to the per-token-group layout)."""
+    brought to the per-token-group layout), ``kernels.fp8_mx_linear`` for MX (E8M0 codes: uint8 scales), or
+    ``kernels.fp8_weight_only_linear`` for a high-precision input (``x_scale`` None, :func:`linear_input`)."""
+    if x_scale is None:
+        return kernels.fp8_weight_only_linear(x_q, w_q, w_scale, **epilogue)
+    if w_scale.dtype == torch.uint8:
+        return kernels.fp8_mx_linear(x_q, x_scale, w_q, w_scale, **epilogue)
     if block is None:
         return kernels.fp8_linear(x_q, x_scale, w_q, w_scale, **epilogue)
     return kernels.fp8_block_linear(x_q, as_group_scale(x_scale, x_q, block[1]), w_q, w_scale, block=block,
@@ -183,7 +204,7 @@ def run_matmul(call: Call, env: Env, *, a: torch.Tensor | None = None, b: torch.
     b = call.args[1] if b is None else b
     a_q, a_s = quantized_input(call, "a", a, env)
     b_q, b_s = quantized_input(call, "b", b, env)
-    return kernels.fp8_matmul(a_q, a_s, b_q, b_s).to(torch.promote_types(a.dtype, b.dtype))
+    return kernels.fp8_matmul(a_q, head_view(a_s), b_q, head_view(b_s)).to(torch.promote_types(a.dtype, b.dtype))
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 from dbr_quant import kernels
 from dbr_quant.ops.basic import (
+    linear_input,
     linear_kernel,
     linear_operands,
     linear_parts,
-    quantized_input,
     run_linear,
     stacked_gate_up,
     weight_block,
@@ -150,7 +150,7 @@ class LinearResidual(Fusion):
 
 
 def _mlp(fc1: Call, fc2: Call, env: Env, x: torch.Tensor, act: str | None, residual: torch.Tensor | None,
-         x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+         x_fp8: tuple[torch.Tensor, torch.Tensor | None] | None = None,
          fc1_parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, int] | None] | None = None
          ) -> torch.Tensor:
     """fc1 → act → fc2 (+ residual), the one MLP executor: fc1's epilogue applies the activation and quantizes
@@ -159,12 +159,13 @@ def _mlp(fc1: Call, fc2: Call, env: Env, x: torch.Tensor, act: str | None, resid
     linear kernels. ``x_fp8``: fc1's input already quantized (a norm's kernel did it); ``fc1_parts``: fc1's
     (fp8 weight, scale, bias, block) when not its module's own (a stacked [gate; up], its act the gated one)."""
     w1_q, w1_scale, b1, block1 = linear_parts(fc1) if fc1_parts is None else fc1_parts
-    x_q, x_scale = quantized_input(fc1, "input", x, env, block1) if x_fp8 is None else x_fp8
+    x_q, x_scale = linear_input(fc1, x, env, block1) if x_fp8 is None else x_fp8
     assert fc2.op is not None, "executors run recorded ops"
     cfg2 = fc2.op.qconfig
     if cfg2.dynamic:  # fc2's scale would depend on fc1's output: no FP8 hand-off
         h = linear_kernel(x_q, x_scale, w1_q, w1_scale, block1, bias=b1, activation=act, out_dtype=x.dtype)
         return run_linear(fc2, env, x=h, residual=residual)
+    assert x_scale is not None, "weight-only FP8 is dynamic (QConfig.weight_only sets it): no FP8 hand-off"
     h_scale = env.input_scale(fc2, "input", None)
     h_fmt = cfg2.activation.format
     w2_q, w2_scale, b2, block2 = linear_parts(fc2)
@@ -287,7 +288,7 @@ _GATED_KERNELS: dict[str | None, str] = {"silu": "swiglu", "gelu": "geglu", "gel
 
 
 def _gated_mlp(gate: Call, up: Call, down: Call | None, env: Env, x: torch.Tensor, act: str | None,
-               residual: torch.Tensor | None, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+               residual: torch.Tensor | None, x_fp8: tuple[torch.Tensor, torch.Tensor | None] | None = None
                ) -> torch.Tensor:
     """down(act(gate(x)) · up(x)): with stacked [gate; up] weights one GEMM computes both halves and
     act(gate)·up in its epilogue, writing FP8 for down (quantize + 2 GEMMs; with a fused norm, 3 launches)."""
@@ -298,7 +299,7 @@ def _gated_mlp(gate: Call, up: Call, down: Call | None, env: Env, x: torch.Tenso
         return h if down is None else run_linear(down, env, x=h, residual=residual)
     w_q, w_scale = stacked
     block = weight_block(gate)
-    x_q, x_scale = quantized_input(gate, "input", x, env, block) if x_fp8 is None else x_fp8
+    x_q, x_scale = linear_input(gate, x, env, block) if x_fp8 is None else x_fp8
     biases = [linear_operands(c)[2] for c in (gate, up)]
     bias = None if biases == [None, None] else torch.cat(
         [b if b is not None else torch.zeros(n, device=x.device) for b, n in zip(biases, (w_q.shape[0] // 2,) * 2)])

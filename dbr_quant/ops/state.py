@@ -9,14 +9,16 @@ how they are computed (fusions / kernels).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
 
 from dbr_quant.observers.base import AmaxObserver
 from dbr_quant.ops.call import OpRecord
+from dbr_quant.ops.heads import HEAD_AXIS, observable
 from dbr_quant.qconfig import OpQConfig
 
 if TYPE_CHECKING:  # plan.py builds on this module
@@ -75,6 +77,22 @@ def observer_key(index: int, slot: str) -> str:
     return f"{index}_{slot}"
 
 
+class ScaleFallback(Protocol):
+    """Where a record's activation takes its scale when its own observer saw no data: a rule a record may carry
+    (``AutoQuantizationState.scale_fallback``; moe/siblings.py: the largest among its sibling experts')."""
+
+    @property
+    def note(self) -> str: ...  # added to an uncalibrated activation's message: where else it was looked for
+
+    def calibrated(self, st: AutoQuantizationState, op: SeenOp, slot: str) -> bool:
+        """Whether the activation has a scale to freeze though ``st``'s own observer may have none."""
+        ...
+
+    def scale(self, st: AutoQuantizationState, op: SeenOp, slot: str) -> torch.Tensor | None:
+        """The scale to freeze instead of the own observer's, or None: the own observer's (it saw data)."""
+        ...
+
+
 class AutoQuantizationState(nn.Module):
     """Per-module record of quantizeable ops (call order), their observers and converted scales."""
 
@@ -87,13 +105,14 @@ class AutoQuantizationState(nn.Module):
         self._warned: set[tuple] = set()
         self._scale_names: dict[tuple[int, str], str] = {}
         self.plan: Plan | None = None  # the convert run's precompiled plan (runtime/plan.py), built on first use
+        self.scale_fallback: ScaleFallback | None = None  # where uncalibrated activations take scales (if anywhere)
 
     # ----------------------------------------------------------------- recording (trace)
-    def add_op(self, op: SeenOp, make_observer) -> SeenOp:
+    def add_op(self, op: SeenOp, make_observer: Callable[[SeenOp, str], nn.Module]) -> SeenOp:
         self.seen_ops.append(op)
         if op.quantize and not op.qconfig.dynamic:
             for slot in op.slots:
-                self.observers[observer_key(op.index, slot)] = make_observer(op)
+                self.observers[observer_key(op.index, slot)] = make_observer(op, slot)
         return op
 
     # ----------------------------------------------------------------- matching (later runs)
@@ -128,25 +147,33 @@ class AutoQuantizationState(nn.Module):
 
     # ----------------------------------------------------------------- calibration / convert
     def observe(self, op: SeenOp, slot: str, x: torch.Tensor) -> None:
-        self.observers[observer_key(op.index, slot)](x)
+        observer = cast(AmaxObserver, self.observers[observer_key(op.index, slot)])
+        heads = observer.num_channels if observer.axis == HEAD_AXIS else None
+        observer(observable(x, heads) if heads else x)  # per head: kv heads repeated or not (ops/heads.py)
 
     def uncalibrated(self) -> list[str]:
+        fallback = self.scale_fallback
         return [
             f"{self.fqn or '<root>'}: op {op.index} {op.kind} {op.fqn} input '{slot}'"
+            + ("" if fallback is None else fallback.note)
             for op in self.seen_ops
             if op.quantize and not op.qconfig.dynamic
             for slot in op.slots
             if not self.observers[observer_key(op.index, slot)].calibrated
+            and (fallback is None or not fallback.calibrated(self, op, slot))
         ]
 
     def freeze_scales(self) -> None:
-        """Turn every observer into a fixed scale buffer (kept beside the observer's amax)."""
+        """Turn every observer into a fixed scale buffer (kept beside the observer's amax); an activation whose
+        observer saw no data takes the ``scale_fallback``'s scale where the record has one."""
         for op in self.seen_ops:
             if not op.quantize or op.qconfig.dynamic:
                 continue
             for slot in op.slots:
-                self.register_buffer(f"scale_{observer_key(op.index, slot)}",
-                                     self.observed_scale(op, slot).detach().clone())
+                scale = None if self.scale_fallback is None else self.scale_fallback.scale(self, op, slot)
+                if scale is None:
+                    scale = self.observed_scale(op, slot).detach().clone()
+                self.register_buffer(f"scale_{observer_key(op.index, slot)}", scale)
         self.converted = True
 
     def scale(self, op: SeenOp, slot: str) -> torch.Tensor:

@@ -57,6 +57,8 @@ def weight_config(w: EditableWeight) -> TensorQConfig:
     if w.qconfig is not None:
         return w.qconfig
     fmt = FP8Format.of(w.qdata.dtype)
+    if w.scale.dtype == torch.uint8:  # E8M0 codes: MX
+        return TensorQConfig(format=fmt, granularity="mx")
     if w.block is not None:
         return TensorQConfig(format=fmt, granularity="block", block=w.block)
     experts_per_tensor = w.qdata.dim() == 3 and w.scale.shape[-1] == 1 < w.qdata.shape[1]  # [E, 1] per expert

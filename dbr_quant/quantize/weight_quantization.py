@@ -5,7 +5,8 @@ read by functional linears, 3-D MoE expert weights), an in-place edit of a conve
 ``dbr_quant.inspect`` (a prepared model's weights as convert will store them) and a functional linear whose
 parameter stays high precision (quantized on every call, ``ops/basic.py``). The weight config decides:
 the observer of :class:`TensorQConfig` (per output channel or per tensor), block scales (each block's
-amax / fmt.max, the compressed-tensors FP8_BLOCK layout), a rounding other than nearest (GPTQ, given by the
+amax / fmt.max, the compressed-tensors FP8_BLOCK layout), MX scales (a power of two per 1×32 block, stored as
+uint8 E8M0 codes: compressed-tensors MXFP8, ``kernels.reference.mx``), a rounding other than nearest (GPTQ, given by the
 caller, which holds the calibration Hessians), and a 3-D [E, N, K] weight is quantized per expert.
 
 Memory: ``convert(prepared, inplace=True)`` quantizes one weight at a time and drops its high-precision copy
@@ -30,6 +31,7 @@ import torch
 
 from dbr_quant import kernels
 from dbr_quant.kernels.reference.block import expand_block_scale
+from dbr_quant.kernels.reference.mx import MX_WEIGHT_BLOCK, e8m0_to_float
 from dbr_quant.observers import MSE, AmaxHistory, MovingAverage, ObserverConfig, RunningMax
 from dbr_quant.qconfig import TensorQConfig
 
@@ -42,7 +44,9 @@ BLOCK_ELEMENTS = 2**18  # 1 MiB of fp32 per block
 class QuantizedWeight:
     """A weight in FP8 as convert stores it. ``qdata``: [N, K] (or [E, N, K] for stacked experts), contiguous.
     ``scale`` (fp32): [N] per channel, 0-d per tensor, [⌈N/bn⌉, ⌈K/bk⌉] per block; for experts [E, N], [E, 1]
-    (one per expert) or [E, ⌈N/bn⌉, ⌈K/bk⌉]. ``block``: the (bn, bk) tile of a block-scaled weight, else None."""
+    (one per expert) or [E, ⌈N/bn⌉, ⌈K/bk⌉]; MX: uint8 E8M0 codes [N, ⌈K/32⌉] with block (1, 32) (experts: the
+    decoded fp32 powers of two [E, N, ⌈K/32⌉], the block layout the grouped kernels read). ``block``: the
+    (bn, bk) tile of a block-scaled (or MX) weight, else None."""
 
     qdata: torch.Tensor
     scale: torch.Tensor
@@ -71,6 +75,9 @@ def quantize_weight(w: torch.Tensor, cfg: TensorQConfig, *, rounding: WeightRoun
     is quantized on every call (one pass, no row blocks; same values)."""
     if w.dim() == 3:
         return _quantize_experts(w, cfg)
+    if cfg.granularity == "mx":
+        q, scale = kernels.mx_quantize(w, cfg.format, cfg.mx_scale_rounding == "ceil")
+        return QuantizedWeight(q if per_call else q.contiguous(), scale, MX_WEIGHT_BLOCK)
     if cfg.granularity == "block":
         q, scale = kernels.block_quantize_weight(w, cfg.block, cfg.format)
         # stored weights are contiguous (a Conv1D weight arrives transposed); a per-call one goes to the GEMM as
@@ -93,7 +100,9 @@ def quantize_weight(w: torch.Tensor, cfg: TensorQConfig, *, rounding: WeightRoun
 
 def elementwise_block_scale(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int]) -> torch.Tensor:
     """One scale per element of FP8 data ``shape`` [N, K] from its block scales [⌈N/bn⌉, ⌈K/bk⌉]; for stacked
-    experts [E, N, K] (scales [E, ⌈N/bn⌉, ⌈K/bk⌉]) each expert's own block grid."""
+    experts [E, N, K] (scales [E, ⌈N/bn⌉, ⌈K/bk⌉]) each expert's own block grid. MX codes (uint8) decoded."""
+    if scale.dtype == torch.uint8:
+        scale = e8m0_to_float(scale)
     rows_cols = (shape[-2], shape[-1])
     if len(shape) == 3:
         return torch.stack([expand_block_scale(s, rows_cols, block) for s in scale])
@@ -132,6 +141,9 @@ def _quantize_experts(w3: torch.Tensor, cfg: TensorQConfig) -> QuantizedWeight:
     """Stacked expert weights [E, N, K], each expert on its own: the observer of ``cfg`` per expert and output
     channel ([E, N]) or per expert ([E, 1]); block scales per expert (blocks never straddle two experts)."""
     num_e, n, k = w3.shape
+    if cfg.granularity == "mx":  # each expert's rows; the grouped kernels take fp32 block scales: decoded (exact)
+        q, code = kernels.mx_quantize(w3, cfg.format, cfg.mx_scale_rounding == "ceil")
+        return QuantizedWeight(q.contiguous(), e8m0_to_float(code), MX_WEIGHT_BLOCK)
     if cfg.granularity == "block":
         pairs = [kernels.block_quantize_weight(w3[e], cfg.block, cfg.format) for e in range(num_e)]
         return QuantizedWeight(torch.stack([q for q, _ in pairs]).contiguous(), torch.stack([s for _, s in pairs]),

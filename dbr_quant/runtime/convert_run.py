@@ -67,8 +67,11 @@ class ConvertRun(Run):
         self.onloaded: dict[int, nn.Module] = {}  # accelerate-offloaded modules whose weights we loaded
         self.pool = _placeholder_pool()  # this thread's placeholder tensors (grown by _placeholder_tensor)
         self.subgraphs = self.record.subgraphs
-        self.in_function = False  # inside function_call (torch_work)
-        self.suspension = suspended(self)  # torch_work's, entered again and again (no object per use)
+        # The context of the run's own torch work (kernels, ops run as written, materializing), made per use:
+        # interception suspended when it comes from a module call; nothing from a torch function (function_call
+        # swaps it), whose handler runs with this run's mode already off and must leave torch-function modes below
+        # it (torch.export's) on. A class, not a method: entering it costs no Python frame.
+        self.torch_work: Callable[[], AbstractContextManager[None]] = suspended
 
     # ------------------------------------------------------------------ placeholders
     def _scan(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, _Pending | None]:
@@ -221,7 +224,7 @@ class ConvertRun(Run):
             kind = call_kind(func, args, kwargs)
         if kind not in INDEXED and not (self.placeholders or self.resolved):
             return func(*args, **kwargs)
-        before, self.in_function = self.in_function, True  # torch work below runs as the function would (torch_work)
+        before, self.torch_work = self.torch_work, contextlib.nullcontext  # torch work runs as the function would
         try:
             if kind in INDEXED:
                 return self._run_op(kind, func, args, kwargs, None, self.warns(kind))
@@ -236,13 +239,7 @@ class ConvertRun(Run):
                 args, kwargs = self._resolve_all(args, kwargs, hit)
             return func(*args, **kwargs)
         finally:
-            self.in_function = before
-
-    def torch_work(self) -> AbstractContextManager[None]:
-        """The context of the run's own torch work (kernels, ops run as written, materializing): interception
-        suspended when it comes from a module call; nothing from a torch function, whose handler runs with this
-        run's mode already off and must leave torch-function modes below it (torch.export's) on."""
-        return _AS_CALLED if self.in_function else self.suspension
+            self.torch_work = before
 
     def _moves_nothing(self, args: tuple, kwargs: dict) -> bool:
         """A placeholder moved to the device its subgraph computes on (accelerate's hooks do it at module
@@ -283,7 +280,7 @@ class ConvertRun(Run):
                 p = self.placeholders.get(id(x))
                 if p is None:
                     if not self.resolved:
-                        with _DisableTorchFunction():  # a functional activation calls no module: no `suspended`
+                        with suspended():
                             return func(x) if kw is _NO_KWARGS else func(x, **kw)
                 else:
                     kinds, n = p.subgraph.kinds, len(p.calls)
@@ -315,14 +312,14 @@ class ConvertRun(Run):
         tag = tag_of(module)
         if tag is not None and tag.experts is not None:  # MoE experts module, called as one op: moe/
             if self.placeholders or self.resolved:  # a pending subgraph's output feeds it: finish that first
-                with suspended(self):
+                with suspended():
                     args, kwargs = self._resolve_all(*self._scan(args, kwargs))
             return self.experts_call(module, args, kwargs, "convert")
         if tag is not None and tag.norm and not has_hooks(module) and len(args) == 1 and not kwargs:
-            with suspended(self):
+            with suspended():
                 return self._norm_module_call(module, args)
         if (self.placeholders or self.resolved) and has_hooks(module):
-            with suspended(self):
+            with suspended():
                 args, kwargs, hit = self._scan(args, kwargs)
                 args, kwargs = self._resolve_all(args, kwargs, hit)
         return self.call_module(module, args, kwargs)
@@ -333,7 +330,7 @@ class ConvertRun(Run):
 
     def _hooked_linear_call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """Hooks must see real tensors: no fusion, the stock __call__ runs them around our FP8 op."""
-        with suspended(self):
+        with suspended():
             if self.placeholders or self.resolved:
                 args, kwargs = self._resolve_all(*self._scan(args, kwargs))
             op = self.next_op(st := self.owner_state(), LINEAR, self.op_fqn(LINEAR, module))
@@ -384,8 +381,6 @@ def _plain_container(cls: type) -> bool:
 
 
 _pool = threading.local()
-_DisableTorchFunction = torch._C.DisableTorchFunction
-_AS_CALLED = contextlib.nullcontext()
 _is_grad_enabled = torch._C.is_grad_enabled
 
 
@@ -395,7 +390,7 @@ def _placeholder_tensor(i: int) -> torch.Tensor:
     those of the runs it is nested in (``placeholder_base``): identities stay unique among live runs."""
     tensors = _placeholder_pool()
     if len(tensors) <= i:
-        with _DisableTorchFunction():  # not a call of the model's
+        with suspended():  # not a call of the model's
             while len(tensors) <= i:
                 tensors.append(mark_placeholder(torch.empty(0, device="meta")))
     return tensors[i]

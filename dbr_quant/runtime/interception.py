@@ -31,11 +31,7 @@ from torch.overrides import TorchFunctionMode
 from dbr_quant.integrations.accelerate import has_opaque_hook
 
 
-class Suspendable(Protocol):
-    suspended: bool  # True: calls run as written (the run's own work, see `suspended`)
-
-
-class InterceptingRun(Suspendable, Protocol):
+class InterceptingRun(Protocol):
     """What interception needs of a run (runtime/runs.py): where intercepted calls go, and whether they go
     there now."""
 
@@ -57,7 +53,9 @@ class _ThreadRun(threading.local):
 _tls = _ThreadRun()
 _patch_lock = threading.Lock()
 _patch_depth = 0
-_DisableTorchFunction = torch._C.DisableTorchFunction  # entered per suspension: one global lookup
+# Inside `suspended()` (torch's C guard) no torch function reaches any mode, and module calls ask this C flag
+# (one call, no Python frame) whether to reach the run.
+_functions_off = torch._C._is_torch_function_all_disabled
 # What Module._call_impl was when we swapped it (the stock one unless someone else wraps it too). We call
 # through it and put it back, rather than assuming the stock function.
 _outer_call = nn.Module._call_impl
@@ -70,7 +68,7 @@ def original_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def _intercepting_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     run = _tls.run
-    if run is None or run.suspended:
+    if run is None or _functions_off():  # outside a run, or inside its own work (`suspended`)
         return _outer_call(module, *args, **kwargs)
     return run.module_call(module, args, kwargs)
 
@@ -83,8 +81,8 @@ class _FunctionMode(TorchFunctionMode):
         self.run = run
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.run.suspended:
+        kwargs = kwargs or {}  # never reached inside `suspended()`: torch calls no mode there
+        if _tls.run is not self.run:  # a nested run's own work (its handler runs with its mode popped, ours next)
             return func(*args, **kwargs)
         body = _OPEN_BODIES.get(func)
         if body is not None:  # torch's Python body, with this mode on again: its linears are seen one by one
@@ -143,11 +141,14 @@ def intercepting(run: InterceptingRun, functions: bool = True) -> Iterator[None]
             _outer_call = nn.Module._call_impl
             nn.Module._call_impl = _intercepting_call  # type: ignore[method-assign, assignment]  # the point
         _patch_depth += 1
+    # started from code that runs as written (a run's `suspended` work, or the caller's own DisableTorchFunction):
+    # this run intercepts its calls all the same
+    enable = torch._C._EnableTorchFunction() if _functions_off() else contextlib.nullcontext()
     previous = _tls.run
     _tls.run = run
     run.routes_functions = functions
     try:
-        with _FunctionMode(run) if functions else contextlib.nullcontext():
+        with enable, _FunctionMode(run) if functions else contextlib.nullcontext():
             yield
     finally:
         _tls.run = previous
@@ -178,31 +179,14 @@ def is_patched() -> bool:
     return nn.Module._call_impl is _intercepting_call
 
 
-class suspended:  # noqa: N801 - used like a function: ``with suspended(run):``
-    """Run the block without interception: our own bookkeeping and kernels, a recognised op's forward.
-
-    Torch-function dispatch is switched off too, so the kernels' many small torch calls do not each
-    take a trip through the Python mode (that trip cost more than the ops themselves). A class rather
-    than a generator context manager: it is entered once or twice per op, and this costs a third; one
-    object may be entered again inside itself (a run keeps one for its hot path).
-    """
-
-    __slots__ = ("run", "saved")
-
-    def __init__(self, run: Suspendable) -> None:
-        self.run = run
-        self.saved: list[tuple[bool, Any]] = []  # per entry: (run.suspended before, its guard); one object nests
-
-    def __enter__(self) -> None:
-        guard = _DisableTorchFunction()
-        guard.__enter__()
-        self.saved.append((self.run.suspended, guard))
-        self.run.suspended = True
-
-    def __exit__(self, *exc: Any) -> None:
-        before, guard = self.saved.pop()
-        self.run.suspended = before
-        guard.__exit__(*exc)
+# ``with suspended():`` runs the block without interception: a run's own bookkeeping and kernels, a
+# recognised op's forward, a module run as written. It is torch's ``DisableTorchFunction`` itself, a C context
+# manager (no Python frame to enter or leave: it is entered once or twice per op): inside it no torch function
+# reaches a mode (so the kernels' many small torch calls skip the Python mode's trip, which cost more than the
+# ops themselves) and ``_intercepting_call`` lets module calls run the stock way. (This is the run's one
+# switch: no flag beside it to keep in step.) A run started inside it (a prepared model called by code that runs
+# as written) switches torch functions on again for its forward (``intercepting``).
+suspended = torch._C.DisableTorchFunction
 
 
 def has_pre_hooks(module: nn.Module) -> bool:

@@ -82,7 +82,6 @@ class Run:
         # states of the modules on the stack that own records (root first): the innermost is where an op
         # now running is recorded — kept beside the stack so finding it is O(1) per op
         self.owners: list[AutoQuantizationState | None] = [state_of(root)]
-        self.suspended = False
         self.cursors: dict[int, int] = {}  # id(state) → position of its next op in this forward
         self.hooked: list[tuple[nn.Module, Any]] = []  # linear modules with hooks now running: (module, body)
         self.routes_functions = True  # whether torch functions reach this run (set by interception.intercepting)
@@ -124,7 +123,7 @@ class Run:
         if self.stack[-1] is not module or not any(a is module._parameters.get("weight") for a in args):
             return NotImplemented
         x = args[0] if func is torch.nn.functional.linear else args[1]
-        with suspended(self):
+        with suspended():
             return body(x)
 
     def owner(self) -> nn.Module:
@@ -188,7 +187,7 @@ class Run:
                      inspector: ExpertsInspector | None = None) -> Any:
         """A marked MoE experts module's call, as one op (moe/call.py): its body in ``phase`` with the module's
         hooks around it, or the module as written."""
-        with suspended(self):
+        with suspended():
             body = experts_forward(module, args, kwargs, phase, inspector)
             if body is None:
                 return original_call(module, *args, **kwargs)
@@ -236,7 +235,7 @@ class CalibrateRun(Run):
         if self.hooked and func in HOOKED_BODY_FUNCS:  # a hooked linear's own F.linear / addmm: its input now
             module = self.hooked[-1][0]                 # is what its pre-hooks made of it
             if self.stack[-1] is module and any(a is module._parameters.get("weight") for a in args):
-                with suspended(self):
+                with suspended():
                     self._observe(LINEAR, (args[0] if func is torch.nn.functional.linear else args[1],), {}, module)
                     return func(*args, **kwargs)
         if not self.routes_functions:  # functions routed here only for a hooked linear's body
@@ -253,7 +252,7 @@ class CalibrateRun(Run):
             if has_pre_hooks(module):  # observe what convert will quantize: the input after the pre-hooks
                 with routing_functions(self):
                     return self.call_hooked(module, None, args, kwargs)
-            with suspended(self):
+            with suspended():
                 self._observe(LINEAR, args, kwargs, module)
                 return original_call(module, *args, **kwargs)
         if experts_of(module) is not None:  # MoE experts module, called as one op: moe/
@@ -320,7 +319,7 @@ class InspectRun(Run):
                                      self.inspector)
         if not is_linear_module(module):
             return self.call_module(module, args, kwargs)
-        with suspended(self):
+        with suspended():
             st, op = self._op(LINEAR, module)
             if op is not None and op.quantize:
                 body = lambda x: self.inspector.execute(Call(LINEAR, module, (x,), {}, op, st), self)  # noqa: E731
@@ -347,7 +346,7 @@ class HighPrecisionRun(Run):
         if is_linear_module(module) and stored_fp8_weight(module) is not None:
             body = lambda x: torch.nn.functional.linear(x, *linear_hp_weight(module))  # noqa: E731
             if not has_hooks(module) and not offload.has_device_hook(module):  # accelerate loads weights in forward
-                with suspended(self):
+                with suspended():
                     return body(*args, *kwargs.values())  # a linear's one input, given by name too (`input=x`)
             return self.call_hooked(module, body, args, kwargs)
         return self.call_module(module, args, kwargs)

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 from dbr_quant.integrations.accelerate import onloaded
 from dbr_quant.moe.trace import trace_experts
 from dbr_quant.ops.fusions import find_subgraphs
+from dbr_quant.ops.heads import head_axis
 from dbr_quant.ops.mappings import (
     ACT,
     ADD,
@@ -170,9 +171,14 @@ class TraceRun(Run):
             weight_param=ref,
         )
 
-        def make_observer(op: SeenOp) -> nn.Module:
+        # attention_scales="head": an observer per head along the head axis of attention operands (ops/heads.py)
+        per_head = self.record.qconfig.attention_scales == "head" and kind in (MATMUL, SDPA)
+        operands = observed_inputs(kind, args, kwargs) if per_head else {}
+
+        def make_observer(op: SeenOp, slot: str) -> nn.Module:
             cfg = op.qconfig.activation
-            return cfg.observer.create(cfg.format, None)
+            x = operands.get(slot)
+            return cfg.observer.create(cfg.format, None if x is None else head_axis(kind, x))
 
         st.add_op(op, make_observer)
         return op
@@ -188,7 +194,7 @@ class TraceRun(Run):
 
     def module_call(self, module, args, kwargs):
         if is_linear_module(module):
-            with suspended(self):  # the bookkeeping's own torch calls must not be recorded
+            with suspended():  # the bookkeeping's own torch calls must not be recorded
                 out = self._call_unrecorded(module, args, kwargs)
                 x = args[0] if args else kwargs.get("input")
                 self._record(LINEAR, module, (x,), {}, out, module)
@@ -196,7 +202,7 @@ class TraceRun(Run):
                     self._escape((x, out))
             return out
         if experts_of(module) is not None:  # MoE experts module, called as one op: moe/
-            with suspended(self):
+            with suspended():
                 out = self._call_unrecorded(module, args, kwargs)
                 self._record(None, module, args, kwargs, out)  # an opaque op: its inputs have a consumer
                 if has_hooks(module):
@@ -207,11 +213,11 @@ class TraceRun(Run):
             return self._norm_module_call(module, args[0])
         hooked = has_hooks(module)
         if hooked:
-            with suspended(self):
+            with suspended():
                 self._escape((args, kwargs))
         out = self.call_module(module, args, kwargs)
         if hooked:
-            with suspended(self):
+            with suspended():
                 self._escape(out)
         return out
 
@@ -229,7 +235,7 @@ class TraceRun(Run):
     def _norm_module_call(self, module: nn.Module, x: Any) -> Any:
         """An RMSNorm module written as elementwise ops: one NORM op if it computes F.rms_norm (so it can
         head a fused norm → linear subgraph), else an opaque call. The verdict is kept on the module."""
-        with suspended(self):
+        with suspended():
             self.stack.append(module)
             try:
                 out = original_call(module, x)
@@ -262,7 +268,7 @@ class TraceRun(Run):
             self.escaped.add(self.tid(t))
 
     def finish(self, out: Any) -> Any:
-        with suspended(self):
+        with suspended():
             self._escape(out)
         return out
 

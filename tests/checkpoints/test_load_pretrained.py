@@ -10,7 +10,7 @@ import struct
 
 import pytest
 import torch
-from ckpt_models import LLAMA, convert_hf, gpt2, llama, twice
+from ckpt_models import LLAMA, convert_hf, fp8_linears, gpt2, llama, twice
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -83,7 +83,8 @@ def test_minilm_round_trip_is_bit_exact(minilm_converted, minilm_folder):
     assert_same_converted(minilm_converted.converted, loaded, minilm_converted.eval_inputs)
 
 
-@pytest.mark.parametrize("case", ["gpt2_conv1d_dynamic_per_token", "two_call_sites_per_tensor", "fp8_attention"])
+@pytest.mark.parametrize("case", ["gpt2_conv1d_dynamic_per_token", "two_call_sites_per_tensor", "fp8_attention",
+                                  "fp8_attention_per_head"])
 def test_other_round_trips_are_bit_exact(case, tmp_path):
     if case == "gpt2_conv1d_dynamic_per_token":
         c = convert_hf(gpt2(), dq.QConfig(dynamic=True, activation=dq.TensorQConfig(granularity="token")))
@@ -93,7 +94,8 @@ def test_other_round_trips_are_bit_exact(case, tmp_path):
         torch.manual_seed(1)
         fresh = type(c.model)().eval()
     else:
-        c = convert_hf(llama(), dq.QConfig(quantize_attention=True))
+        scales = "head" if case.endswith("per_head") else "tensor"
+        c = convert_hf(llama(), dq.QConfig(quantize_attention=True, attention_scales=scales))
         fresh = llama()
     with pytest.warns(UserWarning):
         dq.save_pretrained(c.converted, tmp_path)
@@ -185,6 +187,26 @@ def test_bad_tensor_is_an_error_naming_it(case, llama_converted, tmp_path):
     _untouched(fresh, before)
 
 
+KV = "model.layers.1.self_attn.k_scale"
+
+
+@pytest.mark.parametrize("case, fn, message", [
+    ("one head's scale changed", lambda t: t[KV][1].mul_(2),
+     r"model\.layers\.1\.self_attn\.k_scale: the file holds .*dbr_quant\.json implies"),
+    ("per tensor instead of per head", _set(KV, torch.ones(1)),
+     r"k_scale: the checkpoint holds float32 \[1\], the model needs .*\[2, 1, 1\]"),
+])
+def test_per_head_kv_scales_are_checked_head_by_head(case, fn, message, tmp_path):
+    c = convert_hf(llama(), dq.QConfig(quantize_attention=True, attention_scales="head"))
+    with pytest.warns(UserWarning):
+        dq.save_pretrained(c.converted, tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert f.get_tensor(KV).shape == (2, 1, 1)  # one per kv head (GQA: 4 query heads, 2 kv heads)
+    _rewrite(tmp_path, fn)
+    with pytest.raises(CheckpointError, match=message):
+        dq.load_pretrained(tmp_path, llama())
+
+
 def test_truncated_shard_names_the_tensor(llama_converted, tmp_path):
     dq.save_pretrained(llama_converted.converted, tmp_path, max_shard_size="50KB")
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
@@ -221,8 +243,15 @@ def test_other_architecture_or_folder_is_refused(llama_converted, tmp_path):
     (tmp_path / "dbr_quant.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="dbr_quant.json: .*scale 'input': a scale must be a positive finite"):
         dq.load_pretrained(tmp_path, llama())
-    (tmp_path / "dbr_quant.json").unlink()
-    with pytest.raises(CheckpointError, match="no dbr_quant.json, so this is not a folder written by"):
+    (tmp_path / "dbr_quant.json").unlink()  # now a compressed-tensors folder of another tool (issue #22): it loads
+    as_foreign = dq.load_pretrained(tmp_path, llama())
+    for name, mod in fp8_linears(llama_converted.converted).items():
+        a, b = fp8_weight_of(mod), fp8_weight_of(as_foreign.get_submodule(name))
+        assert torch.equal(a.qdata.view(torch.uint8), b.qdata.view(torch.uint8)), name
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="no dbr_quant.json and no quantization_config in config.json"):
         dq.load_pretrained(tmp_path, llama())
 
 

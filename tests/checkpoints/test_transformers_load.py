@@ -39,7 +39,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from ckpt_models import LM_HEAD_HP, convert_hf, fp8_linears, gpt2, input_scale, llama, twice
+from ckpt_models import LM_HEAD_HP, convert_hf, fp8_linears, gpt2, ids, input_scale, llama, twice
 from fp8_ties import codes_by_division, codes_by_reciprocal, tie_inputs
 from transformers import AutoModel, AutoModelForCausalLM
 
@@ -223,6 +223,55 @@ def test_fp8_attention_writes_kv_cache_scales_transformers_uses(tmp_path):
         assert torch.equal(k_q, _fake_quant(k, k_scale)) and torch.equal(v_q, _fake_quant(v, v_scale))
         assert not torch.equal(k_q, k)
     print(f"FP8 attention: transformers-loaded vs dbr_quant logits {err:.4f}")
+    assert err <= 0.03
+
+
+def test_per_head_attention_scales_write_per_kv_head_scales_transformers_uses(tmp_path):
+    """attention_scales="head": k_scale / v_scale [num_key_value_heads, 1, 1] (compressed-tensors' attn_head
+    shape, which vLLM flattens to its [num_kv_heads]) and kv_cache_scheme strategy attn_head; transformers +
+    compressed-tensors load them and quantize each cached kv head with its own scale. The model is GQA (4 query
+    heads, 2 kv heads) and is calibrated both with kv heads as they are (no mask: SDPA's enable_gqa) and
+    repeated to 4 (a padding mask: transformers' repeat_kv); the file holds one value per kv head either way."""
+    model = llama()
+    with torch.no_grad():
+        for layer in model.model.layers:  # kv head 1's keys 8x larger: its own scale
+            layer.self_attn.k_proj.weight[16:] *= 8
+    qconfig = dq.QConfig(quantize_attention=True, attention_scales="head", overrides=LM_HEAD_HP.overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = dq.prepare(model, example_kwargs={"input_ids": ids(2, 12, 1)}, qconfig=qconfig)
+        mask = torch.ones(4, 32, dtype=torch.long)
+        mask[0, :5] = 0
+        dq.calibrate(prepared, [{"input_ids": ids(4, 32, 2)}, {"input_ids": ids(4, 32, 3), "attention_mask": mask}],
+                     progress=False)
+        converted = dq.convert(prepared)
+    with pytest.warns(UserWarning, match="q is not quantized by loaders"):
+        dq.save_pretrained(converted, tmp_path)
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert qc["kv_cache_scheme"] == {"num_bits": 8, "type": "float", "strategy": "attn_head", "symmetric": True,
+                                     "dynamic": False, "group_size": None, "observer": "minmax"}
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    record = converted.__dict__["_dbr_record"]
+    for i, layer in enumerate(loaded.model.layers):
+        st = next(s for s in record.states if s.fqn == f"model.layers.{i}.self_attn")
+        op = next(op for op in st.seen_ops if op.kind == "sdpa")
+        k, v = st.scale(op, "k"), st.scale(op, "v")
+        assert k.shape == v.shape == (2,) and k[1] > 4 * k[0]  # per kv head, calibrated on 2 and on 4 heads
+        assert layer.self_attn.k_scale.shape == layer.self_attn.v_scale.shape == (2, 1, 1)
+        assert torch.equal(layer.self_attn.k_scale.flatten(), k.to(torch.bfloat16))
+        assert torch.equal(layer.self_attn.v_scale.flatten(), v.to(torch.bfloat16))
+    seen = []
+    for layer in loaded.model.layers:
+        layer.self_attn.kv_cache.register_forward_hook(
+            lambda m, args, out, attn=layer.self_attn: seen.append((args[:2], out, attn.k_scale, attn.v_scale)))
+    inputs = {"input_ids": ids(4, 32, 5)}
+    with torch.no_grad():
+        err = _rel(loaded(**inputs).logits, converted(**inputs).logits)
+    assert len(seen) == 2
+    for (k, v), (k_q, v_q), k_scale, v_scale in seen:  # each kv head on its own scale's FP8 grid
+        assert k.shape[1] == 2
+        assert torch.equal(k_q, _fake_quant(k, k_scale)) and torch.equal(v_q, _fake_quant(v, v_scale))
+    print(f"FP8 attention, per-head scales: transformers-loaded vs dbr_quant logits {err:.4f}")
     assert err <= 0.03
 
 

@@ -115,6 +115,25 @@ def test_compile_fullgraph_has_no_graph_breaks(close_to_reference):
     close_to_reference(out, want, min_cos=0.999, max_rel=0.03)
 
 
+@pytest.mark.slow
+def test_per_head_attention_scales_rewrite_and_compile(close_to_reference):
+    """attention_scales="head": the graph's fp8_attention takes the per-head scales (eager's result bit for bit,
+    not the per-tensor model's), and compiles in one graph."""
+    _, c, x = converted_block(dq.QConfig(quantize_attention=True, attention_scales="head"))
+    st = next(s for s in c.__dict__["_dbr_record"].states if any(op.kind == "sdpa" for op in s.seen_ops))
+    op = next(op for op in st.seen_ops if op.kind == "sdpa")
+    assert all(st.scale(op, slot).shape == (4,) for slot in "qkv")
+    gm = rewrite(c)
+    assert "dbr_quant.fp8_attention.default" in graph_ops(gm)
+    _, per_tensor, _ = converted_block(dq.QConfig(quantize_attention=True))
+    x = torch.randn(3, 9, 32)
+    with torch.no_grad():
+        want = c(x)["out"]
+        assert torch.equal(gm(x)["out"], want) and not torch.equal(rewrite(per_tensor)(x)["out"], want)
+        got = torch.compile(gm, fullgraph=True)(x)["out"]
+    close_to_reference(got, want, min_cos=0.999, max_rel=0.03)
+
+
 def test_saved_program_loads_in_a_fresh_process_with_only_import_dbr_quant(tmp_path):
     """``import dbr_quant`` defines the custom ops: a saved ExportedProgram loads and runs without
     importing anything else of ours (and without paying for inductor's import)."""

@@ -59,6 +59,16 @@ def examples():
         ("layer_norm_group_quantize", (x, *norm, 8), {}),
         ("fp8_block_linear", (xq, torch.full((3, 2), 0.05), eb, torch.full((2, 2), 0.05)),
          {"block": (8, 8), "activation": "swiglu", "out_dtype": torch.bfloat16}),
+        ("mx_quantize", (torch.randn(2, 3, 40, generator=g),), {}),
+        ("mx_quantize", (x, E5M2), {}),
+        ("fp8_mx_linear", (xq, torch.full((3, 1), 120, dtype=torch.uint8), eb, torch.full((8, 1), 125,
+                                                                                           dtype=torch.uint8)),
+         {"activation": "swiglu", "out_dtype": torch.bfloat16}),
+        ("fp8_mx_linear", (xq, torch.full((3, 1), 120, dtype=torch.uint8), eb, torch.full((8, 1), 125,
+                                                                                           dtype=torch.uint8)),
+         {"out_scale": s}),
+        ("fp8_weight_only_linear", (x, wq, torch.full((8,), 0.05)), {"bias": torch.randn(8, generator=g)}),
+        ("fp8_weight_only_linear", (x.bfloat16(), wq, s), {"activation": "geglu", "out_dtype": torch.bfloat16}),
     ]
 
 

@@ -99,6 +99,30 @@ def test_fp8_attention_matches_sdpa_on_fp8_inputs(causal, gqa):
     assert F.cosine_similarity(out.flatten(), ref.flatten(), dim=0) > 0.999
 
 
+@pytest.mark.parametrize("backend", [R, C], ids=["reference", "cpu"])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_fp8_attention_per_head_scales_are_per_tensor_attention_on_each_head(backend, gqa):
+    """Per-head scales (q, p per query head; k, v per kv head) give, head by head, the bits of per-tensor
+    attention on that head alone with its own scales; and they match SDPA on the dequantized inputs."""
+    fmt, hq, hkv = FP8Format.E4M3, 4, 2 if gqa else 4
+    spread = torch.tensor([1.0, 32.0, 0.125, 4.0]).reshape(1, 4, 1, 1)
+    q = torch.randn(2, hq, 7, 16) * spread
+    k, v = torch.randn(2, hkv, 9, 16) * spread[:, :hkv], torch.randn(2, hkv, 9, 16) / spread[:, :hkv]
+    scales = [safe_scale(t.abs().amax(dim=(0, 2, 3)), fmt) for t in (q, k, v)]
+    qq, kq, vq = (R.quantize(t, R.head_view(s), fmt) for t, s in zip((q, k, v), scales))
+    ps = torch.tensor([1 / 448, 1 / 64, 1 / 448, 1 / 128])
+    out = backend.fp8_attention(qq, scales[0], kq, scales[1], vq, scales[2], is_causal=True, p_scale=ps)
+    for h in range(hq):
+        g = h // (hq // hkv)
+        one = backend.fp8_attention(qq[:, h:h + 1], scales[0][h], kq[:, g:g + 1], scales[1][g], vq[:, g:g + 1],
+                                    scales[2][g], is_causal=True, p_scale=ps[h])
+        assert torch.equal(out[:, h:h + 1], one), h
+    deq = [t.float() * R.head_view(s) for t, s in zip((qq, kq, vq), scales)]
+    ref = F.scaled_dot_product_attention(*deq, is_causal=True, enable_gqa=gqa)
+    vmax = deq[2].abs().amax(dim=(0, 2, 3), keepdim=True).repeat_interleave(hq // hkv, dim=1)
+    assert ((out - ref).abs() <= 0.08 * vmax).all()  # P's E4M3 rounding, relative to each head's own |v|
+
+
 def test_dynamic_scale_per_token_gives_one_scale_per_row():
     x = torch.tensor([[1.0, -2.0], [0.0, 0.0], [448.0, float("nan")]])
     s = R.dynamic_scale(x, FP8Format.E4M3, per_token=True)

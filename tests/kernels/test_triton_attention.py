@@ -36,7 +36,12 @@ MIN_COSINE_ELEMENTS = 512
 MIN_COSINE = {FP8Format.E4M3: 0.999, FP8Format.E5M2: 0.995}
 
 
-def _quant(x, fmt, per_token=False):
+def _quant(x, fmt, per_token=False, per_head=False):
+    """(fp8, scale): per tensor (0-d), per token ((B, H, L, 1)) or per head ([H], quantized through its
+    (H, 1, 1) view, as the runtime does)."""
+    if per_head:
+        scale = safe_scale(x.abs().amax(dim=(0, 2, 3)), fmt)
+        return reference.quantize(x, reference.head_view(scale), fmt), scale
     scale = safe_scale(x.abs().amax(dim=-1, keepdim=True) if per_token else x.abs().amax(), fmt)
     return reference.quantize(x, scale, fmt), scale
 
@@ -47,8 +52,9 @@ def _kernel(*args, **kwargs):
 
 
 def _bound(v_q, v_scale, lk, p_scale, fmt):
+    """BOUND with the largest |v|·sv over every head (per-head scales: a looser bound for the other heads)."""
     c = fp8_constants(fmt)
-    vmax = (v_q.float().abs().amax() * v_scale).item()
+    vmax = (v_q.float().abs() * reference.head_view(v_scale)).amax().item()
     return 2.0 ** -(c["MANTISSA_BITS"] + 1) * vmax * (1 + lk * p_scale * c["MIN_NORMAL"]) + 1e-5 * vmax + 1e-6
 
 
@@ -70,14 +76,14 @@ def _check(q, qs, k, ks, v, vs, *, mask=None, causal=False, softmax_scale=None, 
     rep = q.shape[1] // k.shape[1]
     ref = reference.fp8_attention(q, qs, k, ks, v, vs, attn_mask=mask, is_causal=causal,
                                   softmax_scale=softmax_scale, p_scale=p_scale, fmt=fmt)
-    qd, kd, vd = q.float() * qs, k.float() * ks, v.float() * vs
+    qd, kd, vd = (t.float() * reference.head_view(s) for t, s in ((q, qs), (k, ks), (v, vs)))
     sdpa = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, is_causal=causal, scale=softmax_scale,
                                           enable_gqa=rep > 1).nan_to_num(0.0)
     assert out.shape == ref.shape and out.dtype == torch.float32
     assert torch.isfinite(out).all()
     live = _keep(mask, causal, (*q.shape[:3], k.shape[2])).any(-1)
     assert (out[~live] == 0).all() and (ref[~live] == 0).all()
-    ps = 1.0 / fmt.max if p_scale is None else p_scale.item()
+    ps = 1.0 / fmt.max if p_scale is None else p_scale.max().item()
     bound = _bound(v, vs, k.shape[2], ps, fmt)
     err_ref, err_sdpa = (out - ref).abs().max().item(), (out - sdpa).abs().max().item()
     assert err_sdpa <= bound, (err_sdpa, bound)
@@ -100,8 +106,8 @@ def attention_cases(draw):
                 causal=draw(st.booleans()),
                 mask=draw(st.sampled_from(["none", "bool", "float", "bool_keys", "float_rows", "bool_2d"])),
                 softmax_scale=draw(st.sampled_from([None, 0.3, 1.0])),
-                per_token=draw(st.booleans()), p_scale=draw(st.sampled_from([None, 1 / 256])),
-                seed=draw(st.integers(0, 2**16)))
+                scales=draw(st.sampled_from(["tensor", "token", "head"])),
+                p_scale=draw(st.sampled_from([None, 1 / 256, "head"])), seed=draw(st.integers(0, 2**16)))
 
 
 def _make_mask(kind, b, hq, lq, lk, gen):
@@ -125,11 +131,15 @@ def test_matches_reference_and_sdpa(case):
     gen = torch.Generator().manual_seed(case["seed"])
     fmt = FP8Format.E4M3
     b, hq, hkv, lq, lk, d = (case[n] for n in ("b", "hq", "hkv", "lq", "lk", "d"))
-    q, qs = _quant(torch.randn(b, hq, lq, d, generator=gen) * 2, fmt, case["per_token"])
-    k, ks = _quant(torch.randn(b, hkv, lk, d, generator=gen), fmt, case["per_token"])
-    v, vs = _quant(torch.randn(b, hkv, lk, d, generator=gen), fmt)
+    per_token, per_head = case["scales"] == "token", case["scales"] == "head"
+    # per head: heads whose ranges differ by up to 2^6 (the case per-head scales are for)
+    spread = torch.pow(2.0, torch.randint(0, 7, (1, max(hq, hkv), 1, 1), generator=gen).float())
+    q, qs = _quant(torch.randn(b, hq, lq, d, generator=gen) * 2 * spread[:, :hq], fmt, per_token, per_head)
+    k, ks = _quant(torch.randn(b, hkv, lk, d, generator=gen) * spread[:, :hkv], fmt, per_token, per_head)
+    v, vs = _quant(torch.randn(b, hkv, lk, d, generator=gen) / spread[:, :hkv], fmt, per_head=per_head)
     mask = _make_mask(case["mask"], b, hq, lq, lk, gen)
-    p_scale = None if case["p_scale"] is None else torch.tensor(case["p_scale"])
+    p_scale = (None if case["p_scale"] is None else torch.tensor(case["p_scale"]) if case["p_scale"] != "head"
+               else torch.pow(2.0, torch.randint(0, 4, (hq,), generator=gen).float()) / fmt.max)  # no saturation
     _check(q, qs, k, ks, v, vs, mask=mask, causal=case["causal"], softmax_scale=case["softmax_scale"],
            p_scale=p_scale)
 
@@ -213,6 +223,28 @@ def test_rejects_unsupported_inputs():
         _kernel(q, qs, k, ks, v, torch.ones(2, 2, 40, 1))
     with pytest.raises(ValueError, match="q_scale"):
         _kernel(q, torch.ones(3), k, ks, v, vs)
+    with pytest.raises(ValueError, match=r"k_scale .* per head \[2\]"):  # k's scales are per kv head
+        _kernel(q, qs, k, torch.ones(4), v, vs)
+    with pytest.raises(ValueError, match=r"v_scale .* per head \(\[2\]\)"):
+        _kernel(q, qs, k, ks, v, torch.ones(4))
+
+
+def test_per_head_scales_are_per_tensor_attention_on_each_head():
+    """One launch with per-head scales (GQA: q and p per query head, k and v per kv head) gives, head by head,
+    what per-tensor launches on that head alone give: the kernel reads the right scale for every head."""
+    gen = torch.Generator().manual_seed(3)
+    b, hq, hkv, lq, lk, d = 2, 4, 2, 19, 23, 16
+    spread = torch.tensor([1.0, 16.0, 0.25, 4.0]).reshape(1, 4, 1, 1)
+    q, qs = _quant(torch.randn(b, hq, lq, d, generator=gen) * spread, FP8Format.E4M3, per_head=True)
+    k, ks = _quant(torch.randn(b, hkv, lk, d, generator=gen) * spread[:, 1:3], FP8Format.E4M3, per_head=True)
+    v, vs = _quant(torch.randn(b, hkv, lk, d, generator=gen) * spread[:, :2], FP8Format.E4M3, per_head=True)
+    ps = torch.tensor([1 / 448, 1 / 256, 1 / 448, 1 / 64])
+    out, ref, _ = _check(q, qs, k, ks, v, vs, causal=True, p_scale=ps)
+    for h in range(hq):
+        g = h // (hq // hkv)
+        one = _kernel(q[:, h:h + 1], qs[h], k[:, g:g + 1], ks[g], v[:, g:g + 1], vs[g], is_causal=True,
+                      p_scale=ps[h])
+        assert torch.equal(out[:, h:h + 1], one), h
 
 
 @pytest.mark.slow

@@ -41,6 +41,8 @@ from dbr_quant.kernels.cpu.upcast import fp8_to_fp32, fp8_upcast, scratch
 from dbr_quant.kernels.reference import block as reference_block
 from dbr_quant.kernels.reference import dense as reference
 from dbr_quant.kernels.reference import grouped as reference_grouped
+from dbr_quant.kernels.reference import mx as reference_mx
+from dbr_quant.kernels.reference import weight_only as reference_weight_only
 from dbr_quant.kernels.reference.dense import GATED, dequantize_accumulator, linear_epilogue
 
 # Operands up to this many elements take torch's own FP8 casts and an fp32 GEMM: the bit-move upcasts cost ≈10 µs
@@ -180,3 +182,21 @@ moe_quantize = functools.partial(reference_grouped.moe_quantize, quantize=quanti
 fp8_grouped_linear = functools.partial(reference_grouped.fp8_grouped_linear, linear=fp8_linear)
 fp8_grouped_block_linear = functools.partial(reference_grouped.fp8_grouped_block_linear,
                                              block_linear=fp8_block_linear)
+fp8_mx_linear = functools.partial(reference_mx.fp8_mx_linear, operands=block_operands, quantize=quantize)
+
+
+
+def weight_only_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+                     ) -> torch.Tensor:
+    """:data:`reference_weight_only.WeightOnlyGemm` here: bf16 x on the bf16 GEMM path multiplies W upcast exactly to
+    bf16 (the accumulator scaled after, as the reference); anything else is an fp32 GEMM on W dequantized first
+    (:func:`dequantize_operand`, compressed-tensors' order). x itself is never rounded."""
+    if x.dtype == torch.bfloat16 and gemm_dtype(x, w_q) == torch.bfloat16:
+        return dequantize_accumulator(F.linear(x, fp8_upcast(w_q, torch.bfloat16, reuse_buffer=True)), w_scale, bias)
+    w = dequantize_operand(w_q, w_scale.reshape(-1, 1) if w_scale.numel() > 1 else w_scale.reshape(()),
+                           reuse_buffer=True)
+    return F.linear(x.float(), w, None if bias is None else bias.float())
+
+
+fp8_weight_only_linear = functools.partial(reference_weight_only.fp8_weight_only_linear, gemm=weight_only_gemm,
+                                           quantize=quantize)

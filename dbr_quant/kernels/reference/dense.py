@@ -151,6 +151,12 @@ def fp8_matmul(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_sc
     return torch.matmul(a_q.float(), b_q.float()).mul_(a_scale * b_scale)
 
 
+def head_view(scale: torch.Tensor) -> torch.Tensor:
+    """A per-head scale ([H]: 1-D) as [H, 1, 1], broadcasting over an attention operand's (…, H, L, D); other
+    scales (0-d per tensor, per token …×L×1) as they are."""
+    return scale.reshape(-1, 1, 1) if scale.dim() == 1 else scale
+
+
 def fp8_attention(
     q_q: torch.Tensor,
     q_scale: torch.Tensor,
@@ -167,9 +173,12 @@ def fp8_attention(
     matmul: Matmul = fp8_matmul,
     quantize: Quantize = quantize,
 ) -> torch.Tensor:
-    """FP8 attention: S = Q·Kᵀ in FP8 (fp32 accumulate), fp32 softmax, P quantized to FP8 with the
-    fixed scale 1/fmt.max (P ∈ [0, 1]), O = P·V in FP8. K/V with fewer heads are repeated (GQA).
+    """FP8 attention: S = Q·Kᵀ in FP8 (fp32 accumulate), fp32 softmax, P quantized to FP8 with ``p_scale``
+    (default the fixed 1/fmt.max: P ∈ [0, 1]), O = P·V in FP8. K/V with fewer heads are repeated (GQA).
 
+    Scales: one element (per tensor: 0-d or [1]), one per head (1-D: ``q_scale`` / ``p_scale`` [Hq], ``k_scale``
+    / ``v_scale`` [Hkv], the heads of k and v, dim -3), or per token (``q_scale`` / ``k_scale`` shaped like the
+    operand with a last dim of 1). Per-head attention is per-tensor attention run on each head.
     Masks follow F.scaled_dot_product_attention: a bool mask keeps True, a float mask is added.
     ``matmul``/``quantize`` are swappable (the CPU backend passes its fast ones, the inductor lowering compilable
     ones).
@@ -177,12 +186,16 @@ def fp8_attention(
     head_dim = q_q.shape[-1]
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
+    if p_scale is None:
+        p_scale = torch.tensor(1.0 / fmt.max, device=q_q.device)
+    q_scale, k_scale, v_scale, p_scale = (head_view(s) for s in (q_scale, k_scale, v_scale, p_scale))
     if k_q.dim() == 4 and k_q.shape[-3] != q_q.shape[-3]:
         rep = q_q.shape[-3] // k_q.shape[-3]
         k_q = k_q.repeat_interleave(rep, dim=-3)
         v_q = v_q.repeat_interleave(rep, dim=-3)
-        if k_scale.dim() == 4 and k_scale.shape[-3] > 1:  # per-token k scales follow their kv head
-            k_scale = k_scale.repeat_interleave(rep, dim=-3)
+        # per-token and per-head k / v scales follow their kv head
+        k_scale, v_scale = (s.repeat_interleave(rep, dim=-3) if s.dim() >= 3 and s.shape[-3] > 1 else s
+                            for s in (k_scale, v_scale))
     k_scale = k_scale.transpose(-1, -2) if k_scale.dim() else k_scale  # per-token k scales index columns of S
     s = matmul(q_q, q_scale, k_q.transpose(-1, -2), k_scale) * softmax_scale
     if is_causal:
@@ -196,8 +209,6 @@ def fp8_attention(
             s = s + attn_mask.float()
     # a row whose keys are all masked gives 0/0; SDPA returns zeros there, and so do we
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    if p_scale is None:
-        p_scale = torch.tensor(1.0 / fmt.max, device=p.device)
     p_q = quantize(p, p_scale, fmt)
     return matmul(p_q, p_scale, v_q, v_scale)
 

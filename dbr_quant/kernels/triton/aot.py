@@ -1,15 +1,19 @@
 """Ahead-of-time compile every Triton kernel configuration the dispatcher can pick, for a GPU we do not have.
 
     python -m dbr_quant.kernels.triton.aot --arch 90      (Hopper; --arch 89 for Ada)
+    python -m dbr_quant.kernels.triton.aot --arch 100     (Blackwell: the kernels tagged sm_100, MXFP8)
+    python -m dbr_quant.kernels.triton.aot --arch 80      (Ampere: the kernels tagged sm_80, weight-only FP8)
 
 For each configuration in the kernel modules' ``AOT_CONFIGS`` (by default a subset covering every option
 value of every kernel; ``--all`` for the full product): ``triton.compile`` for
 ``GPUTarget("cuda", ARCH, 32)``, then ``ptxas -v`` on the PTX for registers, spills and shared memory,
-a search of the PTX for FP8 tensor-core instructions (``wgmma … e4m3``/``e5m2`` on sm_90,
-``mma … e4m3``/``e5m2`` on sm_89) and for TMA copies (``cp.async.bulk.tensor``, the ``tma`` column; the
-sm_90 summary says how many GEMM configurations use them). Exits non-zero if a kernel fails to compile,
-spills registers, a GEMM/attention kernel lacks FP8 tensor-core instructions, or a TMA kernel (``tma`` in
-its name) lacks TMA copies.
+and a search of the PTX for FP8 tensor-core instructions (``wgmma … e4m3``/``e5m2`` on sm_90,
+``mma … e4m3``/``e5m2`` on sm_89, ``tcgen05.mma … kind::mxf8f6f4`` / ``kind::f8f6f4`` on sm_100); on sm_80, which
+has none, the bf16/fp16 ``mma.sync`` the weight-only kernel decodes FP8 into; and for TMA copies
+(``cp.async.bulk.tensor``, the ``tma`` column; the sm_90 summary says how many GEMM configurations use them).
+Exits non-zero if a kernel fails to compile, spills registers, a GEMM/attention kernel lacks those tensor-core
+instructions, or a TMA kernel (``tma`` in its name) lacks TMA copies. Configurations whose description names an
+architecture ("sm_80", "sm_90", "sm_100") compile only for it; the others for sm_89 and sm_90.
 
 The kernel modules are every ``dbr_quant/kernels/triton/*.py`` with an ``AOT_CONFIGS`` table (a new
 module is picked up by defining one). Compiles run in worker processes started with "spawn", one compile
@@ -76,7 +80,13 @@ class Result:
 
 
 def fp8_mma_count(ptx: str, arch: int) -> int:
-    """FP8 tensor-core instructions in the PTX: warpgroup MMA on Hopper, warp MMA on Ada."""
+    """FP8 tensor-core instructions in the PTX: warpgroup MMA on Hopper, warp MMA on Ada, tcgen05 MMA of an FP8
+    kind (block-scaled MX or plain) on Blackwell; on Ampere (no FP8 MMA) the bf16/fp16 warp MMA that the
+    weight-only kernel feeds with decoded FP8."""
+    if arch >= 100:
+        return len(re.findall(r"tcgen05\.mma[^\n;]*kind::(mx)?f8f6f4", ptx))
+    if arch < 89:
+        return len(re.findall(r"\bmma\.sync[^\n;]*\.(bf16|f16)\.(bf16|f16)", ptx))
     op = r"wgmma\.mma_async" if arch >= 90 else r"\bmma\.sync"
     return len(re.findall(op + r"[^\n;]*\.e(4m3|5m2)", ptx))
 
@@ -238,14 +248,19 @@ def covering_subset(configs: list[Config]) -> list[Config]:
     return chosen
 
 
+DEFAULT_ARCHES = (89, 90)  # untagged configurations: the FP8 tensor-core GPUs the dispatcher runs Triton on
+
+
 def for_arch(configs: list[Config], arch: int) -> list[Config]:
-    """Entries tuned for one architecture say so ("sm_89"): keep those only for it."""
-    return [c for c in configs if not re.search(r"\bsm_\d+", c.description) or f"sm_{arch}" in c.description]
+    """Entries tuned for one architecture say so ("sm_89", "sm_100"): keep those only for it; untagged entries
+    are for the default architectures (sm_89, sm_90)."""
+    return [c for c in configs if f"sm_{arch}" in c.description.split()
+            or (not re.search(r"\bsm_\d+", c.description) and arch in DEFAULT_ARCHES)]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dbr_quant.kernels.triton.aot", description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", type=int, choices=(89, 90), default=90)
+    parser.add_argument("--arch", type=int, choices=(80, 89, 90, 100), default=90)
     parser.add_argument("--only", help="only kernels whose name contains this")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
     parser.add_argument("--all", action="store_true",
@@ -264,8 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     width = max([len(r.config) for r in results] + [6])
     print(f"AOT compile for sm_{args.arch} with triton {triton.__version__} ({len(results)} configurations): "
           "registers and spills from ptxas -v")
-    print(f"{'kernel':<22} {'config':<{width}} {'regs':>5} {'spill B':>8} {'smem B':>8} {'fp8 mma':>8} {'tma':>4}"
-          "  status")
+    mma = "fp8 mma" if args.arch >= 89 else "mma"  # sm_80: the bf16/fp16 MMA of decoded FP8 weights
+    print(f"{'kernel':<22} {'config':<{width}} {'regs':>5} {'spill B':>8} {'smem B':>8} {mma:>8} {'tma':>4}  status")
     for r in results:
         status = ("ok" if r.ok else r.error.split(" <- ")[0] if r.error else "SPILLS" if r.spill_bytes
                   else "NO FP8 MMA" if r.needs_mma and not r.fp8_mma else "NO TMA")

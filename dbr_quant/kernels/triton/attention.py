@@ -18,8 +18,11 @@ Numerics versus the reference (which quantizes the *normalised* P = softmax(S)):
   overflow to -inf and turn a row masked with finfo.min (uniform weights in torch) into zeros.
 * a row whose keys are all masked (l = 0) outputs 0, as in the reference and SDPA.
 
-Limits: forward only; v_scale and p_scale per tensor (v's would scale the reduction dim of P·V);
-element offsets inside one (batch, head) slice are int32; every tile is masked (no mask-free fast
+Scales: per tensor, per head (q and p over query heads, k and v over kv heads: a head's v and p scales are
+constant along the reduction of P·V, so they multiply that head's output) or per token for q and k (v's would
+scale the reduction dim of P·V: not supported).
+
+Limits: forward only; element offsets inside one (batch, head) slice are int32; every tile is masked (no mask-free fast
 path for interior tiles, which costs a few ALU ops per score).
 """
 
@@ -32,6 +35,7 @@ import triton
 import triton.language as tl
 
 from dbr_quant.formats import FP8Format
+from dbr_quant.kernels.reference.dense import head_view
 from dbr_quant.kernels.triton.common import Kernel, check_device, fp8_constants, on_interpreter, round_to_fp8
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr global, so kernels may read it
@@ -76,9 +80,10 @@ def _attn_fwd(
 ):
     """Grid (cdiv(Lq, BLOCK_M), B·H). Query head h reads kv head h // GROUP (GQA, as repeat_interleave).
 
-    Scales come in as per-row vectors (per-tensor scales arrive with stride 0), so one code path serves
-    both: q's scale multiplies rows of S, k's columns. ``Scalars`` = [1/p_scale, p_scale·v_scale] is read
-    from memory, so no host sync is needed. BLOCK_D pads HEAD_DIM 16 to 32, the smallest K of an FP8 MMA.
+    Scales come in as per-row vectors (per-tensor and per-head scales arrive with stride 0 along the dims
+    they do not vary on), so one code path serves all: q's scale multiplies rows of S, k's columns.
+    ``Scalars`` [2, H] = [1/p_scale; p_scale·v_scale] per query head is read from memory, so no host sync is
+    needed. BLOCK_D pads HEAD_DIM 16 to 32, the smallest K of an FP8 MMA.
     tl.max / tl.sum / tl.zeros are @jit helpers that the interpreter (run without $TRITON_INTERPRET, see
     common.Kernel) refuses to call, so the kernel uses tl.reduce with Triton's own combine
     functions (the interpreter maps those to numpy) and tl.full; compiled, the code is the same.
@@ -98,8 +103,8 @@ def _attn_fwd(
     q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     qs = tl.load(QScale + b * stride_qsb + h * stride_qsh + offs_m * stride_qsm, mask=m_ok, other=0.0)
     row_scale = qs * (softmax_scale * LOG2E)  # log2 units: exp(x) = exp2(x · log2 e)
-    p_inv = tl.load(Scalars)
-    out_scale = tl.load(Scalars + 1)
+    p_inv = tl.load(Scalars + h)
+    out_scale = tl.load(Scalars + H + h)
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
     ks_base = KScale + b * stride_ksb + kvh * stride_ksh
@@ -139,7 +144,8 @@ def _attn_fwd(
         p_q = round_to_fp8(p * p_inv, FP8_MAX, MANTISSA_BITS, MIN_NORMAL).to(V.dtype.element_ty)
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = tl.dot(p_q, v, acc * alpha[:, None])
+        # promoted to fp32 after each tile (see gemm_core.main_loop): else sm_90 sums all of Lk in the tensor core
+        acc = tl.dot(p_q, v, acc * alpha[:, None], max_num_imprecise_acc=BLOCK_N)
         m_i = m_new
 
     # fully masked rows have l = 0 and acc = 0: divide by 1 to output exact zeros instead of NaN
@@ -166,13 +172,26 @@ def _launch_config(lq: int, head_dim: int, device: torch.device) -> tuple[int, i
 
 
 def _scale_rows(scale: torch.Tensor, shape: tuple[int, int, int], name: str) -> torch.Tensor:
-    """A q/k scale (0-d, or per token shaped (B, H, L, 1)) as a (B, H, L) fp32 view; broadcast dims get
-    stride 0, so per-tensor scales are not materialised."""
-    s = scale.to(torch.float32)
+    """A q/k scale (0-d, per head [H] or per token shaped (B, H, L, 1)) as a (B, H, L) fp32 view; broadcast
+    dims get stride 0, so per-tensor and per-head scales are not materialised."""
+    s = head_view(scale.to(torch.float32))
     try:
         return torch.broadcast_to(s, (*shape, 1))[..., 0]
     except RuntimeError:
-        raise ValueError(f"{name} of shape {tuple(scale.shape)} must be 0-d or per token {(*shape, 1)}") from None
+        raise ValueError(f"{name} of shape {tuple(scale.shape)} must be 0-d, per head [{shape[1]}] or per token "
+                         f"{(*shape, 1)}") from None
+
+
+def _scalars(p_scale: torch.Tensor, v_scale: torch.Tensor, hq: int, hkv: int) -> torch.Tensor:
+    """[2, Hq] fp32: 1/p_scale and p_scale·v_scale per query head (query head h reads kv head h // (Hq/Hkv))."""
+    def per_head(s: torch.Tensor, heads: int, name: str) -> torch.Tensor:
+        if not (s.numel() == 1 or (s.dim() == 1 and s.numel() == heads)):
+            raise ValueError(f"{name} must be per tensor (one element) or per head ([{heads}]), got shape "
+                             f"{tuple(s.shape)}")
+        return s.to(torch.float32).reshape(-1).expand(heads)
+    p = per_head(p_scale, hq, "p_scale")
+    v = per_head(v_scale, hkv, "v_scale").repeat_interleave(hq // hkv)
+    return torch.stack([torch.reciprocal(p), p * v]).contiguous()
 
 
 def fp8_attention(
@@ -192,7 +211,8 @@ def fp8_attention(
     """Fused FP8 attention with :func:`reference.fp8_attention`'s semantics; fp32 (B, Hq, Lq, D) output.
 
     q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D) in ``fmt``; Hq a multiple of Hkv (GQA); D in 16/32/64/128.
-    q_scale / k_scale: 0-d or per token ((B, H, L, 1), k's on kv heads); v_scale and p_scale: 0-d.
+    q_scale / k_scale: one element, per head ([Hq] / [Hkv]) or per token ((B, H, L, 1), k's on kv heads);
+    v_scale: one element or [Hkv]; p_scale: one element or [Hq].
     ``attn_mask``: bool (keep True) or float (added), broadcastable to (B, Hq, Lq, Lk); broadcast dims
     are read with stride 0, never expanded in memory.
     """
@@ -208,14 +228,11 @@ def fp8_attention(
     if k_q.shape != v_q.shape or k_q.shape[0] != B or k_q.shape[3] != D or Hq % Hkv:
         raise ValueError(f"k {tuple(k_q.shape)} / v {tuple(v_q.shape)} do not fit q {tuple(q_q.shape)} "
                          "(same B and D; q heads a multiple of kv heads)")
-    if v_scale.numel() != 1 or (p_scale is not None and p_scale.numel() != 1):
-        raise ValueError("v_scale and p_scale must be per tensor (one element)")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     if p_scale is None:
         p_scale = torch.tensor(1.0 / fmt.max, device=q_q.device)
-    p_scale = p_scale.reshape(()).to(torch.float32)
-    scalars = torch.stack([torch.reciprocal(p_scale), p_scale * v_scale.reshape(()).float()])
+    scalars = _scalars(p_scale, v_scale, Hq, Hkv)
     qs = _scale_rows(q_scale, (B, Hq, Lq), "q_scale")
     ks = _scale_rows(k_scale, (B, Hkv, Lk), "k_scale")
 
