@@ -1,12 +1,14 @@
 # Two commands set everything up on a fresh machine: `make demo` and `make test`.
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
-# A second venv with the newest Triton release (requirements-triton-next.txt): only the AOT tool runs
-# there, from tests/kernels/test_aot.py, so that the kernels are checked on what an unpinned install gets.
-NEXT_PY := .venv-triton-next/bin/python
-NEXT_STAMP := .venv-triton-next/.installed
+# More Tritons for the AOT compile checks, one small venv each: requirements-triton-<name>.txt makes
+# .venv-triton-<name> (torch + that triton, nothing else). Only the AOT tool runs there, from
+# tests/kernels/test_aot.py, which finds them the same way. "next": the newest release, what an unpinned
+# install gets; "3.6": the GPU image's. Adding a Triton = adding its requirements file.
+EXTRA_TRITONS := $(patsubst requirements-triton-%.txt,%,$(wildcard requirements-triton-*.txt))
+EXTRA_STAMPS := $(foreach t,$(EXTRA_TRITONS),.venv-triton-$(t)/.installed)
 
-.PHONY: demo test typecheck lint bench venv venv-triton-next wheel-check gpu-check clean
+.PHONY: demo test typecheck lint bench venv venv-tritons wheel-check gpu-check clean
 
 $(VENV_STAMP): requirements-dev.txt setup.cfg
 	test -x $(PY) || python3 -m venv .venv
@@ -15,14 +17,20 @@ $(VENV_STAMP): requirements-dev.txt setup.cfg
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(VENV_STAMP)
 
-$(NEXT_STAMP): requirements-triton-next.txt
-	test -x $(NEXT_PY) || python3 -m venv .venv-triton-next
-	$(NEXT_PY) -m pip install -q -r requirements-triton-next.txt
-	touch $(NEXT_STAMP)
+.venv-triton-%/.installed: requirements-triton-%.txt
+	test -x .venv-triton-$*/bin/python || python3 -m venv .venv-triton-$*
+	.venv-triton-$*/bin/python -m pip install -q -r $<
+	touch $@
 
 venv: $(VENV_STAMP)
 
-venv-triton-next: $(NEXT_STAMP)
+# every extra Triton's venv; `make venv-triton-<name>` makes one
+venv-tritons: $(EXTRA_STAMPS)
+
+venv-triton-%: .venv-triton-%/.installed
+	@true
+
+.PRECIOUS: .venv-triton-%/.installed
 
 demo: $(VENV_STAMP)
 	$(PY) -m dbr_quant demo
@@ -32,11 +40,11 @@ demo: $(VENV_STAMP)
 wheel-check: $(VENV_STAMP)
 	.ci/wheel_check.sh $(PY)
 
-test: $(VENV_STAMP) $(NEXT_STAMP)
+test: $(VENV_STAMP) $(EXTRA_STAMPS)
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(MAKE) wheel-check
-	DBR_TRITON_NEXT_PYTHON=$(CURDIR)/$(NEXT_PY) $(PY) -m pytest -q -ra
+	DBR_REQUIRE_EXTRA_TRITONS=1 $(PY) -m pytest -q -ra
 
 # The package's annotations (pyproject.toml [tool.mypy]: which files, which checks).
 typecheck: $(VENV_STAMP)
@@ -53,4 +61,4 @@ gpu-check:
 	.ci/gpu_check.sh $(GPU_PY) $(GPU_REPORT)
 
 clean:
-	rm -rf .venv .venv-triton-next .pytest_cache build *.egg-info
+	rm -rf .venv .venv-triton-* .pytest_cache build *.egg-info

@@ -28,14 +28,21 @@ Assumptions (identical for the fused and unfused columns, so the comparison is f
   2.04 TB/s, CUDA cores 19.5 TFLOP/s fp32 / 19.5 TOP/s int32). MX scales are uint8 and counted (M x K/32 + N x K/32
   bytes); the weight-only kernel's decode (DECODE_OPS integer ops per weight element) runs once per BLOCK_M-row
   tile of the output (16 rows up to M = 16, then 64, then 128: the wrapper's tiles) and is counted as CUDA-core work.
+- Table 6 (which sm_90 GEMM kernel) models the kernels themselves instead of the peak; its assumptions are in
+  gemm_kernel_model's docstring.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from dbr_quant.kernels.triton import block_gemm as triton_block_gemm
+from dbr_quant.kernels.triton import gemm as triton_gemm
+from dbr_quant.kernels.triton import tma_gemm
 
 BF16, FP8 = 2, 1  # bytes per element
 
@@ -308,6 +315,77 @@ def block_scaled(m: int, n: int, k: int) -> Seqs:
     }
 
 
+# Table 6: sustained fraction of the dense FP8 peak of a Triton FP8 GEMM main loop at large shapes on an H100 SXM,
+# both with fast accumulation (no promotion), from published measurements:
+TMA_PERSISTENT_EFFICIENCY = 1347 / 1979  # TMA-persistent tutorial kernel, 8192x8192x4096 (triton-lang/triton#5461)
+POINTER_EFFICIENCY = 1280 / 1979  # pointer loads (cp.async) + wgmma, tutorial 03, 3584^3 (triton-lang/triton#3546)
+H100_SMS = 132
+PROMOTE_FLOPS = 1  # per accumulator element per K step: the step's wgmma partial added to the fp32 accumulator
+
+
+def gemm_kernel_model(cfg: triton_gemm.GemmConfig, efficiency: float, m: int, n: int, k: int, *,
+                      block_scaled: bool = False) -> Kernel:
+    """(6) One dbr_quant FP8 linear (bf16 out) run by the kernel with tile config ``cfg``. Assumptions:
+
+    - The main loop sustains ``efficiency`` x the dense FP8 peak per SM (the anchors above; whatever TMA and
+      persistence buy beyond that is not modelled), one CTA per SM (both kernels use ~230 of 255 registers with
+      256 threads), and a tile takes the same time on every SM.
+    - Wave quantization and padding: ceil(M/BM) x ceil(N/BN) tiles run in ceil(tiles / 132) waves and a
+      partial tile costs a whole one, so tensor-core time is that of the padded tiles in whole waves. A
+      persistent kernel has the same waves; it saves the launch of each CTA, not modelled.
+    - Per K step, each accumulator element is promoted (dense: max_num_imprecise_acc = BLOCK_K) or scaled
+      (block: BLOCK_SCALE_FLOPS) on CUDA cores, not overlapped with the MMAs (an upper bound): BLOCK_K 128
+      (TMA) pays this half as often as BLOCK_K 64 (the pointer kernel's large tile).
+    - Bytes as gemm(): operands and output once (HBM roofline), scale tensors ignored.
+    - Nothing else of the tile shape: the TMA kernel's 128x64 tile (chosen so the epilogue does not spill)
+      reads 1.33x the shared memory per FLOP of the anchors' 128x128+ tiles, which may keep it below the anchor.
+    """
+    tiles_m, tiles_n = math.ceil(m / cfg.BLOCK_M), math.ceil(n / cfg.BLOCK_N)
+    tiles = tiles_m * tiles_n
+    waves = math.ceil(tiles / H100_SMS)
+    utilization = (m * n) / (tiles_m * cfg.BLOCK_M * tiles_n * cfg.BLOCK_N) * tiles / (waves * H100_SMS)
+    steps = math.ceil(k / cfg.BLOCK_K)
+    epi = SCALE_FLOPS + steps * (BLOCK_SCALE_FLOPS if block_scaled else PROMOTE_FLOPS)
+    base = gemm(cfg.name, m, n, k, epi_flops=epi)
+    return dataclasses.replace(base, mma_peak=FP8_FLOPS * efficiency * utilization)
+
+
+def sm90_gemms(m: int, n: int, k: int) -> dict[str, Kernel]:
+    """(6) The dense and block-scaled linears by the pointer kernel (gemm.pick_config / block_gemm's config for M)
+    and by the TMA persistent kernel (tma_gemm.TMA_CONFIGS), whichever the dispatcher would pick."""
+    tma = tma_gemm.TMA_CONFIGS["tma"]
+    return {
+        "dense pointer": gemm_kernel_model(triton_gemm.pick_config(m), POINTER_EFFICIENCY, m, n, k),
+        "dense TMA": gemm_kernel_model(tma, TMA_PERSISTENT_EFFICIENCY, m, n, k),
+        "block pointer": gemm_kernel_model(triton_block_gemm.pick_block_config(m), POINTER_EFFICIENCY, m, n, k,
+                                           block_scaled=True),
+        "block TMA": gemm_kernel_model(tma, TMA_PERSISTENT_EFFICIENCY, m, n, k, block_scaled=True),
+    }
+
+
+def print_sm90_gemm_table(hiddens: list[int], overhead_s: float) -> None:
+    """(6) Estimated TFLOP/s of each kernel on Llama-3 linear shapes, the dispatcher's pick, and TMA's speedup."""
+    print(f"\n6. H100 sm_90 FP8 linear (bf16 out) by kernel: pointer (cp.async) vs TMA persistent -- {LABEL}; the "
+          f"dispatcher takes TMA for M > {tma_gemm.TMA_MIN_ROWS}")
+    names = list(sm90_gemms(1, 128, 128))
+    print(f"{'layer':>22} {'M':>6} {'N':>6} {'K':>6} | " + " ".join(f"{n:>13}" for n in names)
+          + f" | {'picked':>7} | TMA speedup dense, block")
+    for h in hiddens:
+        f = ffn(h)
+        layers = {f"{h} qkv": (h + 2 * KV_HEADS * HEAD_DIM, h), f"{h} o_proj": (h, h), f"{h} gate|up": (2 * f, h),
+                  f"{h} down": (h, f)}
+        for m in (1, 16, 512, 2048, 8192):
+            for layer, (n, k) in layers.items():
+                times = {name: kern.time_s(overhead_s) for name, kern in sm90_gemms(m, n, k).items()}
+                tflops = " ".join(f"{2.0 * m * n * k / t / 1e12:>13.0f}" for t in times.values())
+                picked = "TMA" if m > tma_gemm.TMA_MIN_ROWS else "pointer"
+                dense, block = (times[f"{kind} pointer"] / times[f"{kind} TMA"] for kind in ("dense", "block"))
+                print(f"{layer:>22} {m:>6} {n:>6} {k:>6} | {tflops} | {picked:>7} | {dense:>5.2f}x {block:>5.2f}x")
+    anchor = sm90_gemms(8192, 8192, 4096)["dense TMA"]
+    print(f"  anchor 8192x8192x4096: TMA {2.0 * 8192 * 8192 * 4096 / anchor.time_s(0.0) / 1e12:.0f} TFLOP/s modelled "
+          f"(with per-step promotion) vs 1347 measured with fast accumulation (triton-lang/triton#5461)")
+
+
 @dataclass(frozen=True)
 class Gpu:
     """Datasheet peaks (dense) of a GPU other than the H100 above; fp8 0 where it has no FP8 tensor cores."""
@@ -447,6 +525,7 @@ def main(argv: list[str] | None = None) -> None:
                 lambda m, h, f: mx_on_hopper(m, h, h), hs, ov, ratio="MXFP8 speedup vs")
     print_table("5. A100: linear N=K=hidden, weight-only FP8 kernel vs upcast + bf16 GEMM vs bf16",
                 lambda m, h, f: weight_only(m, h, h), hs, ov, ratio="W8A16 speedup vs")
+    print_sm90_gemm_table(hs, ov)
 
 
 if __name__ == "__main__":

@@ -202,11 +202,37 @@ def test_ffn_matches_llama3(rl):
 def test_main_prints_labelled_tables(rl, capsys):
     rl.main(["--hidden", "4096", "--launch-overhead-us", "0"])
     out = capsys.readouterr().out
-    # header + 1a, 1b, 1c x2, 1d, 1e, 1f, 2, 3 (MoE), 4 (B200 MXFP8), 4b (H100 MXFP8 block path), 5 (A100 W8A16)
-    assert out.count("estimated from a roofline model, not measured") == 13
-    assert "4. B200" in out and "4b. H100" in out and "5. A100" in out
+    # header + 1a, 1b, 1c x2, 1d, 1e, 1f, 2, 3 (MoE), 4 (B200 MXFP8), 4b (H100 MXFP8 block path), 5 (A100 W8A16),
+    # 6 (H100 sm_90 GEMM kernels)
+    assert out.count("estimated from a roofline model, not measured") == 14
+    assert "4. B200" in out and "4b. H100" in out and "5. A100" in out and "6. H100 sm_90 FP8 linear" in out
     assert "3. Mixtral-8x7B MoE experts after routing" in out
     assert "block speedup vs" in out
     assert "0 us/launch" in out
     assert "MLP   unfused FP8  8:" in out and "MLP   fused FP8    3:" in out
     assert "block unfused FP8 22:" in out and "block fused FP8    7:" in out
+
+
+def test_sm90_gemm_model_waves_padding_and_promotion(rl):
+    """Table 6 by hand: 8192x8192x4096 on the TMA tile (128x64x128): 64 x 128 = 8192 tiles in ceil(8192/132) = 63
+    waves (98.5% of 63 x 132 slots busy) at 1347 TFLOP/s sustained; 2 scale + 32 promotion FLOPs per output."""
+    cfg = rl.tma_gemm.TMA_CONFIGS["tma"]
+    assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K) == (128, 64, 128)
+    k = rl.gemm_kernel_model(cfg, 1347 / 1979, 8192, 8192, 4096)
+    mma_s = 2 * 8192 * 8192 * 4096 / (1347e12 * 8192 / (63 * 132))
+    vec_s = (2 + 32) * 8192 * 8192 / 67e12
+    assert k.time_s(0.0) == pytest.approx(mma_s + vec_s, rel=1e-12)
+    assert 2 * 8192 * 8192 * 4096 / k.time_s(0.0) / 1e12 == pytest.approx(1226, abs=1)
+    # M = 16 on the same tile: one 128-row tile per 64 columns, 64 of 132 SMs busy, 1/8 of each tile useful
+    small = rl.gemm_kernel_model(cfg, 1.0, 16, 4096, 4096)
+    assert small.mma_peak == pytest.approx(1979e12 * (16 / 128) * (64 / 132))
+    # block scaling: 3 FLOPs per output per K block instead of 1 promotion
+    block = rl.gemm_kernel_model(cfg, 1.0, 256, 256, 256, block_scaled=True)
+    assert block.vec_flops == (2 + 3 * 2) * 256 * 256
+
+
+def test_sm90_table_picks_tma_above_the_dispatch_threshold(rl, capsys):
+    rl.print_sm90_gemm_table([4096], 3e-6)
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if " qkv " in line]
+    assert [(int(r[0].split()[2]), r[2].strip()) for r in rows] == [
+        (1, "pointer"), (16, "pointer"), (512, "TMA"), (2048, "TMA"), (8192, "TMA")]

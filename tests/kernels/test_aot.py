@@ -1,8 +1,10 @@
 """The ahead-of-time tool compiles the kernels for Hopper and Ada without a GPU, and fails when it should.
 
-It runs under two Tritons: the pinned one (this venv) and the newest release (`.venv-triton-next`, made by
-`make venv-triton-next`; `make test` makes it and sets $DBR_TRITON_NEXT_PYTHON, so there a missing venv
-fails instead of skipping), because an unpinned `pip install triton` next to our torch gets that one.
+It runs under the pinned Triton (this venv) and under each extra one: every requirements-triton-<name>.txt
+at the repository root pins one, installed in .venv-triton-<name> (`make venv-triton-<name>`; `make test`
+makes them all and sets $DBR_REQUIRE_EXTRA_TRITONS, so there a missing venv fails instead of skipping):
+"next", the newest release, what an unpinned `pip install triton` next to our torch gets, and "3.6", the
+Triton of the GPU image the first GPU sessions run.
 """
 
 import importlib
@@ -21,11 +23,24 @@ from dbr_quant.kernels.triton import aot
 from dbr_quant.kernels.triton.common import Kernel
 
 REPO = Path(__file__).resolve().parents[2]
-NEXT_PYTHON_VAR = "DBR_TRITON_NEXT_PYTHON"
+REQUIRE_VAR = "DBR_REQUIRE_EXTRA_TRITONS"
+EXTRA_TRITONS = sorted(p.name.removeprefix("requirements-triton-").removesuffix(".txt")
+                       for p in REPO.glob("requirements-triton-*.txt"))
 
 
 def _version(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in re.match(r"(\d+)\.(\d+)\.(\d+)", text).groups())
+
+
+def _tma_summary(out: str) -> tuple[int, int] | None:
+    """(N, M) of the summary's ``tma: N of M GEMM configurations``, None when it has none."""
+    found = re.search(r"tma: (\d+) of (\d+) GEMM configurations", out.strip().splitlines()[-1])
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def _tma_rows(out: str) -> list[tuple[str, int]]:
+    """(description, tma count) of every TMA kernel row of the tool's table."""
+    return [(line, int(line.split()[-2])) for line in out.splitlines() if line.startswith("_fp8_linear_tma_kernel ")]
 
 
 @pytest.mark.slow
@@ -34,6 +49,26 @@ def test_aot_tool_passes_on_the_covering_subset(arch, capsys):
     assert aot.main(["--arch", str(arch)]) == 0
     out = capsys.readouterr().out
     assert "0 failed" in out and "_fp8_linear_kernel" in out and "_attn_fwd" in out and "layer_norm_quantize" in out
+    rows = _tma_rows(out)
+    if arch == 90:  # the TMA kernel's rows copy tiles with TMA; the pointer GEMMs' do not
+        assert rows and all(count > 0 for _, count in rows), rows
+        tma, gemms = _tma_summary(out)
+        assert tma == len(rows) and gemms > tma
+    else:
+        assert not rows and _tma_summary(out) is None
+
+
+def test_tma_column_counts_tma_copies(capsys):
+    """One TMA row and one pointer row of the dense GEMM for sm_90: the column and the summary tell them apart."""
+    configs = aot.all_configs("linear")
+    picked = [next(c for c in configs if c.kernel == "_fp8_linear_tma_kernel"),
+              next(c for c in configs if c.kernel == "_fp8_linear_kernel")]
+    results = aot.compile_all(picked, 90)
+    assert results[0].ok and results[0].tma > 0 and results[1].ok and results[1].tma == 0
+    assert aot.tma_summary(results) == "tma: 1 of 2 GEMM configurations"
+    assert not aot.Result("_fp8_linear_tma_kernel", "cfg", 100, 0, 0, fp8_mma=4, tma=0).ok  # TMA kernel, no TMA
+    assert aot.tma_count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [r1], "
+                         "[r2, {r3, r4}], [r5];\ncp.async.bulk.commit_group;") == 1
 
 
 @pytest.mark.slow
@@ -42,15 +77,27 @@ def test_every_attention_configuration_compiles_without_spills(arch, capsys):
     assert aot.main(["--arch", str(arch), "--all", "--only", "attn"]) == 0
 
 
+def _pinned_triton(name: str) -> str:
+    text = (REPO / f"requirements-triton-{name}.txt").read_text()
+    return re.search(r"^triton==(\S+)$", text, re.MULTILINE).group(1)
+
+
+def test_extra_tritons_include_the_newest_release_and_the_gpu_images():
+    assert {"next", "3.6"} <= set(EXTRA_TRITONS)
+    assert _pinned_triton("3.6") == "3.6.0"
+    assert _version(_pinned_triton("next")) > _version(triton.__version__)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", [90, 89])
-def test_aot_tool_passes_on_the_newest_triton(arch):
-    """The covering subset, compiled by the newest Triton release, in its own venv."""
-    python = Path(os.environ.get(NEXT_PYTHON_VAR) or REPO / ".venv-triton-next" / "bin" / "python")
+@pytest.mark.parametrize("name", EXTRA_TRITONS)
+def test_aot_tool_passes_on_each_extra_triton(name, arch):
+    """The covering subset, compiled by the Triton of requirements-triton-<name>.txt in its own venv."""
+    python = REPO / f".venv-triton-{name}" / "bin" / "python"
     if not python.exists():
-        if os.environ.get(NEXT_PYTHON_VAR):
-            pytest.fail(f"${NEXT_PYTHON_VAR}={python} does not exist: run `make venv-triton-next`")
-        pytest.skip(f"{python} is missing: `make venv-triton-next` creates it (`make test` does)")
+        if os.environ.get(REQUIRE_VAR):
+            pytest.fail(f"{python} does not exist (${REQUIRE_VAR} is set): run `make venv-triton-{name}`")
+        pytest.skip(f"{python} is missing: `make venv-triton-{name}` creates it (`make test` does)")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     run = subprocess.run([str(python), "-m", "dbr_quant.kernels.triton.aot", "--arch", str(arch)], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=1800)
@@ -58,8 +105,9 @@ def test_aot_tool_passes_on_the_newest_triton(arch):
     print(summary)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert re.search(r"^0 failed|, 0 failed in", summary), summary
-    next_version = re.search(r"with triton (\S+) ", run.stdout).group(1)
-    assert _version(next_version) > _version(triton.__version__), (next_version, triton.__version__)
+    assert re.search(r"with triton (\S+) ", run.stdout).group(1) == _pinned_triton(name)
+    rows = _tma_rows(run.stdout)
+    assert (bool(rows) and all(count > 0 for _, count in rows)) if arch == 90 else not rows, rows
 
 
 def test_compiles_run_in_fresh_processes_untouched_by_this_one(monkeypatch, tmp_path):

@@ -9,9 +9,11 @@ value of every kernel; ``--all`` for the full product): ``triton.compile`` for
 ``GPUTarget("cuda", ARCH, 32)``, then ``ptxas -v`` on the PTX for registers, spills and shared memory,
 and a search of the PTX for FP8 tensor-core instructions (``wgmma … e4m3``/``e5m2`` on sm_90,
 ``mma … e4m3``/``e5m2`` on sm_89, ``tcgen05.mma … kind::mxf8f6f4`` / ``kind::f8f6f4`` on sm_100); on sm_80, which
-has none, the bf16/fp16 ``mma.sync`` the weight-only kernel decodes FP8 into. Exits non-zero if a kernel fails to
-compile, spills registers, or a GEMM/attention kernel lacks those tensor-core instructions. Configurations whose
-description names an architecture ("sm_80", "sm_100") compile only for it; the others for sm_89 and sm_90.
+has none, the bf16/fp16 ``mma.sync`` the weight-only kernel decodes FP8 into; and for TMA copies
+(``cp.async.bulk.tensor``, the ``tma`` column; the sm_90 summary says how many GEMM configurations use them).
+Exits non-zero if a kernel fails to compile, spills registers, a GEMM/attention kernel lacks those tensor-core
+instructions, or a TMA kernel (``tma`` in its name) lacks TMA copies. Configurations whose description names an
+architecture ("sm_80", "sm_90", "sm_100") compile only for it; the others for sm_89 and sm_90.
 
 The kernel modules are every ``dbr_quant/kernels/triton/*.py`` with an ``AOT_CONFIGS`` table (a new
 module is picked up by defining one). Compiles run in worker processes started with "spawn", one compile
@@ -44,6 +46,7 @@ from dbr_quant.kernels import triton as triton_kernels
 
 # kernels that multiply matrices must use FP8 tensor cores; elementwise ones have nothing to find
 NEEDS_FP8_MMA = ("gemm", "linear", "matmul", "attention", "attn")
+GEMM_WORDS = ("gemm", "linear", "matmul")  # the GEMM kernels, whose TMA use the sm_90 summary counts
 
 
 @dataclass
@@ -55,14 +58,25 @@ class Result:
     shared_bytes: int | None = None
     fp8_mma: int = 0
     error: str = ""
+    tma: int = 0  # TMA copies (cp.async.bulk.tensor) in the PTX
 
     @property
     def needs_mma(self) -> bool:
         return any(word in self.kernel for word in NEEDS_FP8_MMA)
 
     @property
+    def is_gemm(self) -> bool:
+        return any(word in self.kernel for word in GEMM_WORDS)
+
+    @property
+    def needs_tma(self) -> bool:
+        """TMA kernels are listed for sm_90 only (their descriptions say so, see :func:`for_arch`)."""
+        return "tma" in self.kernel
+
+    @property
     def ok(self) -> bool:
-        return not self.error and self.spill_bytes == 0 and (self.fp8_mma > 0 or not self.needs_mma)
+        return (not self.error and self.spill_bytes == 0 and (self.fp8_mma > 0 or not self.needs_mma)
+                and (self.tma > 0 or not self.needs_tma))
 
 
 def fp8_mma_count(ptx: str, arch: int) -> int:
@@ -75,6 +89,17 @@ def fp8_mma_count(ptx: str, arch: int) -> int:
         return len(re.findall(r"\bmma\.sync[^\n;]*\.(bf16|f16)\.(bf16|f16)", ptx))
     op = r"wgmma\.mma_async" if arch >= 90 else r"\bmma\.sync"
     return len(re.findall(op + r"[^\n;]*\.e(4m3|5m2)", ptx))
+
+
+def tma_count(ptx: str) -> int:
+    """TMA copies in the PTX: ``cp.async.bulk.tensor`` loads (and stores, prefetches) of a tensor map."""
+    return len(re.findall(r"\bcp\.async\.bulk\.tensor\.", ptx))
+
+
+def tma_summary(results: list[Result]) -> str:
+    """``tma: N of M GEMM configurations``: how many compiled GEMM configurations copy tiles with TMA."""
+    gemms = [r for r in results if r.is_gemm]
+    return f"tma: {sum(r.tma > 0 for r in gemms)} of {len(gemms)} GEMM configurations"
 
 
 def ptxas_stats(ptx: str, arch: int) -> tuple[int, int]:
@@ -125,6 +150,7 @@ def compile_one(mod: ModuleType, entry: tuple, arch: int) -> Result:
         ptx = compiled.asm["ptx"]
         result.shared_bytes = compiled.metadata.shared
         result.fp8_mma = fp8_mma_count(ptx, arch)
+        result.tma = tma_count(ptx)
         result.registers, result.spill_bytes = ptxas_stats(ptx, arch)
     except Exception as e:  # report every failure in the table, do not stop at the first
         result.error = error_chain(e)
@@ -254,12 +280,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"AOT compile for sm_{args.arch} with triton {triton.__version__} ({len(results)} configurations): "
           "registers and spills from ptxas -v")
     mma = "fp8 mma" if args.arch >= 89 else "mma"  # sm_80: the bf16/fp16 MMA of decoded FP8 weights
-    print(f"{'kernel':<22} {'config':<{width}} {'regs':>5} {'spill B':>8} {'smem B':>8} {mma:>8}  status")
+    print(f"{'kernel':<22} {'config':<{width}} {'regs':>5} {'spill B':>8} {'smem B':>8} {mma:>8} {'tma':>4}  status")
     for r in results:
-        status = "ok" if r.ok else r.error.split(" <- ")[0] if r.error else "SPILLS" if r.spill_bytes else "NO FP8 MMA"
+        status = ("ok" if r.ok else r.error.split(" <- ")[0] if r.error else "SPILLS" if r.spill_bytes
+                  else "NO FP8 MMA" if r.needs_mma and not r.fp8_mma else "NO TMA")
         spill, smem = ("-" if v is None else v for v in (r.spill_bytes, r.shared_bytes))
-        print(f"{r.kernel:<22} {r.config:<{width}} {r.registers or '-':>5} {spill:>8} {smem:>8} {r.fp8_mma:>8}  "
-              f"{status}")
+        print(f"{r.kernel:<22} {r.config:<{width}} {r.registers or '-':>5} {spill:>8} {smem:>8} {r.fp8_mma:>8} "
+              f"{r.tma:>4}  {status}")
     failed = [r for r in results if not r.ok]
     for r in failed:
         if r.error:
@@ -267,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     most = max(results, key=lambda r: r.registers or 0, default=None)
     print(f"{len(results) - len(failed)} ok, {len(failed)} failed in {seconds:.0f} s (sm_{args.arch}, triton "
           f"{triton.__version__}; most registers: {most.registers if most else '-'}, "
-          f"most spill bytes: {max((r.spill_bytes or 0 for r in results), default=0)})")
+          f"most spill bytes: {max((r.spill_bytes or 0 for r in results), default=0)}"
+          + (f"; {tma_summary(results)})" if args.arch >= 90 else ")"))
     return 1 if failed else 0
 
 

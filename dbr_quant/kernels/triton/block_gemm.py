@@ -17,7 +17,6 @@ half's scale rows start at ⌈N/bn⌉ (UP_SCALE_ROW).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 
 import torch
@@ -26,8 +25,8 @@ import triton.language as tl
 
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.block import DEFAULT_BLOCK, check_block, check_block_linear_operands
-from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
 from dbr_quant.kernels.triton import gemm_core as core
+from dbr_quant.kernels.triton import tma_gemm
 from dbr_quant.kernels.triton.common import AotEntry, Kernel
 
 __all__ = ["AOT_CONFIGS", "BLOCK_CONFIGS", "aot_attrs", "aot_options", "fp8_block_linear", "pick_block_config"]
@@ -107,9 +106,11 @@ def fp8_block_linear(
     out_scale: torch.Tensor | None = None,
     out_fmt: FP8Format | str = FP8Format.E4M3,
     config: core.GemmConfig | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """Block-scaled ``act(x·Wᵀ + bias) + residual`` in one kernel (see reference.block.fp8_block_linear
-    for the layouts). ``out_scale`` (0-d) gives FP8 out. ``config`` overrides the tile config picked by M."""
+    for the layouts). ``out_scale`` (0-d) gives FP8 out. ``config`` overrides the tile config picked by M.
+    ``kernel``: "tma", "classic" or None (automatic), as for gemm.fp8_linear."""
     gated = core.check_linear("fp8_block_linear", x_q, w_q, activation, x_scale, w_scale, bias, residual, out_scale)
     bn, bk = check_block(block)
     k, n, rows = check_block_linear_operands(x_q, x_scale, w_q, w_scale, (bn, bk), gated)
@@ -120,6 +121,10 @@ def fp8_block_linear(
     ws = w_scale.detach().float().contiguous()
     b = None if bias is None else bias.detach().float().reshape(w_q.shape[0])
     ep = core.epilogue_operands(lead, m, n, residual, out_dtype, out_scale, out_fmt, a.device)
+    if tma_gemm.use_tma("fp8_block_linear", kernel, a, w_q, m, config is not None, block_k=bk):
+        tma_gemm.launch_linear(a, w_q, ep, xs, ws, b, n, activation, stride_xs=kb, stride_ws=kb, block=(bn, bk),
+                               up_scale_row=rows, config=config)
+        return ep.out.reshape(*lead, n)
     cfg = config or pick_block_config(m)
     if gated and config is None:
         cfg = cfg.gated()
@@ -149,14 +154,8 @@ def _entry(cfg: core.GemmConfig, block: tuple[int, int], fmt_a: FP8Format, fmt_w
                                  scales_desc=f"block={block[0]}x{block[1]} ")
 
 
-def _aot_configs() -> list[AotEntry]:
-    fmts = list(FP8Format)
-    rows = itertools.product(BLOCK_CONFIGS.values(), AOT_BLOCKS, fmts, fmts, (None,) + ACTIVATIONS + GATED,
-                             (False, True), core.RESIDUAL_DTYPES, core.LINEAR_OUTS)
-    return [_entry(*args) for args in rows]
-
-
-AOT_CONFIGS: list[AotEntry] = _aot_configs()
+AOT_CONFIGS: list[AotEntry] = [_entry(cfg, block, *variant) for cfg in BLOCK_CONFIGS.values() for block in AOT_BLOCKS
+                               for variant in core.linear_variants()]
 
 
 def aot_options(entry: AotEntry) -> dict[str, int]:

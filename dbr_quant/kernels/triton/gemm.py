@@ -26,6 +26,7 @@ import triton.language as tl
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
 from dbr_quant.kernels.triton import gemm_core as core
+from dbr_quant.kernels.triton import tma_gemm
 from dbr_quant.kernels.triton.common import AotEntry, Kernel
 from dbr_quant.kernels.triton.gemm_core import GemmConfig
 
@@ -131,6 +132,7 @@ def fp8_linear(
     out_scale: torch.Tensor | None = None,
     out_fmt: FP8Format | str = FP8Format.E4M3,
     config: GemmConfig | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """``act(x·Wᵀ·sx·sw + bias) + residual`` in one kernel (see reference.fp8_linear).
 
@@ -138,6 +140,8 @@ def fp8_linear(
     quantized exactly like ``reference.quantize`` (× a reciprocal computed by torch, RNE, saturating), so
     fc1 → act → fc2 chains pass FP8 without a high-precision round trip; ``out_dtype`` is then ignored.
     ``config`` overrides the block config picked by M (tests use small tiles to get many ragged edges).
+    ``kernel``: "tma" (:mod:`tma_gemm`, sm_90), "classic" (this module's) or None: TMA on sm_90 for large
+    M (:func:`tma_gemm.use_tma`, which :func:`tma_gemm.forced_kernel` can override).
     """
     gated = core.check_linear("fp8_linear", x_q, w_q, activation, x_scale, w_scale, bias, residual, out_scale)
     lead, k = x_q.shape[:-1], x_q.shape[-1]
@@ -156,6 +160,11 @@ def fp8_linear(
         raise ValueError(f"w_scale must be a scalar or have {n_w} values, got {tuple(w_scale.shape)}")
     b = None if bias is None else bias.detach().float().reshape(n_w)
     ep = core.epilogue_operands(lead, m, n, residual, out_dtype, out_scale, out_fmt, dev)
+    stride_xs, stride_ws = 0 if xs.numel() == 1 else xs.stride(0), 0 if ws.numel() == 1 else ws.stride(0)
+    if tma_gemm.use_tma("fp8_linear", kernel, a, w_q, m, config is not None):
+        tma_gemm.launch_linear(a, w_q, ep, xs, ws, b, n, activation, stride_xs=stride_xs, stride_ws=stride_ws,
+                               config=config)
+        return ep.out.reshape(*lead, n)
     cfg = config or pick_config(m)
     if gated and config is None:
         cfg = cfg.gated()
@@ -164,8 +173,7 @@ def fp8_linear(
         LINEAR_KERNEL[grid](
             a, w_q, ep.out_view, xs, ws, *ep.pointers(b, xs),
             m, n, k,
-            a.stride(0), a.stride(1), w_q.stride(0), w_q.stride(1), *ep.strides(),
-            0 if xs.numel() == 1 else xs.stride(0), 0 if ws.numel() == 1 else ws.stride(0),
+            a.stride(0), a.stride(1), w_q.stride(0), w_q.stride(1), *ep.strides(), stride_xs, stride_ws,
             **cfg.constexprs(), **ep.constexprs(activation, b is not None),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )

@@ -17,6 +17,7 @@ fp32→bf16 cast does not round to nearest-even (it disagrees with torch on ~hal
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -352,6 +353,13 @@ OUT_PTR = {"fp32": "*fp32", "bf16": "*u16", "fp16": "*fp16", "fp8": "*u8"}
 # every output a linear kernel can give: an OUT_KIND name, or the FP8 format of an FP8 output
 LINEAR_OUTS: tuple[str | FP8Format, ...] = ("fp32", "bf16", "fp16", *FP8Format)
 RESIDUAL_DTYPES = (None, "fp32", "bf16", "fp16")
+
+
+def linear_variants() -> Iterable[tuple]:
+    """Every (A format, W format, activation, bias, residual dtype, output) a linear wrapper can launch: the
+    epilogue variants of each tile config in a linear kernel's AOT_CONFIGS."""
+    fmts = list(FP8Format)
+    return itertools.product(fmts, fmts, (None,) + ACTIVATIONS + GATED, (False, True), RESIDUAL_DTYPES, LINEAR_OUTS)
 
 
 def signature(kernel: Kernel, ptrs: dict[str, str],
