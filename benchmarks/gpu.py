@@ -2,9 +2,10 @@
 
     python benchmarks/gpu.py [--quick]
 
-1. GEMM: our Triton ``fp8_linear`` vs ``torch._scaled_mm`` (cuBLASLt FP8, per-tensor scales, no fast
-   accumulation) vs bf16 ``torch.matmul`` on Llama-3-8B and -70B layer shapes at decode (M = 1, 16) and
-   prefill (M = 512 … 8192) sizes, plus the 8192×8192×4096 anchor of triton-lang/triton#5461.
+1. GEMM: our Triton ``fp8_linear`` (as dispatched, and each kernel forced: pointer loads / TMA persistent)
+   vs ``torch._scaled_mm`` (cuBLASLt FP8, per-tensor scales, no fast accumulation) vs bf16 ``torch.matmul``
+   on Llama-3-8B and -70B layer shapes at decode (M = 1, 16) and prefill (M = 512 … 8192) sizes, plus the
+   8192×8192×4096 anchor of triton-lang/triton#5461.
 2. Fused vs unfused: a Llama-3-8B MLP converted with ``fuse=True`` vs ``fuse=False`` vs the bf16 module;
    FP8 flash attention vs the unfused reference ops (plain torch on the GPU) vs bf16 SDPA.
 3. End to end: a MiniLM-shaped BERT (random weights: the real checkpoint is not on the GPU image) and a bf16
@@ -61,6 +62,7 @@ def table(header: list[str], rows: list[list[object]]) -> None:
 def gemm_section(quick: bool) -> None:
     from dbr_quant import kernels
     from dbr_quant.formats import FP8Format
+    from dbr_quant.kernels.triton import gemm
 
     print("\n## 1. GEMM, bf16 output, x and W per-tensor FP8 (what _scaled_mm takes for both)")
     rows = []
@@ -73,15 +75,19 @@ def gemm_section(quick: bool) -> None:
             x_q, x_s = kernels.dynamic_quantize(x, FP8Format.E4M3)
             with kernels.use_backend("triton"):
                 ours = timed(kernels.fp8_linear, x_q, x_s, w_q, w_s, out_dtype=torch.bfloat16)
+                classic, tma = (timed(gemm.fp8_linear, x_q, x_s, w_q, w_s, out_dtype=torch.bfloat16, kernel=kind)
+                                for kind in ("classic", "tma"))
             cublas = timed(torch._scaled_mm, x_q, w_t, scale_a=x_s, scale_b=w_s, out_dtype=torch.bfloat16)
             bf16 = timed(torch.matmul, x, w.t())
-            tf = [2 * m * n * k / t / 1e9 for t in (ours, cublas, bf16)]
-            rows.append([f"{model} {name}", m, n, k, f"{bf16:.4f}", f"{cublas:.4f}", f"{ours:.4f}", f"{tf[0]:.0f}",
-                         f"{tf[1]:.0f}", f"{tf[2]:.0f}", f"{cublas / ours:.2f}", f"{bf16 / ours:.2f}"])
-    table(["shape", "M", "N", "K", "bf16 ms", "cuBLAS fp8 ms", "ours ms", "TFLOP/s ours", "cuBLAS", "bf16",
-           "ours/cuBLAS", "ours/bf16"], rows)
-    print("ours/cuBLAS, ours/bf16: speed-ups (> 1: ours faster). Anchor (triton#5461, H100 SXM): cuBLAS FP8 "
-          "1278 TFLOP/s, Triton TMA-persistent FP8 1347 TFLOP/s on 8192x8192x4096.")
+            tf = [2 * m * n * k / t / 1e9 for t in (ours, classic, tma, cublas, bf16)]
+            rows.append([f"{model} {name}", m, n, k, f"{bf16:.4f}", f"{cublas:.4f}", f"{classic:.4f}", f"{tma:.4f}",
+                         f"{ours:.4f}", *(f"{t:.0f}" for t in tf), f"{cublas / ours:.2f}", f"{bf16 / ours:.2f}"])
+    table(["shape", "M", "N", "K", "bf16 ms", "cuBLAS fp8", "pointer", "TMA", "ours (auto)", "TFLOP/s ours",
+           "pointer", "TMA", "cuBLAS", "bf16", "ours/cuBLAS", "ours/bf16"], rows)
+    print("ours (auto) = kernels.fp8_linear: TMA persistent on sm_90 for M > 128, else the pointer kernel; every "
+          "kernel promotes each K step to fp32. ours/cuBLAS, ours/bf16: speed-ups (> 1: ours faster). Anchor "
+          "(triton#5461, H100 SXM, fast accumulation): cuBLAS FP8 1278 TFLOP/s, Triton TMA-persistent FP8 1347 "
+          "TFLOP/s on 8192x8192x4096.")
 
 
 def _convert(model: nn.Module, example: dict[str, torch.Tensor], fuse: bool = True) -> nn.Module:
