@@ -157,6 +157,16 @@ def trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], qconf
 ScaleSource = Callable[[AutoQuantizationState, SeenOp, str], "torch.Tensor | None"]
 
 
+def _device_of(owner: nn.Module, model: nn.Module) -> torch.device:
+    """Where a state's scales go: the device of its module's parameters (the state's own observers never saw
+    data here, so they are still on the CPU), else the model's, else the CPU."""
+    for m in (owner, model):
+        p = next((p for p in m.parameters() if p.device.type != "meta"), None)
+        if p is not None:
+            return p.device
+    return torch.device("cpu")
+
+
 @torch.no_grad()
 def finish_convert(prepared: nn.Module, scale_of: ScaleSource) -> nn.Module:
     """convert() for a prepared model whose FP8 weights are in place: every static activation scale from
@@ -164,7 +174,7 @@ def finish_convert(prepared: nn.Module, scale_of: ScaleSource) -> nn.Module:
     MoE experts that are still high precision quantized as convert does, gate/up stacked."""
     record = prepared.__dict__["_dbr_record"]
     for st in record.states:
-        device = next(st.buffers(), torch.empty(0)).device
+        device = _device_of(prepared.get_submodule(st.fqn), prepared)
         scales: dict[str, torch.Tensor] = {}
         for op in st.seen_ops:
             if not op.quantize or op.qconfig.dynamic:

@@ -17,10 +17,9 @@ under ``use_backend("reference")`` on the same CUDA tensors.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from gpu_bounds import epilogue_bound, gemm_bound, magnitudes, record
 
 from dbr_quant import kernels
 from dbr_quant.formats import FP8Format
@@ -48,42 +47,6 @@ def fp8_steps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
         code = t.view(torch.uint8).int()
         return torch.where(code >= 128, -(code & 0x7F), code & 0x7F)
     return int((position(a) - position(b)).abs().max()) if a.numel() else 0
-
-
-def magnitudes(x_q, x_scale, w_q, w_scale) -> torch.Tensor:
-    """Σ|products| of each output, scaled: what an accumulation error is measured against."""
-    return x_q.float().abs() @ w_q.float().abs().t() * (x_scale * w_scale.reshape(1, -1)).abs()
-
-
-def gemm_bound(x_q, x_scale, w_q, w_scale) -> torch.Tensor:
-    """|difference| from the reference's fp32 sum: two fp32 accumulations of the same products in different
-    orders differ by at most K·2⁻²⁴ of Σ|products| (plus the fp32 rounding of the scaling); each 32-product
-    FP8 tensor-core step rounds its partial sum (≤ Σ|products|) once more at 2⁻¹³ (14 bits kept)."""
-    k = x_q.shape[-1]
-    return magnitudes(x_q, x_scale, w_q, w_scale) * (k * 2.0 ** -24 + 2.0 ** -22 + 2.0 ** -13) + 1e-30
-
-
-def epilogue_bound(x_q, x_scale, w_q, w_scale, bias, activation) -> torch.Tensor:
-    """:func:`gemm_bound` carried through bias + activation: the activations' slopes are at most 1.13 (GELU's
-    largest), so 1.2·bound; swiglu's act(g)·u moves by ≤ 1.2·Bg·(|u| + Bu) + |act(g)|·Bu. Plus 2⁻²⁰ of the value
-    for the epilogue's own fp32 rounding (scale, bias, activation in another order or libm)."""
-    b = gemm_bound(x_q, x_scale, w_q, w_scale)
-    with kernels.use_backend("reference"):
-        pre = kernels.fp8_linear(x_q, x_scale, w_q, w_scale, bias=bias, out_dtype=torch.float32)
-    if activation != "swiglu":
-        return 1.2 * b + 2.0 ** -20 * pre.abs() + 1e-6
-    n = w_q.shape[0] // 2
-    gate, up, bg, bu = pre[:, :n], pre[:, n:], b[:, :n], b[:, n:]
-    act = torch.nn.functional.silu(gate)
-    return 1.2 * bg * (up.abs() + bu) + act.abs() * bu + 2.0 ** -20 * (act * up).abs() + 1e-6
-
-
-def record(name: str, value: float) -> None:
-    """Append a measured figure to $DBR_GPU_STATS (make gpu-check puts it in the report)."""
-    path = os.environ.get("DBR_GPU_STATS")
-    if path:
-        with open(path, "a") as f:
-            f.write(f"{name}\t{value:.3e}\n")
 
 
 @pytest.fixture(autouse=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_bounds import carry_bound, dequantized_bound, record
 from torch import nn
 
 import dbr_quant as dq
@@ -88,7 +89,12 @@ def test_mx_linear_on_this_devices_path_matches_reference(m, activation):
         got = kernels.fp8_mx_linear(x_q, x_s, w_q, w_s, bias=bias, activation=activation)
     want = RM.fp8_mx_linear(x_q, x_s, w_q, w_s, bias=bias, activation=activation)
     assert launches["fp8_mx_linear"] == 1
-    _close(got, want, 1e-5)
+    # the same FP8 products summed on tensor cores (per-step promotion) vs in fp32: gpu_bounds' derived bound
+    pre = RM.fp8_mx_linear(x_q, x_s, w_q, w_s, bias=bias)
+    bound = carry_bound(dequantized_bound(RM.mx_dequantize(x_q, x_s), RM.mx_dequantize(w_q, w_s)), pre, activation)
+    err = (got.float() - want.float()).abs()
+    record(f"fp8_mx_linear m={m} {activation}: max |err| / bound", float((err / bound).max()))
+    assert (err <= bound).all()
 
 
 def test_mxfp8_model_on_the_device():
@@ -99,4 +105,8 @@ def test_mxfp8_model_on_the_device():
         got = converted(x)
         with kernels.use_backend("reference"):
             want = converted(x)
-    _close(got, want, 1e-4)
+    # fc1's outputs differ from the reference's within gpu_bounds' GEMM bound; where that moves an fc2 input
+    # across an FP8 rounding boundary one element changes by a grid step (1/16 relative), so the outputs agree
+    # in norm to well within 2^-8, not element by element (measured on an H100: max |diff| 1.8e-4)
+    assert float((got - want).norm() / want.norm()) <= 2.0**-8
+    assert float(torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)) >= 0.9999

@@ -158,11 +158,15 @@ def test_default_tile_through_the_op_table(activation):
 
 
 def test_automatic_choice(monkeypatch):
-    """TMA on sm_90 for m > TMA_MIN_ROWS with TMA-ready operands and no pointer-kernel config; else classic."""
+    """Off by default (measured slower on an H100: tma_gemm.AUTO_TMA); with AUTO_TMA on, TMA on sm_90 for
+    m > TMA_MIN_ROWS with TMA-ready operands and no pointer-kernel config; else classic."""
     monkeypatch.setattr(T, "on_interpreter", lambda: False)
     monkeypatch.setattr(T, "_is_sm90", lambda device: True)
     rows = T.TMA_MIN_ROWS + 1
     a, w = torch.zeros(rows, 64, dtype=torch.float8_e4m3fn), torch.zeros(32, 64, dtype=torch.float8_e4m3fn)
+    assert not T.use_tma("op", None, a, w, rows, False)  # the shipped default
+    assert T.use_tma("op", "tma", a, w, rows, False)  # asked for
+    monkeypatch.setattr(T, "AUTO_TMA", True)
     assert T.use_tma("op", None, a, w, rows, False)
     assert not T.use_tma("op", None, a[:-1], w, rows - 1, False)  # small M
     assert not T.use_tma("op", None, a, w, rows, True)  # a pointer-kernel config was given

@@ -70,9 +70,14 @@ class TmaConfig(core.GemmConfig):
 TMA_CONFIGS: dict[str, core.GemmConfig] = {
     "tma": TmaConfig("tma", 128, 64, 128, GROUP_M=8, num_warps=8, num_stages=4, flatten=False),
 }
-# Rows above which sm_90 takes the TMA kernel: the pointer kernels' "large" range (gemm.pick_config). Below
-# it a 128-row tile is mostly padding and decode GEMVs are bound by streaming W, which cp.async does as well.
+# Rows above which sm_90 would take the TMA kernel automatically: the pointer kernels' "large" range
+# (gemm.pick_config). Below it a 128-row tile is mostly padding and decode GEMVs are bound by streaming W.
 TMA_MIN_ROWS = 128
+# Whether the automatic choice takes the TMA kernel at all. Measured on an H100 (make gpu-check, 2026-11-26,
+# triton 3.6, benchmarks/gpu.py section 1): this 128×64 tile was slower than the pointer kernel in 21 of the
+# 25 GEMM rows (Llama-3-8B qkv at M = 8192: 0.853 vs 0.727 ms; 70B gate_up M = 8192: 12.0 vs 11.1 ms), so it
+# runs only when asked for (``kernel="tma"`` / :func:`forced_kernel`) until a tile beats the pointer kernel.
+AUTO_TMA = False
 TMA_ALIGN = 16  # bytes: TMA descriptors need 16-byte aligned base addresses and strides
 KERNEL_CHOICES = ("tma", "classic")  # what forced_kernel / the wrappers' ``kernel=`` accept (None: automatic)
 
@@ -115,7 +120,8 @@ def use_tma(op: str, kernel: str | None, a: torch.Tensor, w: torch.Tensor, m: in
     """Whether ``op`` launches the TMA kernel for A = ``a`` (m × K) and W = ``w``.
 
     ``kernel`` ("tma", "classic" or None; None defers to :func:`forced_kernel`, then chooses): automatic is
-    TMA on sm_90 when m > TMA_MIN_ROWS, both operands are TMA-ready, no pointer-kernel ``config`` was
+    the pointer kernel while AUTO_TMA is off (measured slower, see there); with it on, TMA on sm_90 when
+    m > TMA_MIN_ROWS, both operands are TMA-ready, no pointer-kernel ``config`` was
     given and (block-scaled) the scale block's K is a multiple of the TMA tile's BLOCK_K. A forced "tma"
     that cannot run raises instead of silently timing the other kernel."""
     kernel = kernel if kernel is not None else _forced.get()
@@ -130,7 +136,8 @@ def use_tma(op: str, kernel: str | None, a: torch.Tensor, w: torch.Tensor, m: in
                              f"row strides (K % 16 == 0); got strides {a.stride()} and {w.stride()}. Use "
                              "kernel=None to fall back to the pointer kernel")
         return True
-    return (not on_interpreter() and not config_given and m > TMA_MIN_ROWS and ready and _is_sm90(a.device)
+    return (AUTO_TMA and not on_interpreter() and not config_given and m > TMA_MIN_ROWS and ready
+            and _is_sm90(a.device)
             and (block_k == 0 or block_k % TMA_CONFIGS["tma"].BLOCK_K == 0))
 
 
