@@ -33,6 +33,7 @@ from torch import nn
 
 from dbr_quant.checkpoints.assemble import (
     Skeleton,
+    check_fp8_weight,
     check_scale,
     example_args,
     finish_convert,
@@ -169,8 +170,7 @@ class FolderPlan:
         for name in scales:
             check_scale(name, values[name])
         for fqn in self.linears:
-            if bool(((values[self._name(fqn, "weight")].view(torch.uint8) & 0x7F) == 0x7F).any()):
-                raise CheckpointError(f"{self._name(fqn, 'weight')}: the FP8 weight holds NaN bytes (0x7f/0xff)")
+            check_fp8_weight(self._name(fqn, "weight"), values[self._name(fqn, "weight")])
         return values
 
     def qconfig(self) -> QConfig:

@@ -27,6 +27,7 @@ from dbr_quant.checkpoints import experts, foreign, readers, sidecar
 from dbr_quant.checkpoints.assemble import (
     ScaleSource,
     Skeleton,
+    check_fp8_weight,
     check_scale,
     example_args,
     finish_convert,
@@ -216,8 +217,8 @@ def _read_and_check(model: nn.Module, meta: dict[str, Any], stored: dict[str, St
     for name, value in values.items():
         if expected[name][0] == _FLOATS:
             check_scale(name, value)
-        elif value.dtype == torch.float8_e4m3fn and bool(((value.view(torch.uint8) & 0x7F) == 0x7F).any()):
-            raise CheckpointError(f"{name}: the FP8 weight holds NaN bytes (0x7f/0xff)")
+        elif value.dtype == torch.float8_e4m3fn:
+            check_fp8_weight(name, value)
     for st in meta["states"]:
         for op in st["ops"]:
             for slot, v in op.get("scales", {}).items():
