@@ -35,16 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dbr_quant.checkpoints import foreign_experts
-from dbr_quant.checkpoints.assemble import (
-    Skeleton,
-    check_fp8_weight,
-    check_scale,
-    example_args,
-    finish_convert,
-    on_model_device,
-    trace,
-)
+from dbr_quant.checkpoints import assemble, foreign_experts
+from dbr_quant.checkpoints.assemble import Skeleton, example_args, finish_convert, on_model_device, trace
 from dbr_quant.checkpoints.errors import CheckpointError
 from dbr_quant.checkpoints.foreign_schemes import SCALE_DTYPES, FolderScheme, LinearScheme
 from dbr_quant.checkpoints.layout import model_modules, own_tensors
@@ -177,14 +169,14 @@ class FolderPlan:
         values = {name: read_tensor(self.stored[name]) for name in self.expected if name in self.stored}
         scales = [*self.weight_scale.values(), *self.input_scale.values(), *(n for kv in self.kv.values() for n in kv)]
         for name in scales:
-            check_scale(name, values[name])
+            assemble.check_scale(name, values[name])
         for fqn in self.linears:
-            check_fp8_weight(self._name(fqn, "weight"), values[self._name(fqn, "weight")])
+            assemble.check_fp8_weight(self._name(fqn, "weight"), values[self._name(fqn, "weight")])
         for name, (dtypes, _) in foreign_experts.expected(self.experts, self.stored)[0].items():
             if dtypes == (torch.float8_e4m3fn,):
-                check_fp8_weight(name, values[name])
+                assemble.check_fp8_weight(name, values[name])
             elif name.endswith("scale") or name.endswith("scale_inv"):
-                check_scale(name, values[name])
+                assemble.check_scale(name, values[name])
         return values
 
     def qconfig(self, experts: tuple[Override, ...] = ()) -> QConfig:

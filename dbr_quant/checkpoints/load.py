@@ -34,7 +34,7 @@ from dbr_quant.checkpoints.assemble import (
     on_model_device,
     trace,
 )
-from dbr_quant.checkpoints.errors import CheckpointError
+from dbr_quant.checkpoints.errors import CheckpointError, read_json
 from dbr_quant.checkpoints.layout import model_modules, own_tensors
 from dbr_quant.checkpoints.meta_model import architecture_of
 from dbr_quant.checkpoints.safetensors_io import StoredTensor, read_header, read_tensor
@@ -54,10 +54,7 @@ def _read_sidecar(folder: Path) -> dict[str, Any]:
         raise CheckpointError(f"{folder}: no {sidecar.FILENAME} and no quantization_config in config.json (nor "
                               "hf_quant_config.json), so this is neither a folder written by dbr_quant.save_pretrained "
                               "nor an FP8 folder of another tool (compressed-tensors, fp8, fbgemm_fp8, ModelOpt)")
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read it as JSON ({e})") from e
+    meta = read_json(path)
     if not isinstance(meta, dict) or meta.get("format") != sidecar.FORMAT:
         raise CheckpointError(f"{path}: not a dbr_quant checkpoint description")
     if meta.get("version") != sidecar.VERSION:
