@@ -164,3 +164,27 @@ def test_linear_on_an_fp8_weight_in_row_chunks(granularity, bias, n, k, tokens, 
     # two summation orders of k products (BLAS picks its kernel by the output's width): within the fp32 bound
     bound = 2 * (k + 1) * torch.finfo(torch.float32).eps * F.linear(x.abs(), w.dequantize().abs(), None if b is None else b.abs())
     assert bool(((chunked - whole).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_one_expert_of_stacked_fp8_experts_is_that_experts_fp8_weight(granularity, transposed):
+    """``experts.gate_up_proj[e]`` (transformers' eager experts loop) is expert e's FP8 bytes and scales as a 2-D
+    FP8 weight: its values are the stack's dequantized values of that expert, and a linear on it dequantizes
+    that expert alone."""
+    torch.manual_seed(0)
+    n, k = 48, 32
+    cfg = dq.TensorQConfig(granularity=granularity, block=(16, 16))
+    q = quantize_weight(torch.randn(4, n, k) * 2, cfg)
+    w = nn.Parameter(FP8Weight(q.qdata, q.scale, torch.float32, transposed=transposed, block=q.block),
+                     requires_grad=False)
+    whole = w.dequantize()
+    for e in range(4):
+        one = w[e]
+        assert isinstance(one, FP8Weight) and one.shape == whole[e].shape
+        assert torch.equal(one.qdata.view(torch.uint8), q.qdata[e].view(torch.uint8))
+        assert torch.equal(one.dequantize(), whole[e])
+        x = torch.randn(3, one.shape[-1])
+        with kernels.count_launches() as launches:
+            y = F.linear(x, one)
+        assert launches["dequantize"] == 1 and torch.equal(y, F.linear(x, whole[e]))

@@ -374,8 +374,22 @@ def _slice(w: FP8Weight, dim: int = 0, start: int | None = None, end: int | None
     return _rows(w, start, end)
 
 
+def _select(w: FP8Weight, dim: int, index: int) -> FP8Weight | None:
+    """``experts[e]`` of stacked 3-D expert weights [E, N, K] (transformers' eager experts loop reads
+    ``gate_up_proj[expert_idx]``): that expert's bytes and scales as a 2-D FP8 weight, not the whole stack
+    dequantized for one expert (load_pretrained's trace of an MoE checkpoint). A [1] per-expert scale becomes the
+    0-d per-tensor scale (for a one-row expert the per-channel scale is that same number)."""
+    if w.dim() != 3 or dim % 3 != 0:
+        return None
+    scale = w.scale[index]
+    if w.block is None and scale.dim() == 1 and scale.shape[0] == 1:
+        scale = scale.reshape(())
+    return FP8Weight(w.qdata[index], scale, w.dtype, w.transposed, w.block)
+
+
 # view ops that keep an FP8 weight FP8 (None from a handler: not expressible, fall back to the dequantized values)
 _VIEWS = {
+    aten.select.int: _select,
     aten.t.default: _transpose,
     aten.transpose.int: _transpose,
     aten.permute.default: lambda w, dims: _transpose(w, *dims) if len(dims) == 2 else None,  # .T
