@@ -162,7 +162,8 @@ def test_linear_on_an_fp8_weight_in_row_chunks(granularity, bias, n, k, tokens, 
     assert launches["dequantize"] == (1 if n * k <= 40 else -(-n // step))
     assert chunked.shape == whole.shape and chunked.requires_grad
     # two summation orders of k products (BLAS picks its kernel by the output's width): within the fp32 bound
-    bound = 2 * (k + 1) * torch.finfo(torch.float32).eps * F.linear(x.abs(), w.dequantize().abs(), None if b is None else b.abs())
+    magnitude = F.linear(x.abs(), w.dequantize().abs(), None if b is None else b.abs())
+    bound = 2 * (k + 1) * torch.finfo(torch.float32).eps * magnitude
     assert bool(((chunked - whole).abs() <= bound).all())
 
 
