@@ -10,6 +10,14 @@ memory returned to the OS first; for the load, the given high-precision model al
 millisecond from /proc/self/statm. Each variant runs in a fresh subprocess so earlier allocations do not hide
 later ones. For the load, the table also gives what the extra memory is compared with: the FP8 model (the
 folder's bytes), one decoder layer in high precision, and the high-precision model.
+
+``--foreign``: a compressed-tensors folder of another tool loaded from the folder alone (no model given), by
+``dbr_quant.load_pretrained(folder)`` and by transformers' ``AutoModelForCausalLM.from_pretrained(folder)``. The
+baseline is the RSS after importing everything either loader imports (torch, transformers, accelerate,
+compressed-tensors, dbr_quant, the architecture's modeling module) and returning freed memory to the OS: the
+extra counts the load itself (config, skeleton, every tensor read, the trace, convert), not import cost, and is
+compared with the issue's target, the FP8 model (the folder's safetensors bytes) plus its largest shard. A second
+figure adds the loaded model's first forward (8 tokens).
 """
 
 from __future__ import annotations
@@ -131,9 +139,27 @@ def foreign_folder(hidden: int, layers: int, shard: str) -> str:
     return out
 
 
+def _import_everything(folder: str) -> None:
+    """What either loader imports, so that the baseline is taken after it (import cost is not load cost):
+    transformers, accelerate, compressed-tensors (transformers' quantizer of this folder) and the modeling module
+    of the folder's architecture."""
+    import accelerate  # noqa: F401
+    import compressed_tensors  # noqa: F401
+    import transformers
+
+    import dbr_quant  # noqa: F401
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    getattr(transformers, config.architectures[0])  # imports modeling_<arch>.py
+
+
 def measure_foreign(variant: str, hidden: int, layers: int, shard: str) -> dict:
-    """Peak RSS (absolute: the process holds nothing else) of loading the foreign folder, from the folder alone."""
+    """Peak RSS of loading the foreign folder from the folder alone (no model given), above the RSS after every
+    import either loader needs; then of the loaded model's first forward (8 tokens)."""
+    import torch
+
     out = foreign_folder(hidden, layers, shard)
+    _import_everything(out)
     _free()
     before = rss()
     t = time.perf_counter()
@@ -147,12 +173,14 @@ def measure_foreign(variant: str, hidden: int, layers: int, shard: str) -> dict:
             from transformers import AutoModelForCausalLM
 
             loaded = AutoModelForCausalLM.from_pretrained(out)
-            loaded(input_ids=__import__("torch").ones(1, 8, dtype=__import__("torch").long))  # decompresses
     seconds = time.perf_counter() - t
+    with PeakRSS() as forward_peak, torch.no_grad():
+        loaded(input_ids=torch.ones(1, 8, dtype=torch.long))
     sizes = sorted(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors"))
     del loaded
     return {"variant": variant, "rss_before_mb": before / 1e6, "extra_mb": (peak.peak - before) / 1e6,
-            "seconds": seconds, "files": len(sizes), "largest_file_mb": sizes[-1] / 1e6, "total_mb": sum(sizes) / 1e6}
+            "forward_extra_mb": (forward_peak.peak - before) / 1e6, "seconds": seconds, "files": len(sizes),
+            "largest_file_mb": sizes[-1] / 1e6, "total_mb": sum(sizes) / 1e6}
 
 
 def measure(variant: str, hidden: int, layers: int, shard: str) -> dict:
@@ -191,7 +219,7 @@ def measure(variant: str, hidden: int, layers: int, shard: str) -> dict:
             "total_mb": sum(sizes) / 1e6}
 
 
-FOREIGN = ("dbr_quant.load_pretrained(folder)", "transformers from_pretrained + forward")
+FOREIGN = ("dbr_quant.load_pretrained(folder)", "transformers from_pretrained")
 
 
 def main() -> None:
@@ -221,6 +249,9 @@ def main() -> None:
         r = json.loads(res.stdout.strip().splitlines()[-1])
         print(f"{r['variant']:<42} {r['rss_before_mb']:>8.0f}MB {r['extra_mb']:>8.1f}MB {r['files']:>5} "
               f"{r['largest_file_mb']:>6.1f}MB {r['total_mb']:>6.1f}MB {r['seconds']:>5.1f}s")
+        if "forward_extra_mb" in r:
+            print(f"  peak extra: load {r['extra_mb']:.0f}MB, load + first forward {r['forward_extra_mb']:.0f}MB; "
+                  f"target FP8 model (folder) + largest shard = {r['total_mb'] + r['largest_file_mb']:.0f}MB")
         if "hp_model_mb" in r:
             print(f"  load: peak extra {r['extra_mb']:.0f}MB = FP8 model (folder) {r['total_mb']:.0f}MB "
                   f"+ {r['extra_mb'] - r['total_mb']:.0f}MB; one high-precision decoder layer "

@@ -12,7 +12,8 @@
 #    layer by layer and end to end;
 # 3. **reload into dbr_quant** with `load_pretrained`;
 # 4. **shards** for big models;
-# 5. the **vLLM** command line.
+# 5. the **vLLM** command line;
+# 6. **a Hub FP8_DYNAMIC folder** written by another tool: load it, calibrate it to static scales, save it.
 
 # %%
 import contextlib
@@ -196,4 +197,91 @@ print(f"KEY sharded_equals_single={torch.equal(emb_sharded, emb_loaded)}")
 
 # %%
 print(f"serve with: vllm serve {folder.name} --runner pooling")
+
+# %% [markdown]
+# ## 6. An FP8_DYNAMIC folder from the Hub → static scales
+#
+# The most common FP8 layout on the Hugging Face Hub is compressed-tensors' **FP8_DYNAMIC** preset (what
+# llm-compressor writes with `scheme="FP8_DYNAMIC"`): per-channel FP8 weights, inputs scaled per token at run time,
+# no calibration data needed. Here compressed-tensors' own writer makes one from MiniLM: its `FP8_DYNAMIC` preset
+# applied to every `Linear`, the weight scales from each row's range (`calculate_qparams`, what llm-compressor's
+# observer computes), `ModelCompressor.compress_model`, `save_pretrained` + `update_config`. No `dbr_quant.json`:
+# a folder of another tool.
+
+# %%
+from compressed_tensors.compressors import ModelCompressor  # noqa: E402
+from compressed_tensors.quantization import (  # noqa: E402
+    QuantizationConfig,
+    apply_quantization_config,
+    preset_name_to_scheme,
+)
+from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
+
+hub_model, _ = minilm.load_minilm()
+with quiet():
+    apply_quantization_config(hub_model, QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(
+        "FP8_DYNAMIC", ["Linear"])}))
+for mod in hub_model.modules():
+    if isinstance(mod, torch.nn.Linear):  # per-channel weight scales from each row's min / max
+        w = mod.weight.float()
+        lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+        mod.weight_scale.copy_(calculate_qparams(lo, hi, mod.quantization_scheme.weights)[0])
+hub_folder = folder.parent / "all-MiniLM-L6-v2-FP8-Dynamic"
+with quiet():
+    compressor = ModelCompressor.from_pretrained_model(hub_model)
+    compressor.compress_model(hub_model)
+    hub_model.save_pretrained(hub_folder)
+    compressor.update_config(hub_folder)
+hub_qc = json.loads((hub_folder / "config.json").read_text())["quantization_config"]
+hub_inputs = hub_qc["config_groups"]["group_0"]["input_activations"]
+print(f"{sorted(p.name for p in hub_folder.iterdir())}; inputs {hub_inputs['strategy']}, "
+      f"dynamic={hub_inputs['dynamic']}")
+
+# %% [markdown]
+# **Load it.** `load_pretrained(folder)` without a model builds the architecture `config.json` names with its
+# parameters on the meta device and places every tensor as read (no fp32 weight is ever made), then runs the
+# folder's scheme with dbr_quant's kernels: per-channel FP8 weights, inputs quantized per token at run time.
+# `example_kwargs` are the inputs its trace runs (for a Hugging Face model they default to a short `input_ids`).
+
+# %%
+dynamic = dq.load_pretrained(hub_folder, example_kwargs=calibration)
+emb_dynamic = minilm.sentence_embeddings(dynamic, evaluation)
+print(f"FP8_DYNAMIC loaded by dbr_quant vs fp32: {cosines(emb_dynamic, emb_fp32)}")
+print(f"KEY dynamic_vs_fp32_min_cosine={(emb_dynamic * emb_fp32).sum(-1).min():.5f}")
+
+# %% [markdown]
+# **Calibrate it to static scales.** `recalibrate=True` returns the model *prepared* instead: the file's FP8
+# weights in place and a static per-tensor input observer on every FP8 linear. `calibrate` on a few batches,
+# `convert` (it keeps the file's FP8 bytes: nothing is re-quantized), and the model runs with one input scale per
+# linear computed once — no per-token amax at run time, the layout vLLM's static FP8 kernels and fused
+# norm → quantize epilogues take.
+
+# %%
+prepared_static = dq.load_pretrained(hub_folder, example_kwargs=calibration, recalibrate=True)
+dq.calibrate(prepared_static, [calibration], progress=False)
+static = dq.convert(prepared_static, inplace=True)
+kept = all(torch.equal(fp8_weight_of(m).qdata.view(torch.uint8), fp8_weight_of(dynamic.get_submodule(n)).qdata.view(
+    torch.uint8)) for n, m in static.named_modules() if fp8_weight_of(m) is not None)
+emb_static = minilm.sentence_embeddings(static, evaluation)
+print(f"static vs fp32: {cosines(emb_static, emb_fp32)}; the file's FP8 weight bytes kept: {kept}")
+print(f"KEY static_vs_fp32_min_cosine={(emb_static * emb_fp32).sum(-1).min():.5f}")
+print(f"KEY static_weights_kept={kept}")
+
+# %% [markdown]
+# **Save it.** The static model is an ordinary converted model: `save_pretrained` writes a compressed-tensors
+# folder whose inputs are static per tensor (an `input_scale` per linear), which transformers (below), vLLM and
+# `load_pretrained` read.
+
+# %%
+static_folder = folder.parent / "all-MiniLM-L6-v2-FP8-static"
+dq.save_pretrained(static, static_folder)
+static_inputs = json.loads((static_folder / "config.json").read_text())["quantization_config"]["config_groups"][
+    "group_0"]["input_activations"]
+with quiet():
+    static_loaded = AutoModel.from_pretrained(static_folder).eval()
+    emb_static_tf = minilm.sentence_embeddings(static_loaded, evaluation)
+print(f"saved: inputs {static_inputs['strategy']}, dynamic={static_inputs['dynamic']}; transformers-loaded vs "
+      f"dbr_quant: {cosines(emb_static_tf, emb_static)}")
+print(f"KEY static_saved_dynamic={static_inputs['dynamic']}")
+print(f"KEY static_transformers_vs_dbr_min_cosine={(emb_static_tf * emb_static).sum(-1).min():.5f}")
 print(f"notebook ran in {time.perf_counter() - t_start:.1f} s")

@@ -119,3 +119,10 @@ def test_04_serve():
     assert _key(text, "sharded_equals_single") == "True"
     assert float(_key(text, "size_ratio")) < 0.7
     assert "model-00004-of-00004.safetensors" in text and "vllm serve" in text
+    # 6: compressed-tensors' own FP8_DYNAMIC folder loaded, calibrated to static scales (measured 0.99710 and
+    # 0.99686 vs fp32, dbr_quant's own static conversion 0.99679), saved, read by transformers (0.99820)
+    assert float(_key(text, "dynamic_vs_fp32_min_cosine")) >= 0.995
+    assert float(_key(text, "static_vs_fp32_min_cosine")) >= 0.995
+    assert _key(text, "static_weights_kept") == "True"  # convert keeps the file's FP8 bytes
+    assert _key(text, "static_saved_dynamic") == "False"
+    assert float(_key(text, "static_transformers_vs_dbr_min_cosine")) >= 0.997

@@ -138,3 +138,54 @@ def test_dequantize_in_row_chunks_equals_whole(granularity, transposed, n, k, se
     if n >= 64 and n * k > 40:  # more rows than one chunk takes (at most 40 // k rows, or two 16-row blocks)
         assert launches["dequantize"] > 1
     assert chunked.dtype == torch.bfloat16 and torch.equal(chunked.view(torch.int16), whole.view(torch.int16))
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("bias", [False, True])
+@settings(max_examples=6, deadline=None)
+@given(n=st.integers(1, 300), k=st.integers(1, 70), tokens=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_linear_on_an_fp8_weight_in_row_chunks(granularity, bias, n, k, tokens, seed):
+    """F.linear on an FP8 weight outside the runtime (load_pretrained's trace) dequantizes its rows a chunk at a
+    time into one output: the product of the input and the dequantized weight, the weight never whole."""
+    torch.manual_seed(seed)
+    cfg = dq.TensorQConfig(granularity=granularity, block=(16, 32))
+    q = quantize_weight(torch.randn(n, k) * 3, cfg)
+    w = nn.Parameter(FP8Weight(q.qdata, q.scale, torch.float32, block=q.block), requires_grad=False)
+    x = torch.randn(2, tokens, k, requires_grad=True)
+    b = torch.randn(n) if bias else None
+    whole = F.linear(x, w.dequantize(), b)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("dbr_quant.quantize.weights.MATMUL_CHUNK", 40)  # a few rows per chunk
+        with kernels.count_launches() as launches:
+            chunked = F.linear(x, w, b)
+    step = max(1, 40 // k) if granularity != "block" else max(1, 40 // k // 16) * 16
+    assert launches["dequantize"] == (1 if n * k <= 40 else -(-n // step))
+    assert chunked.shape == whole.shape and chunked.requires_grad
+    # two summation orders of k products (BLAS picks its kernel by the output's width): within the fp32 bound
+    magnitude = F.linear(x.abs(), w.dequantize().abs(), None if b is None else b.abs())
+    bound = 2 * (k + 1) * torch.finfo(torch.float32).eps * magnitude
+    assert bool(((chunked - whole).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_one_expert_of_stacked_fp8_experts_is_that_experts_fp8_weight(granularity, transposed):
+    """``experts.gate_up_proj[e]`` (transformers' eager experts loop) is expert e's FP8 bytes and scales as a 2-D
+    FP8 weight: its values are the stack's dequantized values of that expert, and a linear on it dequantizes
+    that expert alone."""
+    torch.manual_seed(0)
+    n, k = 48, 32
+    cfg = dq.TensorQConfig(granularity=granularity, block=(16, 16))
+    q = quantize_weight(torch.randn(4, n, k) * 2, cfg)
+    w = nn.Parameter(FP8Weight(q.qdata, q.scale, torch.float32, transposed=transposed, block=q.block),
+                     requires_grad=False)
+    whole = w.dequantize()
+    for e in range(4):
+        one = w[e]
+        assert isinstance(one, FP8Weight) and one.shape == whole[e].shape
+        assert torch.equal(one.qdata.view(torch.uint8), q.qdata[e].view(torch.uint8))
+        assert torch.equal(one.dequantize(), whole[e])
+        x = torch.randn(3, one.shape[-1])
+        with kernels.count_launches() as launches:
+            y = F.linear(x, one)
+        assert launches["dequantize"] == 1 and torch.equal(y, F.linear(x, whole[e]))

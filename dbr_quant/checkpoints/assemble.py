@@ -55,6 +55,18 @@ def check_scale(name: str, t: torch.Tensor) -> None:
                               f"{t[~ok][:3].tolist()}")
 
 
+NAN_CHECK_CHUNK = 1 << 20  # bytes of an FP8 weight checked at a time (the check's temporaries, not the weight's)
+
+
+def check_fp8_weight(name: str, q: torch.Tensor) -> None:
+    """No NaN code (0x7f / 0xff) in an E4M3 weight, checked a chunk at a time: the load's peak memory is the FP8
+    model plus small temporaries, not two weight-sized byte masks of the largest weight."""
+    codes = q.reshape(-1).view(torch.uint8)
+    for start in range(0, codes.numel(), NAN_CHECK_CHUNK):
+        if bool(((codes[start:start + NAN_CHECK_CHUNK] & 0x7F) == 0x7F).any()):
+            raise CheckpointError(f"{name}: the FP8 weight holds NaN bytes (0x7f/0xff)")
+
+
 def example_args(example_inputs: Any, example_kwargs: dict[str, Any] | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """load_pretrained's ``example_inputs`` / ``example_kwargs`` as prepare()'s (args, kwargs)."""
     if isinstance(example_inputs, tuple):

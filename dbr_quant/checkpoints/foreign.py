@@ -15,6 +15,10 @@ converted model, the same way for every format.
    trace runs the listed linears in FP8 with their schemes (one ``Override`` each) and nothing else (a catch-all
    skip); static scales come from the file (no calibration).
 
+MoE experts stored per expert under vLLM's names (``experts.<e>.w1/w3/w2`` or ``gate_proj/up_proj/down_proj``)
+go into a model whose experts are one module with 3-D weights: ``foreign_experts.py`` finds, checks and stacks
+them, and the trace runs them with dbr_quant's FP8 MoE block.
+
 FP8 attention: a folder with k/v scales runs ``scaled_dot_product_attention`` of those modules with dbr_quant's
 FP8 attention kernel: k and v with the file's static scales, q with the scale 1.0 that vLLM uses when a
 checkpoint has no q scale (``model_executor/layers/quantization/kv_cache.py`` BaseKVCacheMethod), the
@@ -31,18 +35,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from dbr_quant.checkpoints.assemble import (
-    Skeleton,
-    check_scale,
-    example_args,
-    finish_convert,
-    on_model_device,
-    trace,
-)
+from dbr_quant.checkpoints import assemble, foreign_experts
+from dbr_quant.checkpoints.assemble import Skeleton, example_args, finish_convert, on_model_device, trace
 from dbr_quant.checkpoints.errors import CheckpointError
 from dbr_quant.checkpoints.foreign_schemes import SCALE_DTYPES, FolderScheme, LinearScheme
 from dbr_quant.checkpoints.layout import model_modules, own_tensors
 from dbr_quant.checkpoints.safetensors_io import StoredTensor, read_tensor
+from dbr_quant.moe.experts import EXPERTS, MoeState
 from dbr_quant.ops.mappings import LINEAR, SDPA
 from dbr_quant.ops.state import AutoQuantizationState, SeenOp
 from dbr_quant.qconfig import Override, QConfig, TensorQConfig
@@ -56,14 +55,16 @@ class FolderPlan:
     the attention modules with k/v scales, and every tensor expected."""
 
     def __init__(self, model: nn.Module, scheme: FolderScheme, stored: dict[str, StoredTensor],
-                 recalibrate: bool = False) -> None:
+                 recalibrate: bool = False, renames: foreign_experts.Renames | None = None) -> None:
         self.scheme, self.stored, self.recalibrate = scheme, stored, recalibrate
         self.linears: dict[str, LinearScheme] = {}
         self.weight_scale: dict[str, str] = {}  # FP8 linear → its weight scale's tensor name
         self.input_scale: dict[str, str] = {}  # FP8 linear with static inputs → its input scale's tensor name
         self.kv: dict[str, tuple[str, str]] = {}  # attention module → (k scale, v scale) tensor names
         self.overrides: list[Override] = []
-        self.expected: Expected = {}
+        # MoE experts modules the file holds per expert (foreign_experts.py), and the 3-D parameters they replace
+        self.experts = foreign_experts.find(model, stored, scheme, renames or [])
+        self.expected, self.replaced = foreign_experts.expected(self.experts, stored)
         modules = dict(model_modules(model))
         self._linears(modules)
         self._kv(modules)
@@ -79,7 +80,8 @@ class FolderPlan:
     def _linears(self, modules: dict[str, nn.Module]) -> None:
         s = self.scheme
         for name, t in sorted(self.stored.items()):
-            if not (name == "weight" or name.endswith(".weight")) or t.dtype not in _FP8_DTYPES:
+            fp8_weight = (name == "weight" or name.endswith(".weight")) and t.dtype in _FP8_DTYPES
+            if not fp8_weight or name in self.expected:  # (an expert's: foreign_experts)
                 continue
             fqn = name.removesuffix("weight").removesuffix(".")
             mod = modules.get(fqn)
@@ -124,7 +126,7 @@ class FolderPlan:
         for fqn, mod in model_modules(model):
             for pname, t in own_tensors(mod):
                 name = self._name(fqn, pname)
-                if name in self.expected:
+                if name in self.expected or name in self.replaced:
                     continue
                 tied = id(t) in first
                 first.setdefault(id(t), name)
@@ -167,18 +169,23 @@ class FolderPlan:
         values = {name: read_tensor(self.stored[name]) for name in self.expected if name in self.stored}
         scales = [*self.weight_scale.values(), *self.input_scale.values(), *(n for kv in self.kv.values() for n in kv)]
         for name in scales:
-            check_scale(name, values[name])
+            assemble.check_scale(name, values[name])
         for fqn in self.linears:
-            if bool(((values[self._name(fqn, "weight")].view(torch.uint8) & 0x7F) == 0x7F).any()):
-                raise CheckpointError(f"{self._name(fqn, 'weight')}: the FP8 weight holds NaN bytes (0x7f/0xff)")
+            assemble.check_fp8_weight(self._name(fqn, "weight"), values[self._name(fqn, "weight")])
+        for name, (dtypes, _) in foreign_experts.expected(self.experts, self.stored)[0].items():
+            if dtypes == (torch.float8_e4m3fn,):
+                assemble.check_fp8_weight(name, values[name])
+            elif name.endswith("scale") or name.endswith("scale_inv"):
+                assemble.check_scale(name, values[name])
         return values
 
-    def qconfig(self) -> QConfig:
-        """The listed linears as the file says, FP8 attention where k/v scales are, nothing else in FP8."""
+    def qconfig(self, experts: tuple[Override, ...] = ()) -> QConfig:
+        """The listed linears (and ``experts``' overrides) as the file says, FP8 attention where k/v scales are,
+        nothing else in FP8."""
         kv = [Override(pattern=rf"^{re.escape(fqn)}\.{SDPA}$", activation=TensorQConfig(),
                        dynamic=False) for fqn in self.kv]
         rest = Override(pattern="", skip=True)
-        return QConfig(quantize_attention=bool(self.kv), overrides=(*self.overrides, *kv, rest))
+        return QConfig(quantize_attention=bool(self.kv), overrides=(*self.overrides, *experts, *kv, rest))
 
 
 def _default_example(model: nn.Module) -> tuple[tuple, dict]:
@@ -191,10 +198,13 @@ def _default_example(model: nn.Module) -> tuple[tuple, dict]:
 
 
 def _traced(states: list[AutoQuantizationState]) -> tuple[set[str], set[str]]:
-    """(linear modules every traced call of which runs in FP8, modules whose SDPA runs in FP8)."""
+    """(linear modules every traced call of which runs in FP8 and experts modules that run in FP8, modules whose
+    SDPA runs in FP8)."""
     ops: dict[str, list[SeenOp]] = {}
     attention: set[str] = set()
     for st in states:
+        if isinstance(st, MoeState) and st.quantized:
+            ops[st.fqn] = list(st.seen_ops)
         for op in st.seen_ops:
             if op.kind == LINEAR and op.weight_owner is not None:
                 ops.setdefault(op.weight_owner, []).append(op)
@@ -210,12 +220,20 @@ def load_foreign(folder: Path, model: nn.Module, scheme: FolderScheme, stored: d
     the folder, no calibration, ``model`` untouched. ``recalibrate``: the model prepared instead, every FP8
     linear with a static per-tensor input observer, for ``dbr_quant.calibrate`` then ``dbr_quant.convert``
     (which keeps the FP8 weights as read): a dynamic-activation checkpoint turned into a static one."""
-    plan = FolderPlan(model, scheme, stored, recalibrate)
-    plan.check()
-    if not plan.linears:
+    stored, renames = foreign_experts.model_names(model, stored)
+    try:
+        plan = FolderPlan(model, scheme, stored, recalibrate, renames)
+        plan.check()
+        values = plan.read()
+        experts: dict[str, foreign_experts.Stacked] = {}
+        for fqn, x in plan.experts.items():  # (a loop: stack's warning names load_pretrained's caller)
+            experts[fqn] = foreign_experts.stack(x, values, stored, scheme.where, recalibrate)
+    except CheckpointError as e:
+        raise foreign_experts.file_names(e, renames) from None
+    fp8_experts = [fqn for fqn, x in plan.experts.items() if x.scheme is not None]
+    if not plan.linears and not fp8_experts:
         raise CheckpointError(f"{folder}: no E4M3 'weight' tensor, nothing to load as FP8")
-    qconfig = plan.qconfig()
-    values = plan.read()
+    qconfig = plan.qconfig(tuple(o for x in experts.values() for o in x.overrides))
     if example_inputs is None and example_kwargs is None:
         args, kwargs = _default_example(model)
     else:
@@ -224,6 +242,15 @@ def load_foreign(folder: Path, model: nn.Module, scheme: FolderScheme, stored: d
     for fqn, ls in plan.linears.items():
         skeleton.put_fp8(f"{fqn}.weight" if fqn else "weight", values.pop(f"{fqn}.weight" if fqn else "weight"),
                          ls.weight.as_fp8_weight_scale(values.pop(plan.weight_scale[fqn])), False, ls.weight.block)
+    for fqn, stacked in experts.items():
+        x = plan.experts[fqn]
+        for pname, (q, scale, bias) in stacked.params.items():
+            if x.scheme is None or scale is None:
+                skeleton.put(f"{fqn}.{pname}", q)
+            else:
+                skeleton.put_fp8(f"{fqn}.{pname}", q, scale, x.spec.transposed, x.scheme.weight.block)
+            if bias is not None:
+                skeleton.put(f"{fqn}.{pname}_bias", bias)
     for name in list(skeleton.slots):
         if name in values:
             skeleton.put(name, values[name])
@@ -236,6 +263,10 @@ def load_foreign(folder: Path, model: nn.Module, scheme: FolderScheme, stored: d
     if lost:
         raise CheckpointError(f"'{lost[0]}': an FP8 linear in the checkpoint, but the trace runs it in high "
                               "precision (the example inputs did not run it?); pass example inputs that do")
+    for st in prepared.__dict__["_dbr_record"].states:
+        if isinstance(st, MoeState) and st.fqn in fp8_experts and not st.quantized:
+            raise CheckpointError(f"'{st.fqn}': FP8 experts in the checkpoint, but dbr_quant's MoE block cannot run "
+                                  f"them: {st.spec.reason or st.seen_ops[0].reason}")
     no_sdpa = sorted(set(plan.kv) - attention)
     if no_sdpa:
         raise CheckpointError(f"'{no_sdpa[0]}': the checkpoint has its k/v scales, but its forward runs no "
@@ -244,6 +275,9 @@ def load_foreign(folder: Path, model: nn.Module, scheme: FolderScheme, stored: d
         return prepared
 
     def scale_of(st: AutoQuantizationState, op: SeenOp, slot: str) -> torch.Tensor | None:
+        inputs = experts[st.fqn].inputs if op.kind == EXPERTS and st.fqn in experts else None
+        if inputs is not None:
+            return inputs[op.index]
         if op.kind == LINEAR and op.weight_owner in plan.input_scale:
             return values[plan.input_scale[op.weight_owner]].float().reshape(())
         if op.kind == SDPA and st.fqn in plan.kv:

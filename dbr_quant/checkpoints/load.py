@@ -27,13 +27,14 @@ from dbr_quant.checkpoints import experts, foreign, readers, sidecar
 from dbr_quant.checkpoints.assemble import (
     ScaleSource,
     Skeleton,
+    check_fp8_weight,
     check_scale,
     example_args,
     finish_convert,
     on_model_device,
     trace,
 )
-from dbr_quant.checkpoints.errors import CheckpointError
+from dbr_quant.checkpoints.errors import CheckpointError, read_json
 from dbr_quant.checkpoints.layout import kv_file_scale, model_modules, own_tensors
 from dbr_quant.checkpoints.meta_model import architecture_of
 from dbr_quant.checkpoints.safetensors_io import StoredTensor, read_header, read_tensor
@@ -55,10 +56,7 @@ def _read_sidecar(folder: Path) -> dict[str, Any]:
         raise CheckpointError(f"{folder}: no {sidecar.FILENAME} and no quantization_config in config.json (nor "
                               "hf_quant_config.json), so this is neither a folder written by dbr_quant.save_pretrained "
                               "nor an FP8 folder of another tool (compressed-tensors, fp8, fbgemm_fp8, ModelOpt)")
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read it as JSON ({e})") from e
+    meta = read_json(path)
     if not isinstance(meta, dict) or meta.get("format") != sidecar.FORMAT:
         raise CheckpointError(f"{path}: not a dbr_quant checkpoint description")
     if meta.get("version") != sidecar.VERSION:
@@ -228,8 +226,8 @@ def _read_and_check(model: nn.Module, meta: dict[str, Any], stored: dict[str, St
             check_scale(name, value)
         elif expected[name][0] == _E8M0 and bool((value == E8M0_NAN).any()):
             raise CheckpointError(f"{name}: an MXFP8 scale holds the E8M0 NaN code 255")
-        elif value.dtype == torch.float8_e4m3fn and bool(((value.view(torch.uint8) & 0x7F) == 0x7F).any()):
-            raise CheckpointError(f"{name}: the FP8 weight holds NaN bytes (0x7f/0xff)")
+        elif value.dtype == torch.float8_e4m3fn:
+            check_fp8_weight(name, value)
     for st in meta["states"]:
         for op in st["ops"]:
             for slot, v in op.get("scales", {}).items():

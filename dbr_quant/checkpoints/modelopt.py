@@ -13,19 +13,11 @@ the KV-cache scales as ``<attention>.k_proj.k_scale`` / ``<attention>.v_proj.v_s
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from dbr_quant.checkpoints.errors import CheckpointError
-from dbr_quant.checkpoints.foreign_schemes import (
-    ActivationScheme,
-    FolderScheme,
-    KVCacheScheme,
-    LinearScheme,
-    Target,
-    WeightScheme,
-)
+from dbr_quant.checkpoints import foreign_schemes as fs
+from dbr_quant.checkpoints.errors import CheckpointError, read_json
 
 QUANT_METHOD = "modelopt"
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -36,16 +28,13 @@ def config_file(folder: Path) -> dict[str, Any] | None:
     path = folder / HF_QUANT_CONFIG
     if not path.is_file():
         return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read it as JSON ({e})") from e
+    data = read_json(path)
     if not isinstance(data, dict) or not isinstance(data.get("quantization"), dict):
         raise CheckpointError(f"{path}: no 'quantization' object")
     return {"quant_method": QUANT_METHOD, **data["quantization"], "_legacy": True}
 
 
-def read(qc: dict[str, Any], where: str) -> FolderScheme:
+def read(qc: dict[str, Any], where: str) -> fs.FolderScheme:
     algo = str(qc.get("quant_algo") or "").upper()
     if qc.get("_legacy"):
         kv_algo, exclude = qc.get("kv_cache_quant_algo"), qc.get("exclude_modules") or []
@@ -54,11 +43,11 @@ def read(qc: dict[str, Any], where: str) -> FolderScheme:
         kv_algo = "FP8" if isinstance(kv, dict) and (kv.get("type"), kv.get("num_bits")) == ("float", 8) else kv
         exclude = qc.get("ignore") or []
     if algo == "FP8":
-        scheme = LinearScheme(WeightScheme("tensor"), ActivationScheme("tensor", False))
+        scheme = fs.LinearScheme(fs.WeightScheme("tensor"), fs.ActivationScheme("tensor", False))
     elif algo == "FP8_PER_CHANNEL_PER_TOKEN":
-        scheme = LinearScheme(WeightScheme("channel"), ActivationScheme("token", True))
+        scheme = fs.LinearScheme(fs.WeightScheme("channel"), fs.ActivationScheme("token", True))
     elif algo == "FP8_PB_WO":
-        scheme = LinearScheme(WeightScheme("block", block=(128, 128)), None)
+        scheme = fs.LinearScheme(fs.WeightScheme("block", block=(128, 128)), None)
     else:
         raise CheckpointError(f"{where}: ModelOpt quant_algo {algo or None!r}; dbr_quant reads 'FP8', "
                               "'FP8_PER_CHANNEL_PER_TOKEN' (and refuses weight-only 'FP8_PB_WO' by name)")
@@ -67,6 +56,6 @@ def read(qc: dict[str, Any], where: str) -> FolderScheme:
     if not isinstance(exclude, list) or not all(isinstance(e, str) for e in exclude):
         raise CheckpointError(f"{where}: exclude_modules must be a list of module wildcards, the config holds "
                               f"{exclude!r}")
-    ignore = tuple(Target("glob", e) for e in exclude) + tuple(Target("glob", e + ".*") for e in exclude)
-    return FolderScheme(f"ModelOpt {algo}", where, ((Target("class", "Linear"), scheme),), ignore,
-                        KVCacheScheme(("k_proj.k_scale", "v_proj.v_scale")) if kv_algo is not None else None)
+    ignore = tuple(fs.Target("glob", e) for e in exclude) + tuple(fs.Target("glob", e + ".*") for e in exclude)
+    return fs.FolderScheme(f"ModelOpt {algo}", where, ((fs.Target("class", "Linear"), scheme),), ignore,
+                           fs.KVCacheScheme(("k_proj.k_scale", "v_proj.v_scale")) if kv_algo is not None else None)

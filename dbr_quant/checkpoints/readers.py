@@ -5,13 +5,12 @@ and ``read(quantization_config, where)``, and one entry in ``READERS``."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from dbr_quant.checkpoints import compressed_tensors, fbgemm, hf_fp8, modelopt
-from dbr_quant.checkpoints.errors import CheckpointError
+from dbr_quant.checkpoints.errors import CheckpointError, read_json
 from dbr_quant.checkpoints.foreign_schemes import FolderScheme
 
 READERS: dict[str, Callable[[dict[str, Any], str], FolderScheme]] = {
@@ -26,10 +25,7 @@ def quantization_config_of(folder: Path) -> dict[str, Any] | None:
     path = folder / "config.json"
     if not path.is_file():
         return None
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read it as JSON ({e})") from e
+    config = read_json(path)
     qc = config.get("quantization_config") if isinstance(config, dict) else None
     return qc if isinstance(qc, dict) else None
 

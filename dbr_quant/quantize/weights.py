@@ -25,6 +25,7 @@ import copy
 import hashlib
 import pickle
 import weakref
+from collections.abc import Callable
 from typing import Any, SupportsIndex, cast
 
 import torch
@@ -38,6 +39,11 @@ from dbr_quant.quantize.edits import edit, requantize
 from dbr_quant.quantize.weight_quantization import elementwise_block_scale
 
 DEQUANTIZE_CHUNK = 1 << 22  # elements per chunk of a large weight's dequantize (fp32 temporaries: 16 MiB)
+# elements per chunk of an FP8 weight's rows dequantized for a matmul outside the runtime (F.linear on the weight:
+# load_pretrained's trace runs every FP8 linear so). Small: the transient fp32 + high-precision copies of a chunk
+# are what the allocator keeps resident between layers (1 MiB + 512 KiB for bf16; a 4M-element chunk left the
+# load's RSS 130 MB higher on a 193 MB folder, benchmarks/checkpoint_memory.py --foreign).
+MATMUL_CHUNK = 1 << 18
 
 aten = torch.ops.aten
 
@@ -229,9 +235,7 @@ class FP8Weight(torch.Tensor):
             edited = _edit_in_place(func, args, kwargs)
             if edited is not None:
                 return edited
-        # any other use as a tensor: the dequantized high-precision values
-        unwrap = lambda t: t.dequantize() if isinstance(t, FP8Weight) else t  # noqa: E731
-        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        return _dequantized(func, args, kwargs)  # any other use as a tensor: the dequantized high-precision values
 
 
 def _written(func: Any, args: tuple, kwargs: dict) -> list[FP8Weight]:
@@ -370,8 +374,22 @@ def _slice(w: FP8Weight, dim: int = 0, start: int | None = None, end: int | None
     return _rows(w, start, end)
 
 
+def _select(w: FP8Weight, dim: int, index: int) -> FP8Weight | None:
+    """``experts[e]`` of stacked 3-D expert weights [E, N, K] (transformers' eager experts loop reads
+    ``gate_up_proj[expert_idx]``): that expert's bytes and scales as a 2-D FP8 weight, not the whole stack
+    dequantized for one expert (load_pretrained's trace of an MoE checkpoint). A [1] per-expert scale becomes the
+    0-d per-tensor scale (for a one-row expert the per-channel scale is that same number)."""
+    if w.dim() != 3 or dim % 3 != 0:
+        return None
+    scale = w.scale[index]
+    if w.block is None and scale.dim() == 1 and scale.shape[0] == 1:
+        scale = scale.reshape(())
+    return FP8Weight(w.qdata[index], scale, w.dtype, w.transposed, w.block)
+
+
 # view ops that keep an FP8 weight FP8 (None from a handler: not expressible, fall back to the dequantized values)
 _VIEWS = {
+    aten.select.int: _select,
     aten.t.default: _transpose,
     aten.transpose.int: _transpose,
     aten.permute.default: lambda w, dims: _transpose(w, *dims) if len(dims) == 2 else None,  # .T
@@ -381,7 +399,62 @@ _VIEWS = {
 }
 
 
+def _chunked_product(w: FP8Weight, product: Callable[[torch.Tensor, int, int], torch.Tensor]) -> torch.Tensor | None:
+    """``product(rows)`` for each chunk of the FP8 rows of a large 2-D weight ``w`` used as a matmul's ``[in, out]``
+    operand (``F.linear``'s ``x @ W.t()``): each chunk's output columns ``product(dequantized rows)`` written into one
+    output, so the dequantized weight is never whole (load_pretrained's trace, any F.linear outside the runtime:
+    peak = the output + one chunk, not the weight in high precision). None where one pass is used: a small weight,
+    a graph being traced, a block row the chunk would cut (``_rows``)."""
+    q = w.qdata
+    if (q.dim() != 2 or not w.transposed or q.numel() <= MATMUL_CHUNK or kernels.graph_ops() is not None
+            or is_fake(q)):
+        return None
+    rows = FP8Weight(q, w.scale, w.dtype, False, w.block)
+    step = max(1, MATMUL_CHUNK // q.shape[1])
+    if w.block is not None:
+        step = max(1, step // w.block[0]) * w.block[0]
+    out: torch.Tensor | None = None
+    for start in range(0, q.shape[0], step):
+        part = _rows(rows, start, start + step)
+        if part is None:
+            return None
+        y = product(part.dequantize().t(), start, start + step)
+        if out is None:
+            out = y.new_empty((*y.shape[:-1], q.shape[0]))
+        out[..., start:start + y.shape[-1]] = y
+    return out
+
+
+def _weight_operand(b: Any, *others: Any) -> FP8Weight | None:
+    """``b`` when it is the only FP8 weight of a matmul (the activation × weight product of ``F.linear``)."""
+    return b if isinstance(b, FP8Weight) and not any(isinstance(t, FP8Weight) for t in others) else None
+
+
+def _mm(a: torch.Tensor, b: Any) -> torch.Tensor:
+    w = _weight_operand(b, a)
+    out = None if w is None else _chunked_product(w, lambda rows, start, stop: torch.mm(a, rows))
+    return out if out is not None else _dequantized(aten.mm.default, (a, b), {})
+
+
+def _addmm(bias: torch.Tensor, a: torch.Tensor, b: Any, *, beta: Any = 1, alpha: Any = 1) -> torch.Tensor:
+    def product(rows: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        columns = bias if bias.dim() == 0 or bias.shape[-1] == 1 else bias[..., start:stop]
+        return torch.addmm(columns, a, rows, beta=beta, alpha=alpha)
+
+    w = _weight_operand(b, a, bias)
+    out = None if w is None else _chunked_product(w, product)
+    return out if out is not None else _dequantized(aten.addmm.default, (bias, a, b), {"beta": beta, "alpha": alpha})
+
+
+def _dequantized(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func`` on the dequantized high-precision values of every FP8 weight among its arguments."""
+    unwrap = lambda t: t.dequantize() if isinstance(t, FP8Weight) else t  # noqa: E731
+    return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
 _HANDLERS = {
+    aten.mm.default: _mm,
+    aten.addmm.default: _addmm,
     aten.detach.default: lambda w: w._like(),
     aten.alias.default: lambda w: w._like(),
     aten.clone.default: lambda w, memory_format=None: w._like(w.qdata.clone(), w.scale.clone()),

@@ -3,7 +3,9 @@ writer): every dtype, any shape, both directions; truncation and size parsing.""
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 import struct
 
 import pytest
@@ -131,3 +133,23 @@ def test_parse_size(text, value):
 def test_parse_size_rejects(bad):
     with pytest.raises(ValueError, match="max_shard_size"):
         parse_size(bad)
+
+
+def test_a_large_tensor_is_read_into_its_own_mapping_with_the_files_values(tmp_path, monkeypatch):
+    """Tensors from OWN_MAPPING bytes up get an anonymous mapping of their own (unmapped when dropped: freed
+    memory goes back to the OS during a load): the same values as the safetensors package reads, usable as any
+    tensor (written to, pickled, copied), alive as long as a view of it is."""
+    monkeypatch.setattr("dbr_quant.checkpoints.safetensors_io.OWN_MAPPING", 64)
+    tensors = {"big": torch.randn(40, 30), "fp8": (torch.randn(17, 9) * 10).to(torch.float8_e4m3fn),
+               "small": torch.arange(5, dtype=torch.int32)}
+    save_file(tensors, tmp_path / "m.safetensors")
+    headers, _ = read_header(tmp_path / "m.safetensors")
+    read = {name: read_tensor(t) for name, t in headers.items()}
+    for name, t in tensors.items():
+        assert torch.equal(read[name].view(torch.uint8), t.view(torch.uint8)), name
+    view = read.pop("big")[3:5]
+    del headers
+    assert torch.equal(view, tensors["big"][3:5])  # the mapping outlives the tensor it was read into
+    view.add_(1)
+    assert torch.equal(pickle.loads(pickle.dumps(view)), tensors["big"][3:5] + 1)
+    assert torch.equal(copy.deepcopy(view), view)
