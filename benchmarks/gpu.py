@@ -84,7 +84,7 @@ def gemm_section(quick: bool) -> None:
                          f"{ours:.4f}", *(f"{t:.0f}" for t in tf), f"{cublas / ours:.2f}", f"{bf16 / ours:.2f}"])
     table(["shape", "M", "N", "K", "bf16 ms", "cuBLAS fp8", "pointer", "TMA", "ours (auto)", "TFLOP/s ours",
            "pointer", "TMA", "cuBLAS", "bf16", "ours/cuBLAS", "ours/bf16"], rows)
-    print("ours (auto) = kernels.fp8_linear: TMA persistent on sm_90 for M > 128, else the pointer kernel; every "
+    print("ours (auto) = kernels.fp8_linear as dispatched (the pointer kernel unless tma_gemm.AUTO_TMA); every "
           "kernel promotes each K step to fp32. ours/cuBLAS, ours/bf16: speed-ups (> 1: ours faster). Anchor "
           "(triton#5461, H100 SXM, fast accumulation): cuBLAS FP8 1278 TFLOP/s, Triton TMA-persistent FP8 1347 "
           "TFLOP/s on 8192x8192x4096.")
