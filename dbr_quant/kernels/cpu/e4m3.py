@@ -44,6 +44,8 @@ from dbr_quant.kernels.cpu import build as cpu_build
 ENV_VAR = "DBR_QUANT_CPU_DECODE"  # "torch" forces the fallback; "c" (default) uses the compiled loop
 
 SOURCE = Path(__file__).parent / "csrc" / "e4m3.c"  # package data: shipped in the wheel, compiled on first use
+# compiled as one translation unit after e4m3.c (it uses that file's decode and OpenMP set-up)
+GEMM_SOURCE = Path(__file__).parent / "csrc" / "fp8_gemm.c"
 
 # -ffp-contract=off: a·b + c stays two roundings (no FMA), so results do not depend on the CPU having FMA
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
@@ -78,7 +80,8 @@ def _build(march: str = "native") -> tuple[ctypes.CDLL | None, str]:
     the kernels are unavailable (a remembered failed build stays quiet: cpu.describe() tells)."""
     flags = tuple(f"-march={march}" if f == "-march=native" else f for f in _FLAGS)
     try:
-        source = SOURCE.read_text()  # read here, not at import: only a process that builds or loads needs it
+        # read here, not at import: only a process that builds or loads needs it
+        source = SOURCE.read_text() + "\n" + GEMM_SOURCE.read_text()
     except OSError as e:
         outcome = cpu_build.Outcome(None, f"the C source is missing from this installation ({e}); reinstall "
                                           "dbr_quant", news=True)
@@ -99,6 +102,11 @@ def _build(march: str = "native") -> tuple[ctypes.CDLL | None, str]:
     lib.dbr_small_linear.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int32, i64, i64, i64, ptr, ptr,
                                      ptr]
     lib.dbr_set_parallel_min.argtypes = [i64]
+    # x, x scale, its stride, w, w scale, its stride, bias, M, N, K, mode, y
+    lib.dbr_fp8_gemm.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, ctypes.c_int32, ptr]
+    lib.dbr_fp8_gemm.restype = ctypes.c_int
+    lib.dbr_fp8_gemm_isa.argtypes = []
+    lib.dbr_fp8_gemm_isa.restype = ctypes.c_int
     for name in ("dbr_e4m3_to_fp32", "dbr_e4m3_to_bf16", "dbr_e4m3_to_fp32_scaled", "dbr_quantize_e4m3_fp32",
                  "dbr_quantize_e4m3_bf16", "dbr_small_linear", "dbr_set_parallel_min"):
         getattr(lib, name).restype = None
@@ -272,4 +280,60 @@ def small_linear(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_
                          null if out_scale is not None else y.data_ptr(),
                          y.data_ptr() if out_scale is not None else null,
                          null if out_scale is None else out_scale.data_ptr())
+    return y
+
+
+# what dbr_fp8_gemm_isa() returns → the code path (csrc/fp8_gemm.c's header describes each)
+GEMM_ISAS = ("portable C", "AVX2-FMA", "AVX-512F FMA", "AVX512-BF16 vdpbf16ps")
+
+
+def gemm_isa() -> str | None:
+    """The fused GEMM's code path in the library built for this CPU; None without the C library."""
+    if "isa" not in _state:
+        lib = library()
+        _state["isa"] = None if lib is None else GEMM_ISAS[lib.dbr_fp8_gemm_isa()]
+    return _state["isa"]  # type: ignore[return-value]
+
+
+def gemm_tiles_any_batch() -> bool:
+    """Whether the fused GEMM is the fast one at every batch (the BF16 build's VNNI tiles), not only at
+    decode-sized batches (its in-register GEMV)."""
+    return gemm_isa() == GEMM_ISAS[3]
+
+
+SCALES_FIRST, DEQUANTIZE_FIRST = 0, 1  # fp8_gemm's orders: scales on the fp32 sum (the reference's), or operands
+
+
+def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+             bias: torch.Tensor | None, order: int) -> torch.Tensor | None:
+    """``x_q·x_scale @ (w_q·w_scale)ᵀ + bias`` in fp32 with the E4M3 weight decoded inside the GEMM's K loop
+    (``csrc/fp8_gemm.c``; never written out at full width): ``order`` :data:`SCALES_FIRST` sums the exact
+    products and scales the sum (the reference's order), :data:`DEQUANTIZE_FIRST` sums products of the operands
+    dequantized first (compressed-tensors' order, the fp32 GEMM path's). Either sum runs in the kernel's own
+    order, within the dot product's fp32 error bound of a torch GEMM's. ``x_scale``: one value or one per row;
+    ``w_scale``: one value or one per output channel (N,); ``bias`` fp32 (N,). Inference only (no autograd).
+    None when the call does not fit (other dtypes or layouts, no C library): the caller's torch path."""
+    lib = library()
+    if lib is None or x_q.dtype != torch.float8_e4m3fn or w_q.dtype != torch.float8_e4m3fn or w_q.dim() != 2 \
+            or x_q.dim() == 0 or not (_raw_cpu(x_q) and _raw_cpu(w_q)):
+        return None
+    n, k = w_q.shape
+    if x_q.shape[-1] != k or n == 0 or k == 0 or x_q.numel() == 0:
+        return None
+    xs = _rows(x_q, x_scale)
+    if xs is None or w_scale.dtype != torch.float32 or not _raw_cpu(w_scale):
+        return None
+    if w_scale.numel() == 1 and w_scale.dim() <= 1:
+        w_stride = 0
+    elif w_scale.shape == (n,):
+        w_stride = 1
+    else:
+        return None
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not _raw_cpu(bias)):
+        return None
+    y = torch.empty((*x_q.shape[:-1], n), dtype=torch.float32)
+    if lib.dbr_fp8_gemm(x_q.data_ptr(), x_scale.data_ptr(), xs[2], w_q.data_ptr(), w_scale.data_ptr(), w_stride,
+                        None if bias is None else bias.data_ptr(), x_q.numel() // k, n, k, order, y.data_ptr()) != 0:
+        raise MemoryError(f"kernels.cpu.fp8_gemm: no memory for the decode buffers of a {x_q.numel() // k}×{n}×{k} "
+                          "FP8 linear; free memory or run smaller batches")
     return y
