@@ -101,7 +101,7 @@ def minilm_models() -> tuple[dict[str, torch.nn.Module], object, dict[str, torch
 def run_tables(args: argparse.Namespace, paths: list[str], llama: dict | None, mini: tuple | None) -> None:
     rows: dict[str, list[str]] = {p: [] for p in paths}
     if llama is not None:
-        variants = {"fp32": decoder(llama["fp32"], args.tokens, None), "bf16": decoder(llama["bf16"], args.tokens, None)}
+        variants = {k: decoder(llama[k], args.tokens, None) for k in ("fp32", "bf16")}
         variants.update({f"fp8@{p}": decoder(llama["fp8"], args.tokens, p) for p in paths})
         t = time_steps(variants, args.rounds)
         best = best_of(t, "decode")
@@ -115,10 +115,10 @@ def run_tables(args: argparse.Namespace, paths: list[str], llama: dict | None, m
         hp, tok, fp8 = mini
         for n in args.sentences:
             batch = encode(tok, EVAL_SENTENCES[:n])
-            variants = {k: (lambda m=m: m(**batch)) for k, m in hp.items()}
+            variants = {k: (lambda m=m, b=batch: m(**b)) for k, m in hp.items()}
             for p in paths:
                 for kind, m in fp8.items():
-                    variants[f"{kind}@{p}"] = lambda m=m, p=p: _pinned(m, p, batch)
+                    variants[f"{kind}@{p}"] = lambda m=m, p=p, b=batch: _pinned(m, p, b)
             t = time_interleaved(variants, rounds=args.rounds, warmup=2)
             best = best_of(t, "minilm")
             ms = {k: median(v) * 1e3 for k, v in t.items()}

@@ -100,6 +100,11 @@ dynamic_scale = reference.dynamic_scale
 
 
 def dynamic_quantize(x: torch.Tensor, fmt: FP8Format, per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`reference.dynamic_quantize`, bit for bit: amax, scale and quantize in one C call where it applies."""
+    if fmt is FP8Format.E4M3:
+        done = cpu_e4m3.dynamic_quantize_e4m3(x, per_token)
+        if done is not None:
+            return done
     return reference.dynamic_quantize(x, fmt, per_token, quantize)
 
 

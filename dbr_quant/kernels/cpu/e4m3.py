@@ -102,6 +102,9 @@ def _build(march: str = "native") -> tuple[ctypes.CDLL | None, str]:
     lib.dbr_small_linear.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int32, i64, i64, i64, ptr, ptr,
                                      ptr]
     lib.dbr_set_parallel_min.argtypes = [i64]
+    # x, is bf16, codes, rows, cols, per token, scales
+    lib.dbr_dynamic_quantize_e4m3.argtypes = [ptr, ctypes.c_int32, ptr, i64, i64, ctypes.c_int32, ptr]
+    lib.dbr_dynamic_quantize_e4m3.restype = None
     # x, x scale, its stride, w, w scale, its stride, bias, M, N, K, mode, y
     lib.dbr_fp8_gemm.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, ctypes.c_int32, ptr]
     lib.dbr_fp8_gemm.restype = ctypes.c_int
@@ -201,6 +204,23 @@ def quantize_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
     fn = lib.dbr_quantize_e4m3_fp32 if x.dtype == torch.float32 else lib.dbr_quantize_e4m3_bf16
     fn(x.data_ptr(), out.data_ptr(), shape[0], shape[1], scale.data_ptr(), shape[2])
     return out
+
+
+def dynamic_quantize_e4m3(x: torch.Tensor, per_token: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The reference's ``dynamic_quantize`` for E4M3 (the scale from the amax of each row, or of the tensor,
+    non-finite values ignored, through ``formats.safe_scale``; then the quantize), bit for bit, in one C call
+    that reads each row twice while it is in cache (the torch ops: ~10 passes and as many dispatches). ``x``
+    fp32 or bf16. None when the C library is unavailable or the input is of another kind."""
+    lib = library()
+    if lib is None or x.dtype not in (torch.float32, torch.bfloat16) or not _plain_cpu(x) or x.dim() == 0 \
+            or x.numel() == 0:
+        return None
+    cols = x.shape[-1]
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    scale = torch.empty((*x.shape[:-1], 1) if per_token else (), dtype=torch.float32)
+    lib.dbr_dynamic_quantize_e4m3(x.data_ptr(), int(x.dtype == torch.bfloat16), out.data_ptr(), x.numel() // cols,
+                                  cols, int(per_token), scale.data_ptr())
+    return out, scale
 
 
 def decode_e4m3_scaled(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
