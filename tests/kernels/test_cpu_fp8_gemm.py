@@ -203,6 +203,6 @@ def test_linear_on_the_bf16_path_runs_the_fused_gemm():
         xq, xs = _codes((rows, 256), g), torch.rand(rows, 1, generator=g)
         with features.use_cpu_gemm("bf16"):
             got = C.fp8_linear(xq, xs, wq, ws, bias=bias)
-        if rows <= C.FUSED_GEMV_ROWS or cpu_e4m3.gemm_tiles_any_batch():
+        if rows <= cpu_e4m3.fused_rows(bf16_path=True):
             assert torch.equal(got, cpu_e4m3.fp8_gemm(xq, xs, wq, ws, bias, cpu_e4m3.SCALES_FIRST))
         assert _within_bound(got, xq, xs, wq, ws, bias, cpu_e4m3.SCALES_FIRST), rows

@@ -48,26 +48,6 @@ from dbr_quant.kernels.reference.dense import GATED, dequantize_accumulator, lin
 # elements the plain casts win (a 16×16 linear: 36 → 10 µs here).
 SMALL_OPERAND = cpu_e4m3.SMALL  # also the size of small_linear's C buffers: one constant for both
 
-# The fused C GEMM (cpu_e4m3.fp8_gemm: the weight decoded inside the K loop, never written out at full width) runs
-# the bf16 GEMM path's linears (scales on the fp32 sum, the reference's order; no bf16 rounding of the result):
-# at every batch where the library has its AVX512-BF16 tiles (as fast as oneDNN's bf16 GEMM on decoded weights,
-# without the decode passes), else at most FUSED_GEMV_ROWS rows (its FMA tiles lose to torch's GEMM on larger
-# batches; at decode size it reads 1 byte per weight instead of 1 + 2 + 2).
-FUSED_GEMV_ROWS = 4
-# The fp32 GEMM path keeps torch's fp32 GEMM on operands dequantized first at every batch: compressed-tensors' own
-# sum, so transformers reproduces a saved checkpoint's linears bit for bit (tests/checkpoints/
-# test_transformers_load.py, tests/kernels/test_cpu_gemm.py). The fused kernel's DEQUANTIZE_FIRST order (built and
-# tested) would take decode-sized batches there 2-4× faster, at the price of that promise: 0 keeps it.
-FUSED_FP32_ROWS = 0
-
-
-def fused_rows_limit(dtype: torch.dtype) -> int:
-    """The most activation rows an FP8 linear runs on the fused C GEMM for, on the GEMM path of ``dtype``."""
-    if dtype == torch.float32:
-        return FUSED_FP32_ROWS
-    return 1 << 62 if cpu_e4m3.gemm_tiles_any_batch() else FUSED_GEMV_ROWS
-
-
 def small(t: torch.Tensor) -> bool:
     """Whether ``t`` has at most :data:`SMALL_OPERAND` elements."""
     return small_count(t.numel())
@@ -128,7 +108,7 @@ def fp8_linear(
     dtype = torch.float32 if is_small else features.gemm_dtype(x_q)
     if not is_small and x_q.is_cpu:
         rows = x_q.numel() // max(x_q.shape[-1], 1)
-        if rows <= fused_rows_limit(dtype):
+        if rows <= cpu_e4m3.fused_rows(dtype == torch.bfloat16):
             order = cpu_e4m3.SCALES_FIRST if dtype == torch.bfloat16 else cpu_e4m3.DEQUANTIZE_FIRST
             y = cpu_e4m3.fp8_gemm(x_q, x_scale, w_q, w_scale, None if bias is None else bias.float(), order)
             if y is not None:

@@ -321,6 +321,36 @@ def gemm_tiles_any_batch() -> bool:
     return gemm_isa() == GEMM_ISAS[3]
 
 
+# Which linears the CPU backend runs on the fused GEMM. The bf16 GEMM path's (scales on the fp32 sum, the
+# reference's order; no bf16 rounding of the result): every batch where the library has its AVX512-BF16 tiles (as
+# fast as oneDNN's bf16 GEMM on decoded weights, without the decode passes), else at most FUSED_GEMV_ROWS rows
+# (the FMA tiles lose to torch's GEMM on larger batches; at decode size the kernel reads 1 byte per weight, not
+# 1 + 2 + 2). The fp32 GEMM path's: none (FUSED_FP32_ROWS): it keeps torch's fp32 GEMM on operands dequantized
+# first at every batch, compressed-tensors' own sum, so transformers reproduces a saved checkpoint's linears bit for
+# bit (tests/checkpoints/test_transformers_load.py, tests/kernels/test_cpu_gemm.py). The kernel's DEQUANTIZE_FIRST
+# order (built and tested) would run its decode-sized batches 2-4× faster, at the price of that promise.
+FUSED_GEMV_ROWS = 4
+FUSED_FP32_ROWS = 0
+
+
+def fused_rows(bf16_path: bool) -> int:
+    """The most activation rows an FP8 linear runs on :func:`fp8_gemm` for, on the bf16 or the fp32 GEMM path."""
+    if not bf16_path:
+        return FUSED_FP32_ROWS
+    return 1 << 62 if gemm_tiles_any_batch() else FUSED_GEMV_ROWS
+
+
+def describe_fused() -> str:
+    """One line for benchmark and demo output: the fused GEMM's code path and which linears it runs."""
+    isa = gemm_isa()
+    if isa is None:
+        return "fused FP8 GEMM: unavailable (no C library)"
+    rows = fused_rows(True)
+    on = "every batch" if rows > 1 << 40 else f"batches of <= {rows} rows"
+    return (f"fused FP8 GEMM (E4M3 decoded in the K loop): {isa}; runs the bf16 path's linears at {on}; the fp32 "
+            "path keeps torch's fp32 GEMM on dequantized operands")
+
+
 SCALES_FIRST, DEQUANTIZE_FIRST = 0, 1  # fp8_gemm's orders: scales on the fp32 sum (the reference's), or operands
 
 
