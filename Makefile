@@ -43,6 +43,7 @@ typecheck: $(VENV_STAMP)
 	$(PY) -m mypy
 
 bench: $(VENV_STAMP)
+	$(PY) benchmarks/cpu_speed.py --rounds 5
 	$(PY) benchmarks/run.py --threads 1 --rounds 7
 
 clean:
