@@ -238,6 +238,17 @@ def decode_e4m3_scaled(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor |
     return out
 
 
+def _scale_strides(x_q: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, n: int) -> tuple[int, int] | None:
+    """(x scale stride, w scale stride) for a C linear: ``x_scale`` one fp32 value or one per row of ``x_q``,
+    ``w_scale`` one fp32 value or one per output channel (n,), both readable raw; None otherwise."""
+    xs = _rows(x_q, x_scale)
+    if xs is None or w_scale.dtype != torch.float32 or not _raw_cpu(w_scale):
+        return None
+    if w_scale.numel() == 1 and w_scale.dim() <= 1:
+        return xs[2], 0
+    return (xs[2], 1) if w_scale.shape == (n,) else None
+
+
 SMALL = 4096  # the C buffers' size: both operands of small_linear hold at most this many elements
 _ACTIVATIONS = {None: 0, "relu": 1}  # the ones whose C result is torch's bit for bit
 
@@ -279,14 +290,8 @@ def small_linear(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_
         return None
     if not (_raw_cpu(x_q) and _raw_cpu(w_q)):
         return None
-    xs = _rows(x_q, x_scale)
-    if xs is None or w_scale.dtype != torch.float32 or not _raw_cpu(w_scale):
-        return None
-    if w_scale.numel() == 1 and w_scale.dim() <= 1:
-        w_stride = 0
-    elif w_scale.shape == (n,):
-        w_stride = 1
-    else:
+    strides = _scale_strides(x_q, x_scale, w_scale, n)
+    if strides is None:
         return None
     shape = (*x_q.shape[:-1], n)
     for t, want in ((bias, (n,)), (residual, shape)):
@@ -294,7 +299,7 @@ def small_linear(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_
             return None
     y = torch.empty(shape, dtype=torch.float8_e4m3fn if out_scale is not None else torch.float32)
     null = None
-    lib.dbr_small_linear(x_q.data_ptr(), x_scale.data_ptr(), xs[2], w_q.data_ptr(), w_scale.data_ptr(), w_stride,
+    lib.dbr_small_linear(x_q.data_ptr(), x_scale.data_ptr(), strides[0], w_q.data_ptr(), w_scale.data_ptr(), strides[1],
                          null if bias is None else bias.data_ptr(), null if residual is None else residual.data_ptr(),
                          _ACTIVATIONS[activation], x_q.numel() // k, n, k,
                          null if out_scale is not None else y.data_ptr(),
@@ -370,19 +375,13 @@ def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
     n, k = w_q.shape
     if x_q.shape[-1] != k or n == 0 or k == 0 or x_q.numel() == 0:
         return None
-    xs = _rows(x_q, x_scale)
-    if xs is None or w_scale.dtype != torch.float32 or not _raw_cpu(w_scale):
-        return None
-    if w_scale.numel() == 1 and w_scale.dim() <= 1:
-        w_stride = 0
-    elif w_scale.shape == (n,):
-        w_stride = 1
-    else:
+    strides = _scale_strides(x_q, x_scale, w_scale, n)
+    if strides is None:
         return None
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not _raw_cpu(bias)):
         return None
     y = torch.empty((*x_q.shape[:-1], n), dtype=torch.float32)
-    if lib.dbr_fp8_gemm(x_q.data_ptr(), x_scale.data_ptr(), xs[2], w_q.data_ptr(), w_scale.data_ptr(), w_stride,
+    if lib.dbr_fp8_gemm(x_q.data_ptr(), x_scale.data_ptr(), strides[0], w_q.data_ptr(), w_scale.data_ptr(), strides[1],
                         None if bias is None else bias.data_ptr(), x_q.numel() // k, n, k, order, y.data_ptr()) != 0:
         raise MemoryError(f"kernels.cpu.fp8_gemm: no memory for the decode buffers of a {x_q.numel() // k}×{n}×{k} "
                           "FP8 linear; free memory or run smaller batches")

@@ -160,15 +160,22 @@ typedef void (*rows_fn)(const void *src, void *dst, int64_t rows, int64_t cols, 
 static int64_t parallel_min = 1 << 17;
 void dbr_set_parallel_min(int64_t n) { parallel_min = n > 1 ? n : 1; }
 
-static void run_chunks(rows_fn fn, const uint8_t *src, int64_t in_size, uint8_t *dst, int64_t out_size, int64_t rows,
-                       int64_t cols, const float *scale, int64_t stride) {
-    int64_t n = rows * cols, parts = n / parallel_min;
+/* How many threads a pass over n elements takes: one per parallel_min elements, at most torch's thread count,
+   one inside a parallel region or without OpenMP. */
+static int64_t thread_parts(int64_t n) {
+    int64_t parts = n / parallel_min;
 #ifdef _OPENMP
     if (parts > omp_get_max_threads()) parts = omp_get_max_threads();
     if (omp_in_parallel()) parts = 1;
 #else
     parts = 1;
 #endif
+    return parts;
+}
+
+static void run_chunks(rows_fn fn, const uint8_t *src, int64_t in_size, uint8_t *dst, int64_t out_size, int64_t rows,
+                       int64_t cols, const float *scale, int64_t stride) {
+    int64_t n = rows * cols, parts = thread_parts(n);
     if (stride != 0 && parts > rows) parts = rows;
     if (parts <= 1) {
         fn(src, dst, rows, cols, scale, stride);
@@ -318,13 +325,7 @@ void dbr_dynamic_quantize_e4m3(const void *x, int32_t is_bf16, uint8_t *dst, int
                    scale, 0);
         return;
     }
-    int64_t parts = rows * cols / parallel_min;
-#ifdef _OPENMP
-    if (parts > omp_get_max_threads()) parts = omp_get_max_threads();
-    if (omp_in_parallel()) parts = 1;
-#else
-    parts = 1;
-#endif
+    int64_t parts = thread_parts(rows * cols);
     if (parts > rows) parts = rows;
     if (parts <= 1) {
         dynamic_rows(x, is_bf16, dst, rows, cols, scale);
