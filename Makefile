@@ -51,6 +51,7 @@ typecheck: $(VENV_STAMP)
 	$(PY) -m mypy
 
 bench: $(VENV_STAMP)
+	$(PY) benchmarks/cpu_speed.py --rounds 5
 	$(PY) benchmarks/run.py --threads 1 --rounds 7
 
 # On a CUDA machine as it is (no venv, no installs: its own python3 with torch >= 2.11, triton >= 3.6):

@@ -346,10 +346,11 @@ def test_every_quantize_is_x_times_the_reciprocal_on_built_ties(decoder, monkeyp
 
 def test_the_torch_path_gives_the_same_bits_except_a_small_linears_sum_order(decoder, monkeypatch):
     """What DBR_QUANT_CPU_DECODE=torch keeps: every quantize (built ties included), upcast and dequantize, and
-    every linear whose GEMM is torch's on both paths (an operand above SMALL elements, either GEMM path), bit for
-    bit. What it changes: a small linear sums Σ_k in k order in C (the sequential definition) and in torch's GEMM
-    order without it (F.linear of the dequantized operands: compressed-tensors' own arithmetic), so those fp32
-    outputs can differ in the last bits; each side is checked against its definition."""
+    every linear whose GEMM is torch's on both paths (an operand above SMALL elements, the fp32 GEMM path), bit for
+    bit. What it changes: the bf16 path's large linear runs the fused C GEMM (fp32 sums) only with the library;
+    a small linear sums Σ_k in k order in C (the sequential definition) and in torch's GEMM order without it
+    (F.linear of the dequantized operands: compressed-tensors' own arithmetic), so those fp32 outputs can differ in
+    the last bits; each side is checked against its definition."""
     from fp8_ties import tie_inputs
 
     g = torch.Generator().manual_seed(5)
@@ -380,8 +381,14 @@ def test_the_torch_path_gives_the_same_bits_except_a_small_linears_sum_order(dec
         monkeypatch.delenv(cpu_e4m3.ENV_VAR)
         cpu_e4m3.reset()
     for k in with_c:
-        if k != "small":
+        if k not in ("small", "big_bf16"):
             assert torch.equal(with_c[k], without[k]), k
+    # the bf16 path's large linear is the fused C GEMM with the library (fp32 sums, no bf16 rounding of the result),
+    # torch's bf16 GEMM (its result rounded once to bf16) without: each equals its own definition
+    fused = cpu_e4m3.fp8_gemm(q["xb"], xs, q["wb"], ws, b, cpu_e4m3.SCALES_FIRST)
+    assert fused is not None and torch.equal(with_c["big_bf16"], torch.relu(fused))
+    acc = torch.nn.functional.linear(q["xb"].float(), q["wb"].float()).to(torch.bfloat16).float()
+    assert torch.equal(without["big_bf16"], torch.relu(R.dequantize_accumulator(acc, xs * ws, b)))
     assert torch.equal(with_c["small"], sequential_linear(q["xsm"], xs, q["wsm"], ws[:20], b[:20]))
     xd, wd = q["xsm"].float() * xs, q["wsm"].float() * ws[:20, None]
     assert torch.equal(without["small"], torch.nn.functional.linear(xd, wd, b[:20]))

@@ -50,7 +50,6 @@ from dbr_quant.kernels.reference.dense import GATED, dequantize_accumulator, lin
 # elements the plain casts win (a 16×16 linear: 36 → 10 µs here).
 SMALL_OPERAND = cpu_e4m3.SMALL  # also the size of small_linear's C buffers: one constant for both
 
-
 def small(t: torch.Tensor) -> bool:
     """Whether ``t`` has at most :data:`SMALL_OPERAND` elements."""
     return small_count(t.numel())
@@ -83,6 +82,11 @@ dynamic_scale = reference.dynamic_scale
 
 
 def dynamic_quantize(x: torch.Tensor, fmt: FP8Format, per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`reference.dynamic_quantize`, bit for bit: amax, scale and quantize in one C call where it applies."""
+    if fmt is FP8Format.E4M3:
+        done = cpu_e4m3.dynamic_quantize_e4m3(x, per_token)
+        if done is not None:
+            return done
     return reference.dynamic_quantize(x, fmt, per_token, quantize)
 
 
@@ -104,6 +108,13 @@ def fp8_linear(
     accumulator scaled in the epilogue, as the reference)."""
     is_small = small(x_q) and small(w_q)  # what gemm_dtype() decides on, computed once on this hot path
     dtype = torch.float32 if is_small else features.gemm_dtype(x_q)
+    if not is_small and x_q.is_cpu:
+        rows = x_q.numel() // max(x_q.shape[-1], 1)
+        if rows <= cpu_e4m3.fused_rows(dtype == torch.bfloat16):
+            order = cpu_e4m3.SCALES_FIRST if dtype == torch.bfloat16 else cpu_e4m3.DEQUANTIZE_FIRST
+            y = cpu_e4m3.fp8_gemm(x_q, x_scale, w_q, w_scale, None if bias is None else bias.float(), order)
+            if y is not None:
+                return linear_epilogue(y, activation, residual, out_dtype, out_scale, out_fmt, quantize)
     if dtype == torch.float32:  # operands dequantized first (see dequantize_operand)
         if is_small:  # one C call instead of a dozen torch ops, where it applies
             # the GEMM is the C one whatever the epilogue, so a fused subgraph equals its ops one by one; an

@@ -44,6 +44,8 @@ from dbr_quant.kernels.cpu import build as cpu_build
 ENV_VAR = "DBR_QUANT_CPU_DECODE"  # "torch" forces the fallback; "c" (default) uses the compiled loop
 
 SOURCE = Path(__file__).parent / "csrc" / "e4m3.c"  # package data: shipped in the wheel, compiled on first use
+# compiled as one translation unit after e4m3.c (it uses that file's decode and OpenMP set-up)
+GEMM_SOURCE = Path(__file__).parent / "csrc" / "fp8_gemm.c"
 
 # -ffp-contract=off: a·b + c stays two roundings (no FMA), so results do not depend on the CPU having FMA
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
@@ -78,7 +80,8 @@ def _build(march: str = "native") -> tuple[ctypes.CDLL | None, str]:
     the kernels are unavailable (a remembered failed build stays quiet: cpu.describe() tells)."""
     flags = tuple(f"-march={march}" if f == "-march=native" else f for f in _FLAGS)
     try:
-        source = SOURCE.read_text()  # read here, not at import: only a process that builds or loads needs it
+        # read here, not at import: only a process that builds or loads needs it
+        source = SOURCE.read_text() + "\n" + GEMM_SOURCE.read_text()
     except OSError as e:
         outcome = cpu_build.Outcome(None, f"the C source is missing from this installation ({e}); reinstall "
                                           "dbr_quant", news=True)
@@ -99,6 +102,14 @@ def _build(march: str = "native") -> tuple[ctypes.CDLL | None, str]:
     lib.dbr_small_linear.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int32, i64, i64, i64, ptr, ptr,
                                      ptr]
     lib.dbr_set_parallel_min.argtypes = [i64]
+    # x, is bf16, codes, rows, cols, per token, scales
+    lib.dbr_dynamic_quantize_e4m3.argtypes = [ptr, ctypes.c_int32, ptr, i64, i64, ctypes.c_int32, ptr]
+    lib.dbr_dynamic_quantize_e4m3.restype = None
+    # x, x scale, its stride, w, w scale, its stride, bias, M, N, K, mode, y
+    lib.dbr_fp8_gemm.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, ctypes.c_int32, ptr]
+    lib.dbr_fp8_gemm.restype = ctypes.c_int
+    lib.dbr_fp8_gemm_isa.argtypes = []
+    lib.dbr_fp8_gemm_isa.restype = ctypes.c_int
     for name in ("dbr_e4m3_to_fp32", "dbr_e4m3_to_bf16", "dbr_e4m3_to_fp32_scaled", "dbr_quantize_e4m3_fp32",
                  "dbr_quantize_e4m3_bf16", "dbr_small_linear", "dbr_set_parallel_min"):
         getattr(lib, name).restype = None
@@ -195,6 +206,23 @@ def quantize_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def dynamic_quantize_e4m3(x: torch.Tensor, per_token: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The reference's ``dynamic_quantize`` for E4M3 (the scale from the amax of each row, or of the tensor,
+    non-finite values ignored, through ``formats.safe_scale``; then the quantize), bit for bit, in one C call
+    that reads each row twice while it is in cache (the torch ops: ~10 passes and as many dispatches). ``x``
+    fp32 or bf16. None when the C library is unavailable or the input is of another kind."""
+    lib = library()
+    if lib is None or x.dtype not in (torch.float32, torch.bfloat16) or not _plain_cpu(x) or x.dim() == 0 \
+            or x.numel() == 0:
+        return None
+    cols = x.shape[-1]
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    scale = torch.empty((*x.shape[:-1], 1) if per_token else (), dtype=torch.float32)
+    lib.dbr_dynamic_quantize_e4m3(x.data_ptr(), int(x.dtype == torch.bfloat16), out.data_ptr(), x.numel() // cols,
+                                  cols, int(per_token), scale.data_ptr())
+    return out, scale
+
+
 def decode_e4m3_scaled(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """``q.float() · scale`` (fp32; ``scale`` one value or one per row, each product rounded once) in one pass,
     written into ``out`` if given; None when the C library is unavailable or the inputs are of another kind."""
@@ -208,6 +236,17 @@ def decode_e4m3_scaled(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor |
         out = torch.empty(q.shape, dtype=torch.float32)
     lib.dbr_e4m3_to_fp32_scaled(q.data_ptr(), out.data_ptr(), shape[0], shape[1], scale.data_ptr(), shape[2])
     return out
+
+
+def _scale_strides(x_q: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, n: int) -> tuple[int, int] | None:
+    """(x scale stride, w scale stride) for a C linear: ``x_scale`` one fp32 value or one per row of ``x_q``,
+    ``w_scale`` one fp32 value or one per output channel (n,), both readable raw; None otherwise."""
+    xs = _rows(x_q, x_scale)
+    if xs is None or w_scale.dtype != torch.float32 or not _raw_cpu(w_scale):
+        return None
+    if w_scale.numel() == 1 and w_scale.dim() <= 1:
+        return xs[2], 0
+    return (xs[2], 1) if w_scale.shape == (n,) else None
 
 
 SMALL = 4096  # the C buffers' size: both operands of small_linear hold at most this many elements
@@ -251,14 +290,8 @@ def small_linear(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_
         return None
     if not (_raw_cpu(x_q) and _raw_cpu(w_q)):
         return None
-    xs = _rows(x_q, x_scale)
-    if xs is None or w_scale.dtype != torch.float32 or not _raw_cpu(w_scale):
-        return None
-    if w_scale.numel() == 1 and w_scale.dim() <= 1:
-        w_stride = 0
-    elif w_scale.shape == (n,):
-        w_stride = 1
-    else:
+    strides = _scale_strides(x_q, x_scale, w_scale, n)
+    if strides is None:
         return None
     shape = (*x_q.shape[:-1], n)
     for t, want in ((bias, (n,)), (residual, shape)):
@@ -266,10 +299,90 @@ def small_linear(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_
             return None
     y = torch.empty(shape, dtype=torch.float8_e4m3fn if out_scale is not None else torch.float32)
     null = None
-    lib.dbr_small_linear(x_q.data_ptr(), x_scale.data_ptr(), xs[2], w_q.data_ptr(), w_scale.data_ptr(), w_stride,
+    lib.dbr_small_linear(x_q.data_ptr(), x_scale.data_ptr(), strides[0], w_q.data_ptr(), w_scale.data_ptr(), strides[1],
                          null if bias is None else bias.data_ptr(), null if residual is None else residual.data_ptr(),
                          _ACTIVATIONS[activation], x_q.numel() // k, n, k,
                          null if out_scale is not None else y.data_ptr(),
                          y.data_ptr() if out_scale is not None else null,
                          null if out_scale is None else out_scale.data_ptr())
+    return y
+
+
+# what dbr_fp8_gemm_isa() returns → the code path (csrc/fp8_gemm.c's header describes each)
+GEMM_ISAS = ("portable C", "AVX2-FMA", "AVX-512F FMA", "AVX512-BF16 vdpbf16ps")
+
+
+def gemm_isa() -> str | None:
+    """The fused GEMM's code path in the library built for this CPU; None without the C library."""
+    if "isa" not in _state:
+        lib = library()
+        _state["isa"] = None if lib is None else GEMM_ISAS[lib.dbr_fp8_gemm_isa()]
+    return _state["isa"]  # type: ignore[return-value]
+
+
+def gemm_tiles_any_batch() -> bool:
+    """Whether the fused GEMM is the fast one at every batch (the BF16 build's VNNI tiles), not only at
+    decode-sized batches (its in-register GEMV)."""
+    return gemm_isa() == GEMM_ISAS[3]
+
+
+# Which linears the CPU backend runs on the fused GEMM. The bf16 GEMM path's (scales on the fp32 sum, the
+# reference's order; no bf16 rounding of the result): every batch where the library has its AVX512-BF16 tiles (as
+# fast as oneDNN's bf16 GEMM on decoded weights, without the decode passes), else at most FUSED_GEMV_ROWS rows
+# (the FMA tiles lose to torch's GEMM on larger batches; at decode size the kernel reads 1 byte per weight, not
+# 1 + 2 + 2). The fp32 GEMM path's: none (FUSED_FP32_ROWS): it keeps torch's fp32 GEMM on operands dequantized
+# first at every batch, compressed-tensors' own sum, so transformers reproduces a saved checkpoint's linears bit for
+# bit (tests/checkpoints/test_transformers_load.py, tests/kernels/test_cpu_gemm.py). The kernel's DEQUANTIZE_FIRST
+# order (built and tested) would run its decode-sized batches 2-4× faster, at the price of that promise.
+FUSED_GEMV_ROWS = 4
+FUSED_FP32_ROWS = 0
+
+
+def fused_rows(bf16_path: bool) -> int:
+    """The most activation rows an FP8 linear runs on :func:`fp8_gemm` for, on the bf16 or the fp32 GEMM path."""
+    if not bf16_path:
+        return FUSED_FP32_ROWS
+    return 1 << 62 if gemm_tiles_any_batch() else FUSED_GEMV_ROWS
+
+
+def describe_fused() -> str:
+    """One line for benchmark and demo output: the fused GEMM's code path and which linears it runs."""
+    isa = gemm_isa()
+    if isa is None:
+        return "fused FP8 GEMM: unavailable (no C library)"
+    rows = fused_rows(True)
+    on = "every batch" if rows > 1 << 40 else f"batches of <= {rows} rows"
+    return (f"fused FP8 GEMM (E4M3 decoded in the K loop): {isa}; runs the bf16 path's linears at {on}; the fp32 "
+            "path keeps torch's fp32 GEMM on dequantized operands")
+
+
+SCALES_FIRST, DEQUANTIZE_FIRST = 0, 1  # fp8_gemm's orders: scales on the fp32 sum (the reference's), or operands
+
+
+def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+             bias: torch.Tensor | None, order: int) -> torch.Tensor | None:
+    """``x_q·x_scale @ (w_q·w_scale)ᵀ + bias`` in fp32 with the E4M3 weight decoded inside the GEMM's K loop
+    (``csrc/fp8_gemm.c``; never written out at full width): ``order`` :data:`SCALES_FIRST` sums the exact
+    products and scales the sum (the reference's order), :data:`DEQUANTIZE_FIRST` sums products of the operands
+    dequantized first (compressed-tensors' order, the fp32 GEMM path's). Either sum runs in the kernel's own
+    order, within the dot product's fp32 error bound of a torch GEMM's. ``x_scale``: one value or one per row;
+    ``w_scale``: one value or one per output channel (N,); ``bias`` fp32 (N,). Inference only (no autograd).
+    None when the call does not fit (other dtypes or layouts, no C library): the caller's torch path."""
+    lib = library()
+    if lib is None or x_q.dtype != torch.float8_e4m3fn or w_q.dtype != torch.float8_e4m3fn or w_q.dim() != 2 \
+            or x_q.dim() == 0 or not (_raw_cpu(x_q) and _raw_cpu(w_q)):
+        return None
+    n, k = w_q.shape
+    if x_q.shape[-1] != k or n == 0 or k == 0 or x_q.numel() == 0:
+        return None
+    strides = _scale_strides(x_q, x_scale, w_scale, n)
+    if strides is None:
+        return None
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not _raw_cpu(bias)):
+        return None
+    y = torch.empty((*x_q.shape[:-1], n), dtype=torch.float32)
+    if lib.dbr_fp8_gemm(x_q.data_ptr(), x_scale.data_ptr(), strides[0], w_q.data_ptr(), w_scale.data_ptr(), strides[1],
+                        None if bias is None else bias.data_ptr(), x_q.numel() // k, n, k, order, y.data_ptr()) != 0:
+        raise MemoryError(f"kernels.cpu.fp8_gemm: no memory for the decode buffers of a {x_q.numel() // k}×{n}×{k} "
+                          "FP8 linear; free memory or run smaller batches")
     return y

@@ -43,8 +43,8 @@ class _ThreadSettings(threading.local):
 _tls = _ThreadSettings()
 
 # /proc/cpuinfo flags worth printing next to a timing (the ones that decide how fast a GEMM can be)
-_SHOWN_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
-                "amx_fp16", "sve", "bf16", "i8mm")
+_SHOWN_FLAGS = ("avx2", "fma", "avx512f", "avx512vbmi", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile",
+                "amx_bf16", "amx_fp16", "sve", "bf16", "i8mm")
 
 
 def _torch_check(name: str) -> bool:
@@ -146,8 +146,8 @@ def use_cpu_gemm(path: str) -> Iterator[None]:
 
 
 def describe() -> str:
-    """Two lines for benchmark and demo output: the GEMM path that runs, why, and the CPU features seen; whether
-    the C E4M3 kernels run (else why not: torch ops take their place)."""
+    """Three lines for benchmark and demo output: the GEMM path that runs, why, and the CPU features seen; whether
+    the C E4M3 kernels run (else why not: torch ops take their place); the fused FP8 GEMM's code path."""
     c_active, c_why = cpu_e4m3.status()
     forced = _tls.cpu_gemm
     if forced is None:
@@ -160,4 +160,4 @@ def describe() -> str:
     return (f"CPU GEMM path: {path} ({why}); CPU: torch capability {f['capability']}, avx512_bf16 "
             f"{yes(f['avx512_bf16'])}, amx {yes(f['amx'])}, avx512 {yes(f['avx512'])}, avx2 {yes(f['avx2'])}; "
             f"/proc/cpuinfo flags: {flags}\nC E4M3 kernels: {'active' if c_active else 'inactive, torch ops instead'} "
-            f"({c_why})")
+            f"({c_why})\n{cpu_e4m3.describe_fused()}")

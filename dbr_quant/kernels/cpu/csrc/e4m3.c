@@ -160,15 +160,22 @@ typedef void (*rows_fn)(const void *src, void *dst, int64_t rows, int64_t cols, 
 static int64_t parallel_min = 1 << 17;
 void dbr_set_parallel_min(int64_t n) { parallel_min = n > 1 ? n : 1; }
 
-static void run_chunks(rows_fn fn, const uint8_t *src, int64_t in_size, uint8_t *dst, int64_t out_size, int64_t rows,
-                       int64_t cols, const float *scale, int64_t stride) {
-    int64_t n = rows * cols, parts = n / parallel_min;
+/* How many threads a pass over n elements takes: one per parallel_min elements, at most torch's thread count,
+   one inside a parallel region or without OpenMP. */
+static int64_t thread_parts(int64_t n) {
+    int64_t parts = n / parallel_min;
 #ifdef _OPENMP
     if (parts > omp_get_max_threads()) parts = omp_get_max_threads();
     if (omp_in_parallel()) parts = 1;
 #else
     parts = 1;
 #endif
+    return parts;
+}
+
+static void run_chunks(rows_fn fn, const uint8_t *src, int64_t in_size, uint8_t *dst, int64_t out_size, int64_t rows,
+                       int64_t cols, const float *scale, int64_t stride) {
+    int64_t n = rows * cols, parts = thread_parts(n);
     if (stride != 0 && parts > rows) parts = rows;
     if (parts <= 1) {
         fn(src, dst, rows, cols, scale, stride);
@@ -250,4 +257,87 @@ void dbr_small_linear(const uint8_t *xq, const float *xs, int64_t xs_stride, con
             if (out_q) out_q[m * N + n] = e4m3_code(y * inv);
             else out[m * N + n] = y;
         }
+}
+
+/* Dynamic quantize in one call: the amax of each row (per_token) or of the whole tensor, non-finite values
+   ignored, as a max of the magnitudes' bit patterns (for non-negative floats the integer order is the float order,
+   so the max is exact and vectorizes); the scale safe_scale makes of it (amax / 448, one division; 1 where that
+   is 0 or not finite; at least FLT_MIN); then the row quantized as quantize_*_rows does, while it is still in
+   cache. Writes the codes and the scales (one per row, or one). */
+static inline uint32_t magnitude_if_finite(uint32_t bits) {
+    uint32_t a = bits & 0x7FFFFFFFu;
+    return a < 0x7F800000u ? a : 0u;
+}
+
+static float safe_scale_of(uint32_t amax_bits) {
+    float amax;
+    memcpy(&amax, &amax_bits, 4);
+    float scale = amax / 448.0f;
+    if (!(scale > 0.0f) || scale > 3.4028234663852886e38f) scale = 1.0f;
+    return scale < 1.1754943508222875e-38f ? 1.1754943508222875e-38f : scale;
+}
+
+static uint32_t amax_fp32(const float *x, int64_t n) {
+    const uint32_t *b = (const uint32_t *)x;
+    uint32_t m = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t a = magnitude_if_finite(b[i]);
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
+static uint32_t amax_bf16(const uint16_t *x, int64_t n) {
+    uint32_t m = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t a = magnitude_if_finite((uint32_t)x[i] << 16);
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
+static void dynamic_rows(const void *x, int is_bf16, uint8_t *dst, int64_t rows, int64_t cols, float *scale) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const void *row = is_bf16 ? (const void *)((const uint16_t *)x + r * cols) : (const void *)((const float *)x + r * cols);
+        scale[r] = safe_scale_of(is_bf16 ? amax_bf16((const uint16_t *)row, cols) : amax_fp32((const float *)row, cols));
+        (is_bf16 ? quantize_bf16_rows : quantize_fp32_rows)(row, dst + r * cols, 1, cols, scale + r, 0);
+    }
+}
+
+void dbr_dynamic_quantize_e4m3(const void *x, int32_t is_bf16, uint8_t *dst, int64_t rows, int64_t cols,
+                               int32_t per_token, float *scale) {
+    const int64_t in_size = is_bf16 ? 2 : 4;
+    if (!per_token) {  /* one amax over everything, then the quantize split as any other pass */
+        uint32_t m = 0;
+        const int64_t n = rows * cols;
+        int parts = 1;
+#ifdef _OPENMP
+        if (!omp_in_parallel() && n >= 2 * parallel_min) parts = omp_get_max_threads();
+#pragma omp parallel for num_threads(parts) if (parts > 1) reduction(max : m) schedule(static)
+#endif
+        for (int64_t c = 0; c < parts; ++c) {
+            int64_t a = n * c / parts, e = n * (c + 1) / parts;
+            uint32_t part = is_bf16 ? amax_bf16((const uint16_t *)x + a, e - a) : amax_fp32((const float *)x + a, e - a);
+            m = part > m ? part : m;
+        }
+        scale[0] = safe_scale_of(m);
+        run_chunks(is_bf16 ? quantize_bf16_rows : quantize_fp32_rows, (const uint8_t *)x, in_size, dst, 1, 1, n,
+                   scale, 0);
+        return;
+    }
+    int64_t parts = thread_parts(rows * cols);
+    if (parts > rows) parts = rows;
+    if (parts <= 1) {
+        dynamic_rows(x, is_bf16, dst, rows, cols, scale);
+        return;
+    }
+    const int64_t step = (rows + parts - 1) / parts, count = (rows + step - 1) / step;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads((int)parts) schedule(static)
+#endif
+    for (int64_t c = 0; c < count; ++c) {
+        int64_t a = c * step;
+        dynamic_rows((const uint8_t *)x + a * cols * in_size, is_bf16, dst + a * cols, rows - a < step ? rows - a : step,
+                     cols, scale + a);
+    }
 }
