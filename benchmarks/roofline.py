@@ -367,7 +367,7 @@ def print_sm90_gemm_table(hiddens: list[int], overhead_s: float) -> None:
     """(6) Estimated TFLOP/s of each kernel on Llama-3 linear shapes, the dispatcher's pick, and TMA's speedup."""
     print(f"\n6. H100 sm_90 FP8 linear (bf16 out) by kernel: pointer (cp.async) vs TMA persistent -- {LABEL}. "
           "Measured on an H100 (README, 'Measured on a GPU'): both kernels reach 400-700 TFLOP/s at M >= 512 and the "
-          "TMA one is slower in 21 of 25 rows, so the dispatcher picks the pointer kernel "
+          "TMA one is slower in 24 of 25 rows, so the dispatcher picks the pointer kernel "
           f"(tma_gemm.AUTO_TMA={tma_gemm.AUTO_TMA}); 'picked' below is the rule with AUTO_TMA on "
           f"(TMA for M > {tma_gemm.TMA_MIN_ROWS})")
     names = list(sm90_gemms(1, 128, 128))
