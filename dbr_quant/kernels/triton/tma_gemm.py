@@ -74,7 +74,7 @@ TMA_CONFIGS: dict[str, core.GemmConfig] = {
 # (gemm.pick_config). Below it a 128-row tile is mostly padding and decode GEMVs are bound by streaming W.
 TMA_MIN_ROWS = 128
 # Whether the automatic choice takes the TMA kernel at all. Measured on an H100 (make gpu-check, 2026-11-26,
-# triton 3.6, benchmarks/gpu.py section 1): this 128×64 tile was slower than the pointer kernel in 21 of the
+# triton 3.6, benchmarks/gpu.py section 1): this 128×64 tile was slower than the pointer kernel in 24 of the
 # 25 GEMM rows (Llama-3-8B qkv at M = 8192: 0.853 vs 0.727 ms; 70B gate_up M = 8192: 12.0 vs 11.1 ms), so it
 # runs only when asked for (``kernel="tma"`` / :func:`forced_kernel`) until a tile beats the pointer kernel.
 AUTO_TMA = False
