@@ -214,8 +214,9 @@ def test_rewritten_graph_runs_the_ops_and_equals_eager(qconfig, op):
 
 def test_moe_experts_under_both_schemes():
     """Mixtral experts (3-D FP8 weights): MX experts hold the decoded power-of-two scales (the block layout the
-    grouped kernels read) and per-token activations; weight-only experts run the W8A8 grouped kernels (the grouped
-    GEMMs have no weight-only path yet). Measured logits cosine: 0.9971 (MX), 0.9968 (weight-only)."""
+    grouped kernels read) and per-tensor dynamic activations; weight-only experts run the W8A8 grouped kernels
+    (the grouped GEMMs have no weight-only or MX-activation path yet): convert warns and report says so.
+    Measured logits cosine: 0.9971 (MX), 0.9968 (weight-only)."""
     from test_moe import _mixtral
 
     torch.manual_seed(0)
@@ -224,7 +225,11 @@ def test_moe_experts_under_both_schemes():
     with torch.no_grad():
         ref = m(ids).logits
     for qc in (dq.QConfig.mxfp8(), dq.QConfig.fp8_weight_only()):
-        c = dq.convert(dq.prepare(m, (ids[:1, :2],), qc))
+        with pytest.warns(UserWarning, match="no grouped MoE kernel") as caught:
+            c = dq.convert(dq.prepare(m, (ids[:1, :2],), qc))
+        assert any("mlp.experts" in str(w.message) for w in caught)
+        rows = [r for r in dq.report(c) if r["module"] == "model.layers.0.mlp.experts" and r["fp8"]]
+        assert rows and all("no grouped MoE kernel" in r["reason"] for r in rows)
         with torch.no_grad():
             out = c(ids).logits
         assert F.cosine_similarity(out.flatten(), ref.flatten(), dim=0) > 0.99, qc
