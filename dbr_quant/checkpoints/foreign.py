@@ -185,7 +185,15 @@ class FolderPlan:
         kv = [Override(pattern=rf"^{re.escape(fqn)}\.{SDPA}$", activation=TensorQConfig(),
                        dynamic=False) for fqn in self.kv]
         rest = Override(pattern="", skip=True)
-        return QConfig(quantize_attention=bool(self.kv), overrides=(*self.overrides, *experts, *kv, rest))
+        weight_only = {fqn for fqn, ls in self.linears.items() if ls.activation is None}
+        if weight_only and (len(weight_only) < len(self.linears) or self.kv):
+            other = next(iter(sorted(set(self.linears) - weight_only)), None)
+            raise CheckpointError(
+                f"{self.scheme.where}: '{sorted(weight_only)[0]}' is weight-only FP8 (no input_activations) but "
+                + (f"'{other}' quantizes its inputs" if other is not None else "k/v cache scales are given")
+                + "; dbr_quant's weight-only mode is model-wide (QConfig(weight_only=True)): load a folder of one kind")
+        return QConfig(quantize_attention=bool(self.kv), weight_only=bool(weight_only),
+                       overrides=(*self.overrides, *experts, *kv, rest))
 
 
 def _default_example(model: nn.Module) -> tuple[tuple, dict]:

@@ -83,13 +83,16 @@ class LinearScheme:
         if self.refused is not None:
             raise CheckpointError(f"'{fqn}' ({where}): {self.refused}")
         a = self.activation
-        if a is None:
-            raise CheckpointError(
-                f"'{fqn}' ({where}): weight-only FP8 (FP8 weights, no input_activations: the inputs stay high "
-                "precision, vLLM's CompressedTensorsW8A16Fp8 / Marlin path); dbr_quant runs FP8 inputs only for now. "
-                "Weight-only execution is coming in dbr_quant's weight-only support; until then load this folder "
-                "with transformers or vLLM")
         w = self.weight
+        if a is None:  # weight-only (vLLM's CompressedTensorsW8A16Fp8): QConfig(weight_only=True), see FolderPlan
+            if static:
+                raise CheckpointError(f"'{fqn}' ({where}): weight-only FP8 (no input_activations) has no input scale "
+                                      "to calibrate; load it without recalibrate=True")
+            if w.granularity not in ("tensor", "channel"):
+                raise CheckpointError(f"'{fqn}' ({where}): weight-only FP8 with {w.granularity} weights; dbr_quant's "
+                                      "weight-only GEMM takes per-tensor or per-channel weight scales (as vLLM's "
+                                      "CompressedTensorsW8A16Fp8 does)")
+            return Override(pattern=f"^{re.escape(fqn)}$", weight=w.qconfig())
         if a.granularity == "group" and (w.granularity != "block" or w.block is None or a.group_size != w.block[1]):
             raise CheckpointError(
                 f"'{fqn}' ({where}): dynamic per-token-group activations (group {a.group_size}) with {w.granularity} "

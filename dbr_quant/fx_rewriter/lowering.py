@@ -210,15 +210,23 @@ def _small_gemm(a: Tensor, b: Tensor) -> bool:
     return cpu_backend.small(a) and cpu_backend.small(b)
 
 
+def _kept_as_call(x_q: Tensor, w_q: Tensor) -> bool:
+    """Eager runs this linear's GEMM in a C kernel inductor's GEMM would not reproduce (the small-operand call, or
+    the fused FP8 GEMM: fp32 sums of exact products, where the decomposition's bf16 GEMM would round the result):
+    the op stays a call in the graph, the same kernel as eager."""
+    return _small_gemm(x_q, w_q) or cpu_backend.runs_fused_gemm(x_q, w_q)
+
+
 def _fp8_linear_op(x_q, x_scale, w_q, w_scale, *args):
-    if _small_gemm(x_q, w_q):
+    if _kept_as_call(x_q, w_q):
         return NotImplemented
     return fp8_linear(x_q, x_scale, w_q, w_scale, *args)
 
 
 def _fp8_mlp_op(x_q, x_scale, w1_q, w1_scale, b1, activation, h_scale, h_fmt, w2_q, *args):
     hidden = x_q.numel() // x_q.shape[-1] * w2_q.shape[-1]  # fc2's input size
-    if _small_gemm(x_q, w1_q) or (cpu_backend.small_count(hidden) and cpu_backend.small(w2_q)):
+    # fc2 has fc1's rows, so the fused GEMM takes both or neither (what decides is the row count and the path)
+    if _kept_as_call(x_q, w1_q) or (cpu_backend.small_count(hidden) and cpu_backend.small(w2_q)):
         return NotImplemented
     return fp8_mlp(x_q, x_scale, w1_q, w1_scale, b1, activation, h_scale, h_fmt, w2_q, *args)
 

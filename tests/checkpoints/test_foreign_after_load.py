@@ -84,8 +84,10 @@ def test_inspect_and_compile_a_loaded_folder(dynamic_folder, model):
         loaded(**INPUTS)
     assert {r["layer"] for r in s.records} >= {"model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"}
     gm = dq.fx_rewriter.rewrite(loaded, example_kwargs=INPUTS)
+    torch._dynamo.reset()
     compiled = torch.compile(gm, fullgraph=True)
-    with torch.no_grad():
+    # no cached compiled graphs: inductor's cache key does not cover the lowering's choices (tests/fx_rewriter)
+    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
         want = loaded(**INPUTS).logits
         assert torch.equal(gm(**INPUTS).logits, want)
         assert torch.allclose(compiled(**INPUTS).logits, want, atol=1e-4, rtol=1e-3)
@@ -120,9 +122,37 @@ CASES = {
     "int8 weights": (lambda f: _config(f, lambda qc: qc["config_groups"]["group_0"]["weights"].update(type="int")),
                      r"'model\.layers\.0\.[a-z_.]+' \(.*config\.json: quantization_config\): "
                      r"compressed-tensors weights: int 8-bit values \(not FP8\)"),
-    "weight-only": (lambda f: _config(f, lambda qc: qc["config_groups"]["group_0"].update(input_activations=None)),
-                    r"'model\.layers\.0\.[a-z_.]+' .*weight-only FP8 .*coming in dbr_quant's weight-only support"),
+    "weight-only, block weights": (
+        lambda f: _config(f, lambda qc: qc["config_groups"]["group_0"].update(
+            input_activations=None, weights={**qc["config_groups"]["group_0"]["weights"], "strategy": "block",
+                                             "block_structure": [128, 128]})),
+        r"'model\.layers\.0\.[a-z_.]+' .*weight-only FP8 with block weights"),
 }
+
+
+def test_weight_only_folder_runs_the_weight_only_gemm(model, dynamic_folder, tmp_path):
+    """A compressed-tensors folder without input_activations (vLLM's CompressedTensorsW8A16Fp8 layout) loads as
+    QConfig(weight_only=True): every FP8 linear runs fp8_weight_only_linear on its high-precision input, which is
+    x·(w_q·s)ᵀ — compared with the same model holding the folder's dequantized weights."""
+    import shutil
+
+    folder = tmp_path / "w8a16"
+    shutil.copytree(dynamic_folder, folder)
+    _config(folder, lambda qc: qc["config_groups"]["group_0"].update(input_activations=None))
+    loaded = dq.load_pretrained(folder, copy.deepcopy(model))
+    tensors = load_file(folder / "model.safetensors")
+    ref = copy.deepcopy(model)
+    for name, mod in ref.named_modules():
+        if f"{name}.weight_scale" in tensors:
+            w = tensors[f"{name}.weight"].float() * tensors[f"{name}.weight_scale"].float()
+            mod.weight.data.copy_(w)
+    ids = torch.randint(1, 100, (2, 9))
+    with torch.no_grad(), dq.kernels.count_launches() as launches:
+        got = loaded(input_ids=ids).logits
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+    assert launches["fp8_weight_only_linear"] > 0 and launches["quantize"] == 0 and launches["fp8_linear"] == 0
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("case", list(CASES))

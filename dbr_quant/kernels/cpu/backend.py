@@ -108,13 +108,11 @@ def fp8_linear(
     accumulator scaled in the epilogue, as the reference)."""
     is_small = small(x_q) and small(w_q)  # what gemm_dtype() decides on, computed once on this hot path
     dtype = torch.float32 if is_small else features.gemm_dtype(x_q)
-    if not is_small and x_q.is_cpu:
-        rows = x_q.numel() // max(x_q.shape[-1], 1)
-        if rows <= cpu_e4m3.fused_rows(dtype == torch.bfloat16):
-            order = cpu_e4m3.SCALES_FIRST if dtype == torch.bfloat16 else cpu_e4m3.DEQUANTIZE_FIRST
-            y = cpu_e4m3.fp8_gemm(x_q, x_scale, w_q, w_scale, None if bias is None else bias.float(), order)
-            if y is not None:
-                return linear_epilogue(y, activation, residual, out_dtype, out_scale, out_fmt, quantize)
+    if not is_small and _fused_rows(x_q, dtype):
+        order = cpu_e4m3.SCALES_FIRST if dtype == torch.bfloat16 else cpu_e4m3.DEQUANTIZE_FIRST
+        y = cpu_e4m3.fp8_gemm(x_q, x_scale, w_q, w_scale, None if bias is None else bias.float(), order)
+        if y is not None:
+            return linear_epilogue(y, activation, residual, out_dtype, out_scale, out_fmt, quantize)
     if dtype == torch.float32:  # operands dequantized first (see dequantize_operand)
         if is_small:  # one C call instead of a dozen torch ops, where it applies
             # the GEMM is the C one whatever the epilogue, so a fused subgraph equals its ops one by one; an
@@ -141,6 +139,20 @@ def fp8_linear(
         acc = F.linear(fp8_upcast(x_q, dtype), fp8_upcast(w_q, dtype, reuse_buffer=True))
     y = dequantize_accumulator(acc, x_scale * w_scale, bias)  # (…×1)·(N,) broadcasts to the output's scale grid
     return linear_epilogue(y, activation, residual, out_dtype, out_scale, out_fmt, quantize)
+
+
+def _fused_rows(x_q: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a (not small) linear of input ``x_q`` has few enough rows for the fused C GEMM on this path."""
+    rows = x_q.numel() // max(x_q.shape[-1], 1)
+    return x_q.is_cpu and rows <= cpu_e4m3.fused_rows(dtype == torch.bfloat16)
+
+
+def runs_fused_gemm(x_q: torch.Tensor, w_q: torch.Tensor) -> bool:
+    """Whether :func:`fp8_linear` runs this linear's GEMM in the fused C kernel (E4M3 decoded in the K loop, fp32
+    sums): the inductor lowering then keeps the op as a call (fx_rewriter.lowering), so compiled = eager."""
+    if (small(x_q) and small(w_q)) or cpu_e4m3.gemm_isa() is None:
+        return False
+    return _fused_rows(x_q, features.gemm_dtype(x_q))
 
 
 def dequantize_operand(q: torch.Tensor, scale: torch.Tensor, reuse_buffer: bool = False) -> torch.Tensor:
