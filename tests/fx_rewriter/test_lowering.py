@@ -143,13 +143,18 @@ def test_small_gemms_stay_as_the_op():
     w_q, w_s = _fp8((40, 48))
     linear = lowering.LOWERINGS["fp8_linear"]
     assert linear(x_q, x_s, w_q, w_s, None, "relu", None, torch.float32, None, "e4m3") is NotImplemented
-    big_x, _ = _fp8((3, 70, 48))  # a large input with a small weight: inductor's GEMM
-    assert linear(big_x, x_s, w_q, w_s, None, "relu", None, torch.float32, None, "e4m3") is not NotImplemented
+    big_x, _ = _fp8((3, 70, 48))  # a large input with a small weight: not the small C call
     mlp = lowering.LOWERINGS["fp8_mlp"]
     w2_q, _ = _fp8((48, 40))
     args = (x_s, w_q, w_s, None, "relu", x_s, "e4m3", w2_q, w_s, None, None, torch.float32)
     assert mlp(x_q, *args) is NotImplemented
-    assert mlp(big_x, *args) is not NotImplemented
+    # where eager runs the fused C GEMM (bf16 path, C library built) that op stays a call too (compiled = eager)
+    fused = cpu_backend.runs_fused_gemm(big_x, w_q)
+    assert (linear(big_x, x_s, w_q, w_s, None, "relu", None, torch.float32, None, "e4m3") is NotImplemented) == fused
+    assert (mlp(big_x, *args) is NotImplemented) == fused
+    with _eager_as_decomposed(cpu_backend.features.current_gemm_path()):  # no fused GEMM: inductor's GEMM
+        assert linear(big_x, x_s, w_q, w_s, None, "relu", None, torch.float32, None, "e4m3") is not NotImplemented
+        assert mlp(big_x, *args) is not NotImplemented
     compiled = torch.compile(lambda *a: torch.ops.dbr_quant.fp8_linear(*a), fullgraph=True)
     args = (x_q, x_s, w_q, w_s, torch.randn(40), "relu", None, torch.float32, None, "e4m3")
     assert torch.equal(compiled(*args), torch.ops.dbr_quant.fp8_linear(*args))
@@ -233,7 +238,8 @@ def test_compiled_ops_are_inlined_and_close_to_eager(path, close_to_reference):
         return torch.ops.dbr_quant.fp8_linear(y, mid_s, w2, w2_s, None, "", h, torch.float32, None, "e4m3")
 
     x, ln_w = torch.randn(6, 64), torch.rand(64) + 0.5
-    with torch.no_grad(), use_cpu_gemm(path):
+    # without the fused C GEMM (whose linears stay calls, test_small_gemms_stay_as_the_op), as the decomposition
+    with torch.no_grad(), use_cpu_gemm(path), _eager_as_decomposed(path):
         out, (code,) = run_and_get_code(torch.compile(mlp, fullgraph=True), x, ln_w)
         want = mlp(x, ln_w)
     calls = [line.split("torch.ops.dbr_quant.")[1].split(".")[0] for line in code.splitlines()
@@ -271,18 +277,19 @@ def test_compile_frozen_folds_the_weight_upcast(path, monkeypatch, close_to_refe
 
     _, c, x = converted_block()
     gm = rewrite(c)
-    if path == "bf16":  # once is enough (a compile costs seconds)
+    with _eager_as_decomposed(path):  # without the fused C GEMM, whose linears stay calls (no upcast to fold)
+        if path == "bf16":  # once is enough (a compile costs seconds)
+            with torch.no_grad():
+                torch.compile(gm, fullgraph=True)(x)  # a plain compile of the same graph first must not be reused
+        with use_cpu_gemm(path):
+            frozen = compile_frozen(gm)
+        with use_cpu_gemm("bf16" if path == "fp32" else "fp32"):  # the other path at the call: not used
+            out, codes = run_and_get_code(frozen, x)
+        assert codes, "compile_frozen did not compile"
+        assert not any("= torch.ops.dbr_quant." in line for code in codes for line in code.splitlines())
+        assert any("bfloat16" in code for code in codes) == (path == "bf16")
         with torch.no_grad():
-            torch.compile(gm, fullgraph=True)(x)  # a plain compile of the same graph first must not be reused
-    with use_cpu_gemm(path):
-        frozen = compile_frozen(gm)
-    with use_cpu_gemm("bf16" if path == "fp32" else "fp32"):  # the other path at the call: not used
-        out, codes = run_and_get_code(frozen, x)
-    assert codes, "compile_frozen did not compile"
-    assert not any("= torch.ops.dbr_quant." in line for code in codes for line in code.splitlines())
-    assert any("bfloat16" in code for code in codes) == (path == "bf16")
-    with torch.no_grad():
-        want = c(x)["out"]
+            want = c(x)["out"]
     close_to_reference(out["out"], want, min_cos=0.999, max_rel=0.03)  # measured 0.016 (fp32)
     with pytest.raises(RewriteError, match="GraphModule that rewrite"):
         compile_frozen(c)

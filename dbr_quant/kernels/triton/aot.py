@@ -30,6 +30,7 @@ hundreds of tests, rare in a fresh process, hence failures only inside the test 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import multiprocessing
 import pkgutil
@@ -265,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
     parser.add_argument("--all", action="store_true",
                         help="every configuration (thousands: hours) instead of the covering subset")
+    parser.add_argument("--allow-spill-bytes", type=int, default=0, metavar="N",
+                        help="count a configuration spilling at most N bytes as ok, listed as 'spill N' (default 0)")
     args = parser.parse_args(argv)
     import triton
 
@@ -281,13 +284,19 @@ def main(argv: list[str] | None = None) -> int:
           "registers and spills from ptxas -v")
     mma = "fp8 mma" if args.arch >= 89 else "mma"  # sm_80: the bf16/fp16 MMA of decoded FP8 weights
     print(f"{'kernel':<22} {'config':<{width}} {'regs':>5} {'spill B':>8} {'smem B':>8} {mma:>8} {'tma':>4}  status")
+    def tolerated(r: Result) -> bool:
+        """Not ok only for a spill within --allow-spill-bytes."""
+        return (not r.ok and not r.error and 0 < (r.spill_bytes or 0) <= args.allow_spill_bytes
+                and dataclasses.replace(r, spill_bytes=0).ok)
+
     for r in results:
-        status = ("ok" if r.ok else r.error.split(" <- ")[0] if r.error else "SPILLS" if r.spill_bytes
+        status = ("ok" if r.ok else f"spill {r.spill_bytes} (allowed)" if tolerated(r)
+                  else r.error.split(" <- ")[0] if r.error else "SPILLS" if r.spill_bytes
                   else "NO FP8 MMA" if r.needs_mma and not r.fp8_mma else "NO TMA")
         spill, smem = ("-" if v is None else v for v in (r.spill_bytes, r.shared_bytes))
         print(f"{r.kernel:<22} {r.config:<{width}} {r.registers or '-':>5} {spill:>8} {smem:>8} {r.fp8_mma:>8} "
               f"{r.tma:>4}  {status}")
-    failed = [r for r in results if not r.ok]
+    failed = [r for r in results if not r.ok and not tolerated(r)]
     for r in failed:
         if r.error:
             print(f"error in {r.kernel} {r.config}: {r.error}")
