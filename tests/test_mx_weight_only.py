@@ -13,31 +13,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+
+# the block-granularity tests' model and sizes (ragged against 32-wide MX blocks too)
+from test_block_granularity import HIDDEN, Block, D
 from torch import nn
 
 import dbr_quant as dq
 from dbr_quant.quantize.weights import FP8Weight, adjacent_rows
-
-D, HIDDEN, GATED = 200, 300, 136
-
-
-class Block(nn.Module):
-    """LayerNorm → fc1 → gelu → fc2 (+ residual), RMSNorm → gate/up → silu·up → down (+ residual), a head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(D), nn.RMSNorm(D)
-        self.fc1, self.fc2 = nn.Linear(D, HIDDEN), nn.Linear(HIDDEN, D)
-        self.gate, self.up = nn.Linear(D, GATED, bias=False), nn.Linear(D, GATED, bias=False)
-        self.down = nn.Linear(GATED, D, bias=False)
-        self.head = nn.Linear(D, 72)
-
-    def forward(self, x):
-        x = x + self.fc2(F.gelu(self.fc1(self.norm1(x))))
-        h = self.norm2(x)
-        x = x + self.down(F.silu(self.gate(h)) * self.up(h))
-        return self.head(x)
-
 
 LINEARS = ("fc1", "fc2", "gate", "up", "down", "head")
 
