@@ -24,6 +24,7 @@ from torch.fx.graph import _PyTreeCodeGen
 from torch.utils._config_module import ConfigModule
 from torch.utils._pytree import tree_flatten, tree_map, tree_structure
 
+from dbr_quant.fx_rewriter.lowering import lowering_cache_key
 from dbr_quant.fx_rewriter.ops import GraphOps
 from dbr_quant.kernels.cpu.features import current_gemm_path, use_cpu_gemm
 from dbr_quant.kernels.dispatch import capture_with
@@ -243,15 +244,20 @@ class FrozenCompiled(nn.Module):
 
 
 def gemm_path_cache_key(path: str | None = None) -> contextlib.AbstractContextManager:
-    """Key torch.compile's caches on the CPU GEMM path (default: the current one) while a graph compiles.
+    """Key torch.compile's caches on what the lowering decides with while a graph compiles: the CPU GEMM path
+    (default: the current one), whether the C kernels run and which fused GEMM they have, and this package's
+    source (:func:`dbr_quant.fx_rewriter.lowering.lowering_cache_key`).
 
-    The lowering decides bf16 or fp32 GEMMs when it runs, but inductor's and AOTAutograd's caches (in memory
-    and on disk) key the graph before that: the same rewritten graph compiled under the other path would
-    get the first path's code back (measured: an fp32-pinned compile returned the bf16 one's outputs, at its
-    speed). ``compile_frozen`` does this itself; wrap the first call of your own ``torch.compile(rewrite(m))``
-    in it when you force a path (``use_cpu_gemm`` / ``$DBR_QUANT_CPU_GEMM``)."""
+    The lowering decides bf16 or fp32 GEMMs, and which linears stay calls to the fused C GEMM, when it runs, but
+    inductor's and AOTAutograd's caches (in memory and on disk, shared by every process of the user) key the
+    graph before that: the same rewritten graph compiled under the other path, with the C kernels off, or by an
+    older dbr_quant, would get that compile's code back (measured: an fp32-pinned compile returned the bf16
+    one's outputs, at its speed; a compile with the C kernels on got the decomposed bf16 GEMM a run with
+    ``DBR_QUANT_CPU_DECODE=torch`` had cached). ``compile_frozen`` does this itself; wrap the first call of your
+    own ``torch.compile(rewrite(m))`` in it when you force a path (``use_cpu_gemm`` / ``$DBR_QUANT_CPU_GEMM``)
+    or switch the C kernels."""
     tag = torch.compiler.config.cache_key_tag
-    key = f"{tag}|dbr_quant_cpu_gemm={path or current_gemm_path()}"
+    key = f"{tag}|{lowering_cache_key(path or current_gemm_path())}"
     return _config(torch.compiler.config).patch("cache_key_tag", key)
 
 

@@ -23,7 +23,9 @@ that backend's kernels.
 from __future__ import annotations
 
 import functools
+import hashlib
 import weakref
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +33,7 @@ from torch import Tensor
 
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.cpu import backend as cpu_backend
+from dbr_quant.kernels.cpu import e4m3 as cpu_e4m3
 from dbr_quant.kernels.dispatch import resolve_backend
 from dbr_quant.kernels.reference import dense as reference
 
@@ -242,6 +245,28 @@ LOWERINGS = {
     "fp8_matmul": fp8_matmul,
     "fp8_attention": fp8_attention,
 }
+
+
+@functools.cache
+def _package_digest() -> str:
+    """A digest of this package's source (Python and C), read once per process: a compile cached on disk by
+    another dbr_quant (whose lowering decided differently) is not handed back."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".c", ".h")):
+        h.update(f.relative_to(root).as_posix().encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def lowering_cache_key(path: str) -> str:
+    """What the lowerings decide with, besides the graph (which torch.compile's caches key on): the CPU GEMM
+    ``path``; whether the C kernels run and the fused GEMM's code path and row limits (which linears stay calls,
+    :func:`_kept_as_call`); the small-operand threshold; this package's source."""
+    active, _ = cpu_e4m3.status()
+    return (f"dbr_quant_cpu_gemm={path}|c={int(active)}|fused={cpu_e4m3.gemm_isa()}:"
+            f"{cpu_e4m3.fused_rows(True)}:{cpu_e4m3.fused_rows(False)}|small={cpu_backend.SMALL_OPERAND}|"
+            f"src={_package_digest()}")
 
 
 _registered = False

@@ -196,6 +196,7 @@ def test_compiles_under_each_cpu_gemm_path_get_their_own_code():
 
     from dbr_quant.fx_rewriter import gemm_path_cache_key
     from dbr_quant.kernels import use_cpu_gemm
+    from dbr_quant.kernels.cpu.features import describe
 
     torch.manual_seed(7)
     model = nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 128)).eval()
@@ -214,4 +215,44 @@ def test_compiles_under_each_cpu_gemm_path_get_their_own_code():
     assert not torch.equal(compiled["bf16"], compiled["fp32"])
     for path, other in (("bf16", "fp32"), ("fp32", "bf16")):
         own, cross = ((compiled[k] - eager[path]).norm() for k in (path, other))
-        assert own < cross, (path, own, cross)
+        assert own < cross, (path, own, cross, describe())
+
+
+def test_compile_cache_is_keyed_on_the_c_kernels(monkeypatch):
+    """Whether the C kernels run decides which linears the lowering keeps as calls to the fused C GEMM, after
+    torch.compile's caches keyed the graph: CI once got, with the C kernels on, the decomposed bf16 GEMM that
+    a compile with ``DBR_QUANT_CPU_DECODE=torch`` had left in the on-disk cache. With ``gemm_path_cache_key``
+    the second compile gets its own code: the kept call, equal to eager bit for bit."""
+    import copy
+
+    from dbr_quant.fx_rewriter import gemm_path_cache_key
+    from dbr_quant.fx_rewriter.lowering import lowering_cache_key
+    from dbr_quant.kernels import use_cpu_gemm
+    from dbr_quant.kernels.cpu import backend as cpu_backend
+    from dbr_quant.kernels.cpu import e4m3 as cpu_e4m3
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(128, 96), nn.GELU(), nn.Linear(96, 128)).eval()
+    x = torch.randn(4, 128)  # 4 rows: the fused GEMM's decode-sized batch on every ISA it is built for
+    p = dq.prepare(model, (x,))
+    dq.calibrate(p, [(x,)], progress=False)
+    gm = rewrite(dq.convert(p))
+    out, keys = {}, {}
+    with torch.no_grad(), use_cpu_gemm("bf16"):
+        for mode in ("torch", "c"):
+            monkeypatch.setenv(cpu_e4m3.ENV_VAR, mode)
+            cpu_e4m3.reset()
+            keys[mode] = lowering_cache_key("bf16")
+            fresh = torch.compile(torch.fx.GraphModule(gm, copy.deepcopy(gm.graph)), fullgraph=True)
+            with gemm_path_cache_key():
+                out[mode] = fresh(x)
+        monkeypatch.delenv(cpu_e4m3.ENV_VAR)
+        cpu_e4m3.reset()
+        if cpu_e4m3.gemm_isa() is None:
+            pytest.skip("no C library on this machine: nothing for the lowering to keep as a call")
+        assert cpu_backend.runs_fused_gemm(torch.empty(4, 128, dtype=torch.float8_e4m3fn),
+                                           torch.empty(96, 128, dtype=torch.float8_e4m3fn))
+        want = gm(x)
+    assert not torch.equal(out["torch"], want)  # the decomposed bf16 GEMM: what a stale cache hit returns
+    assert torch.equal(out["c"], want), cpu_e4m3.describe_fused()
+    assert keys["torch"] != keys["c"]
