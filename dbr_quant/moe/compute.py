@@ -21,13 +21,24 @@ def fp8_experts_compute(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
                         x_scale: torch.Tensor | None, h_scale: torch.Tensor | None, bias13: torch.Tensor | None,
                         bias2: torch.Tensor | None, *, activation: str, fmt: FP8Format, per_token: bool,
                         out_dtype: torch.dtype, block: tuple[int, int] | None = None,
-                        group: bool = False) -> torch.Tensor:
+                        group: bool = False, weight_only: bool = False, mx: bool = False,
+                        mx_round_up: bool = False) -> torch.Tensor:
     """An experts call on flat inputs (x [T, H], ids / weights [T, k]) → [T, H_out]: routing plan, then
     static scales (``x_scale``, ``h_scale`` given) → ``kernels.fp8_moe_block`` (3 launches after routing);
     dynamic → quantize, gate_up (high-precision out), quantize, down + scatter-add (4 launches). The eager
     model and the graph op ``dbr_quant::fp8_moe_experts`` both run this. ``block``: block-scaled weights
-    (scales [E, ⌈N/bn⌉, ⌈K/bk⌉]), see :func:`_block_experts`."""
+    (scales [E, ⌈N/bn⌉, ⌈K/bk⌉]), see :func:`_block_experts`. ``weight_only``: W8A16 experts, x and h never
+    quantized (2 launches); ``mx``: MXFP8 experts (E8M0 weight codes [E, N, ⌈K/32⌉], x and h quantized per 32
+    channels by ``mx_quantize``, the exponent rounded up with ``mx_round_up``), see :func:`_mx_experts`."""
     routing = kernels.moe_route(ids, w13_q.shape[0])
+    if weight_only:  # the high-precision rows go straight into the grouped W8A16 GEMMs, as the dense linears read x
+        h = kernels.fp8_grouped_weight_only_linear(x, w13_q, w13_scale, routing, bias=bias13, activation=activation,
+                                                   out_dtype=out_dtype)
+        return kernels.fp8_grouped_weight_only_linear(h, w2_q, w2_scale, routing, x_sorted=True, bias=bias2,
+                                                      topk_weights=weights, out_dtype=out_dtype)
+    if mx:
+        return _mx_experts(x, routing, weights, w13_q, w13_scale, w2_q, w2_scale, bias13, bias2,
+                           activation=activation, fmt=fmt, round_up=mx_round_up, out_dtype=out_dtype)
     if block is not None:
         return _block_experts(x, routing, weights, w13_q, w13_scale, w2_q, w2_scale, x_scale, h_scale, bias13, bias2,
                               activation=activation, fmt=fmt, per_token=per_token, group=group, block=block,
@@ -62,6 +73,22 @@ def _block_experts(x: torch.Tensor, routing: MoeRouting, weights: torch.Tensor, 
     h_q, hs = _group_layout(h, row_scale, fmt, per_token, group, bk)
     return kernels.fp8_grouped_block_linear(h_q, hs, w2_q, w2_scale, routing, block=block, x_sorted=True,
                                             bias=bias2, topk_weights=weights, out_dtype=out_dtype)
+
+
+def _mx_experts(x: torch.Tensor, routing: MoeRouting, weights: torch.Tensor, w13_q: torch.Tensor,
+                w13_scale: torch.Tensor, w2_q: torch.Tensor, w2_scale: torch.Tensor, bias13: torch.Tensor | None,
+                bias2: torch.Tensor | None, *, activation: str | None, fmt: FP8Format, round_up: bool,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """MXFP8 experts, each expert's rows exactly the dense MX linear's (``fp8_mx_linear``): x quantized once per
+    token (``mx_quantize``: one E8M0 code per 32 channels, the same codes whichever expert reads the token), gate_up
+    grouped MX GEMM (high-precision out), h quantized the same way (per sorted row), down grouped MX GEMM with the
+    routing-weighted scatter-add."""
+    x_q, x_codes = kernels.mx_quantize(x, fmt, round_up)
+    h = kernels.fp8_grouped_mx_linear(x_q, x_codes, w13_q, w13_scale, routing, bias=bias13, activation=activation,
+                                      out_dtype=out_dtype)
+    h_q, h_codes = kernels.mx_quantize(h, fmt, round_up)
+    return kernels.fp8_grouped_mx_linear(h_q, h_codes, w2_q, w2_scale, routing, x_sorted=True, bias=bias2,
+                                         topk_weights=weights, out_dtype=out_dtype)
 
 
 def _group_layout(x: torch.Tensor, scale: torch.Tensor | None, fmt: FP8Format, per_token: bool, group: bool,

@@ -69,6 +69,15 @@ def examples():
          {"out_scale": s}),
         ("fp8_weight_only_linear", (x, wq, torch.full((8,), 0.05)), {"bias": torch.randn(8, generator=g)}),
         ("fp8_weight_only_linear", (x.bfloat16(), wq, s), {"activation": "geglu", "out_dtype": torch.bfloat16}),
+        ("fp8_grouped_weight_only_linear", (torch.randn(4, 16, generator=g), ew, torch.full((3, 8), 0.05), routing),
+         {"activation": "swiglu", "out_dtype": torch.bfloat16}),
+        ("fp8_grouped_weight_only_linear", (torch.randn(4, 16, generator=g).half(), ew, s, routing),
+         {"topk_weights": topk, "out_dtype": torch.float16}),
+        ("fp8_grouped_mx_linear", (eq, torch.full((4, 1), 120, dtype=torch.uint8), ew,
+                                   torch.full((3, 8, 1), 125, dtype=torch.uint8), routing), {"activation": "geglu"}),
+        ("fp8_grouped_mx_linear", (q4(8, 16), torch.full((8, 1), 120, dtype=torch.uint8), ew,
+                                   torch.full((3, 8, 1), 125, dtype=torch.uint8), routing),
+         {"x_sorted": True, "topk_weights": topk, "out_dtype": torch.bfloat16}),
     ]
 
 
