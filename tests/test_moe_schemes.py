@@ -154,3 +154,76 @@ def test_rewritten_graph_keeps_the_scheme_and_equals_eager(scheme):
         b = batches(1, shape, 5)[0]
         with torch.no_grad():
             assert torch.equal(logits(gm(**b)), logits(converted(**b))), shape
+
+
+# ----------------------------------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize("scheme", ["weight_only", "weight_only_tensor", "mx"])
+def test_save_and_load_pretrained_round_trip_bit_for_bit(scheme, tmp_path):
+    """Written per expert (w1 / w3 / w2) in the scheme's compressed-tensors layout — weight-only: vLLM's W8A16 (no
+    input_activations, no input_scale); MX: the MXFP8 preset, uint8 E8M0 weight_scale [out, in/32] — and loaded back
+    with the same FP8 data, scales and outputs. Hidden 64: whole 32-channel groups, which the MXFP8 format needs."""
+    import json
+    import warnings
+
+    from safetensors import safe_open
+
+    qc = SCHEMES[scheme]
+    converted = _convert(_mixtral(hidden=64), qc)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # also k/v_proj's rows: vLLM's merged-qkv note, not about experts
+        dq.save_pretrained(converted, tmp_path)
+    # transformers cannot expand MX groups when it merges experts (a measured failure, see checkpoints/experts.py)
+    assert any("MXFP8 experts" in str(w.message) for w in caught) == (scheme == "mx")
+    prefix = "model.layers.1.block_sparse_moe.experts.5"
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys() if k.startswith(prefix + ".")}
+    assert sorted(t) == sorted(f"{prefix}.{p}.{k}" for p in ("w1", "w2", "w3") for k in ("weight", "weight_scale"))
+    gate_up, down = _experts(converted)[1].gate_up_proj, _experts(converted)[1].down_proj
+    inter = gate_up.qdata.shape[1] // 2
+    assert torch.equal(t[f"{prefix}.w3.weight"].view(torch.uint8), gate_up.qdata[5, inter:].view(torch.uint8))
+    if scheme == "mx":
+        assert t[f"{prefix}.w1.weight_scale"].dtype == torch.uint8
+        assert torch.equal(t[f"{prefix}.w1.weight_scale"], gate_up.scale[5, :inter])
+        assert torch.equal(t[f"{prefix}.w2.weight_scale"], down.scale[5])  # [64, 2]: in 64 = 2 groups of 32
+    qcfg = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    group = next(g for g in qcfg["config_groups"].values() if any("experts.5.w1" in n for n in g["targets"])
+                 or "Linear" in g["targets"])
+    if scheme.startswith("weight_only"):
+        assert group["input_activations"] is None
+        assert group["weights"]["strategy"] == ("channel" if scheme == "weight_only" else "tensor")
+    else:
+        assert qcfg["format"] == "mxfp8-quantized" or group.get("format") == "mxfp8-quantized"
+        assert group["weights"]["group_size"] == 32 and group["weights"]["scale_dtype"] == "torch.uint8"
+    loaded = dq.load_pretrained(tmp_path, _mixtral(hidden=64))
+    for a, b in zip(_experts(loaded), _experts(converted)):
+        for name in ("gate_up_proj", "down_proj"):
+            pa, pb = a._parameters[name], b._parameters[name]
+            assert type(pa) is FP8Weight and pa.block == pb.block and pa.scale.dtype == pb.scale.dtype
+            assert torch.equal(pa.scale, pb.scale) and torch.equal(pa.qdata.view(torch.uint8), pb.qdata.view(torch.uint8))
+    ev = batches(1, (2, 6), 4)[0]
+    with torch.no_grad():
+        assert torch.equal(logits(loaded(**ev)), logits(converted(**ev)))
+
+
+def test_transformers_with_compressed_tensors_loads_the_weight_only_folder(tmp_path, close_to_reference):
+    """vLLM's W8A16 layout per expert: transformers merges the experts, dequantizing them to bf16 (DecompressExperts:
+    ``(q·s).to(bfloat16)``), and its linears run weight-only too. Measured logits cosine to ours 0.9999993, relative
+    error 0.0012."""
+    import warnings
+
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
+    converted = _convert(_mixtral(hidden=64), SCHEMES["weight_only"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dq.save_pretrained(converted, tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    for ours, theirs in zip(_experts(converted), _experts(loaded)):
+        for p in ("gate_up_proj", "down_proj"):
+            w = ours._parameters[p]
+            want = (w.qdata.float() * w.scale.float().unsqueeze(-1)).to(torch.bfloat16)
+            assert torch.equal(getattr(theirs, p).to(torch.bfloat16), want)
+    ev = batches(1, (3, 9), 4)[0]
+    with torch.no_grad():
+        close_to_reference(logits(loaded(**ev)), logits(converted(**ev)), min_cos=0.99999, max_rel=0.0025)

@@ -186,9 +186,8 @@ def fp8_grouped_block_linear(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale:
     return _grouped_output(x_q, w_q, routing, activation, out_dtype, None, FP8Format.E4M3, topk_weights)
 
 
-@kernel_op(launches="fp8_grouped_weight_only_linear", reference=reference_grouped, without_triton=(
-    "fp8_grouped_weight_only_linear: no Triton kernel yet; run weight-only MoE experts on the CPU or reference "
-    "backend (kernels.use_backend('cpu'))"), more_launches=_combine_launch)
+@kernel_op(launches="fp8_grouped_weight_only_linear", reference=reference_grouped, fp8_tensor_cores=False,
+           triton=TritonKernel("grouped_weight_only_gemm"), more_launches=_combine_launch)
 def fp8_grouped_weight_only_linear(x: Tensor, w_q: Tensor, w_scale: Tensor, routing: MoeRouting, *,
                                    x_sorted: bool = False, bias: Tensor | None = None, activation: str | None = None,
                                    out_dtype: torch.dtype = torch.float32, topk_weights: Tensor | None = None,
@@ -196,7 +195,8 @@ def fp8_grouped_weight_only_linear(x: Tensor, w_q: Tensor, w_scale: Tensor, rout
     """Weight-only FP8 MoE experts (W8A16): every expert's rows of the high-precision ``x`` against its FP8 weight
     ``w_q[e]`` (per-channel [E, N] or per-expert scales), decoded exactly, in one launch, with the epilogues of
     fp8_weight_only_linear and fp8_grouped_linear's ``topk_weights`` combine (see
-    reference_grouped.fp8_grouped_weight_only_linear)."""
+    reference_grouped.fp8_grouped_weight_only_linear). Triton on every CUDA GPU (bf16/fp16 MMA: Ampere's path),
+    ``deterministic`` as fp8_grouped_linear's."""
     return _grouped_output(x, w_q, routing, activation, out_dtype, None, FP8Format.E4M3, topk_weights)
 
 
