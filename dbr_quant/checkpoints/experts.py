@@ -18,7 +18,8 @@ is written per expert, the way the hub checkpoint of its architecture names it:
 Each projection: ``weight`` float8_e4m3fn [out, in]; ``weight_scale`` [out, 1] (per channel), [1] (per
 expert: gate and up get the same value), or the block grid / MXFP8's uint8 E8M0 codes [out, ⌈in/32⌉];
 ``input_scale`` [1] when static — gate and up get the one gate_up input scale, down its expert's own (vLLM's
-``CompressedTensorsW8A8Fp8MoEMethod`` loads one per expert and takes the max over experts). ``dbr_quant.json`` keeps under ``experts`` how to stack them back.
+``CompressedTensorsW8A8Fp8MoEMethod`` loads one per expert and takes the max over experts).
+``dbr_quant.json`` keeps under ``experts`` how to stack them back.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ no record."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dbr_quant import kernels
@@ -36,9 +38,10 @@ def fp8_experts_compute(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
                                                    out_dtype=out_dtype)
         return kernels.fp8_grouped_weight_only_linear(h, w2_q, w2_scale, routing, x_sorted=True, bias=bias2,
                                                       topk_weights=weights, out_dtype=out_dtype)
-    if mx:
-        return _mx_experts(x, routing, weights, w13_q, w13_scale, w2_q, w2_scale, bias13, bias2,
-                           activation=activation, fmt=fmt, round_up=mx_round_up, out_dtype=out_dtype)
+    if mx:  # each expert's rows exactly the dense MX linear's (fp8_mx_linear); x's codes per token, h's per row
+        return _dynamic_experts(x, routing, weights, w13_q, w13_scale, w2_q, w2_scale, bias13, bias2,
+                                lambda t: kernels.mx_quantize(t, fmt, mx_round_up), kernels.fp8_grouped_mx_linear,
+                                activation=activation, out_dtype=out_dtype)
     if block is not None:
         return _block_experts(x, routing, weights, w13_q, w13_scale, w2_q, w2_scale, x_scale, h_scale, bias13, bias2,
                               activation=activation, fmt=fmt, per_token=per_token, group=group, block=block,
@@ -47,12 +50,24 @@ def fp8_experts_compute(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
         return kernels.fp8_moe_block(x, routing, weights, w13_q, w13_scale, w2_q, w2_scale, h_scale,
                                      x_scale=x_scale, activation=activation, fmt=fmt, bias13=bias13, bias2=bias2,
                                      out_dtype=out_dtype)
-    x_q, xs = kernels.dynamic_quantize(x, fmt, per_token)
-    h = kernels.fp8_grouped_linear(x_q, xs, w13_q, w13_scale, routing, bias=bias13, activation=activation,
-                                   out_dtype=out_dtype)
-    h_q, hs = kernels.dynamic_quantize(h, fmt, per_token)
-    return kernels.fp8_grouped_linear(h_q, hs, w2_q, w2_scale, routing, x_sorted=True, bias=bias2,
-                                      topk_weights=weights, out_dtype=out_dtype)
+    return _dynamic_experts(x, routing, weights, w13_q, w13_scale, w2_q, w2_scale, bias13, bias2,
+                            lambda t: kernels.dynamic_quantize(t, fmt, per_token), kernels.fp8_grouped_linear,
+                            activation=activation, out_dtype=out_dtype)
+
+
+def _dynamic_experts(x: torch.Tensor, routing: MoeRouting, weights: torch.Tensor, w13_q: torch.Tensor,
+                     w13_scale: torch.Tensor, w2_q: torch.Tensor, w2_scale: torch.Tensor, bias13: torch.Tensor | None,
+                     bias2: torch.Tensor | None, quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                     grouped: Callable[..., torch.Tensor], *, activation: str | None,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """Experts with dynamic activation scales: ``quantize`` x (FP8 and its scales), gate_up ``grouped`` GEMM
+    (high-precision out), ``quantize`` h (sorted rows), down ``grouped`` GEMM with the routing-weighted
+    scatter-add (4 launches)."""
+    x_q, xs = quantize(x)
+    h = grouped(x_q, xs, w13_q, w13_scale, routing, bias=bias13, activation=activation, out_dtype=out_dtype)
+    h_q, hs = quantize(h)
+    return grouped(h_q, hs, w2_q, w2_scale, routing, x_sorted=True, bias=bias2, topk_weights=weights,
+                   out_dtype=out_dtype)
 
 
 def _block_experts(x: torch.Tensor, routing: MoeRouting, weights: torch.Tensor, w13_q: torch.Tensor,
@@ -73,22 +88,6 @@ def _block_experts(x: torch.Tensor, routing: MoeRouting, weights: torch.Tensor, 
     h_q, hs = _group_layout(h, row_scale, fmt, per_token, group, bk)
     return kernels.fp8_grouped_block_linear(h_q, hs, w2_q, w2_scale, routing, block=block, x_sorted=True,
                                             bias=bias2, topk_weights=weights, out_dtype=out_dtype)
-
-
-def _mx_experts(x: torch.Tensor, routing: MoeRouting, weights: torch.Tensor, w13_q: torch.Tensor,
-                w13_scale: torch.Tensor, w2_q: torch.Tensor, w2_scale: torch.Tensor, bias13: torch.Tensor | None,
-                bias2: torch.Tensor | None, *, activation: str | None, fmt: FP8Format, round_up: bool,
-                out_dtype: torch.dtype) -> torch.Tensor:
-    """MXFP8 experts, each expert's rows exactly the dense MX linear's (``fp8_mx_linear``): x quantized once per
-    token (``mx_quantize``: one E8M0 code per 32 channels, the same codes whichever expert reads the token), gate_up
-    grouped MX GEMM (high-precision out), h quantized the same way (per sorted row), down grouped MX GEMM with the
-    routing-weighted scatter-add."""
-    x_q, x_codes = kernels.mx_quantize(x, fmt, round_up)
-    h = kernels.fp8_grouped_mx_linear(x_q, x_codes, w13_q, w13_scale, routing, bias=bias13, activation=activation,
-                                      out_dtype=out_dtype)
-    h_q, h_codes = kernels.mx_quantize(h, fmt, round_up)
-    return kernels.fp8_grouped_mx_linear(h_q, h_codes, w2_q, w2_scale, routing, x_sorted=True, bias=bias2,
-                                         topk_weights=weights, out_dtype=out_dtype)
 
 
 def _group_layout(x: torch.Tensor, scale: torch.Tensor | None, fmt: FP8Format, per_token: bool, group: bool,

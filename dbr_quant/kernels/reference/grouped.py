@@ -127,17 +127,9 @@ def fp8_grouped_block_linear(
 
 
 def fp8_grouped_weight_only_linear(
-    x: torch.Tensor,
-    w_q: torch.Tensor,
-    w_scale: torch.Tensor,
-    routing: MoeRouting,
-    *,
-    x_sorted: bool = False,
-    bias: torch.Tensor | None = None,
-    activation: str | None = None,
-    out_dtype: torch.dtype = torch.float32,
-    topk_weights: torch.Tensor | None = None,
-    deterministic: bool = True,
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, routing: MoeRouting, *, x_sorted: bool = False,
+    bias: torch.Tensor | None = None, activation: str | None = None, out_dtype: torch.dtype = torch.float32,
+    topk_weights: torch.Tensor | None = None, deterministic: bool = True,
     linear: Callable[..., torch.Tensor] = reference_weight_only.fp8_weight_only_linear,
 ) -> torch.Tensor:
     """Weight-only FP8 experts (W8A16): per expert ``e``, ``linear`` (:func:`weight_only.fp8_weight_only_linear`)
@@ -158,17 +150,9 @@ def fp8_grouped_weight_only_linear(
 
 
 def fp8_grouped_mx_linear(
-    x_q: torch.Tensor,
-    x_scale: torch.Tensor,
-    w_q: torch.Tensor,
-    w_scale: torch.Tensor,
-    routing: MoeRouting,
-    *,
-    x_sorted: bool = False,
-    bias: torch.Tensor | None = None,
-    activation: str | None = None,
-    out_dtype: torch.dtype = torch.float32,
-    topk_weights: torch.Tensor | None = None,
+    x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, routing: MoeRouting, *,
+    x_sorted: bool = False, bias: torch.Tensor | None = None, activation: str | None = None,
+    out_dtype: torch.dtype = torch.float32, topk_weights: torch.Tensor | None = None,
     mx_linear: Callable[..., torch.Tensor] = reference_mx.fp8_mx_linear,
 ) -> torch.Tensor:
     """MXFP8 experts: per expert ``e``, ``mx_linear`` (:func:`mx.fp8_mx_linear`) of its rows with their E8M0

@@ -47,7 +47,7 @@ from dbr_quant.kernels.triton.gemm import CONFIGS, pick_config
 from dbr_quant.kernels.triton.quantize import LOADED_DTYPES, block_max, block_sum, quantize_bits
 
 __all__ = ["AOT_CONFIGS", "aot_attrs", "aot_options", "expert_bias", "finish_output", "fp8_grouped_linear",
-           "grouped_output", "moe_quantize", "slot_weights", "store_rows", "tile_of"]
+           "expert_tile", "grouped_output", "moe_quantize", "slot_weights", "store_rows", "tile_of"]
 
 EXPERT_CHUNK = 64  # experts examined per step of the tile schedule (a 64-lane prefix sum)
 QUANT_BLOCK = 1024  # columns per step of the gather-quantize kernel
@@ -79,6 +79,22 @@ def tile_of(tile, expert_offsets_ptr, num_experts, BLOCK_M: tl.constexpr, CHUNK:
     return e, row, tl.load(expert_offsets_ptr + e + 1), valid
 
 
+@device_function
+def expert_tile(expert_offsets_ptr, slots_ptr, num_experts, top_k, max_tiles, N, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, CHUNK: tl.constexpr, GATHER: tl.constexpr):
+    """This program's tile of a grouped GEMM: (expert, valid, its sorted rows, output columns, their masks, each
+    row's slot = token · top_k + choice, the input row each reads: its token's when GATHER, else itself)."""
+    pid_m, pid_n = core.grouped_tile(tl.program_id(0), max_tiles * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    e, row0, row_end, valid = tile_of(pid_m, expert_offsets_ptr, num_experts, BLOCK_M, CHUNK)
+    rm = row0 + tl.arange(0, BLOCK_M)  # sorted rows of expert e
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = rm < row_end
+    mask_n = rn < N
+    slot = tl.load(slots_ptr + rm, mask=mask_m, other=0)
+    a_row = slot // top_k if GATHER else rm
+    return e, valid, rm, rn, mask_m, mask_n, slot, a_row
+
+
 def _fp8_grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, inv_out_scale_ptr, slots_ptr, route_w_ptr,
     expert_offsets_ptr,
@@ -94,16 +110,10 @@ def _fp8_grouped_gemm_kernel(
     (2N × K) and the CTA holds both accumulators, as the dense kernel (act(gate)·up formed in registers).
     Scales are indexed through strides that are 0 where they do not vary: x by expert (stride_xe) or by
     input row (stride_xr), W by expert (stride_se) and channel (stride_sn), the FP8 output by expert."""
-    pid_m, pid_n = core.grouped_tile(tl.program_id(0), max_tiles * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    e, row0, row_end, valid = tile_of(pid_m, expert_offsets_ptr, num_experts, BLOCK_M, CHUNK)
+    e, valid, rm, rn, mask_m, mask_n, slot, a_row = expert_tile(expert_offsets_ptr, slots_ptr, num_experts, top_k,
+                                                               max_tiles, N, BLOCK_M, BLOCK_N, GROUP_M, CHUNK, GATHER)
     if not valid:
         return
-    rm = row0 + tl.arange(0, BLOCK_M)  # sorted rows of expert e
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = rm < row_end
-    mask_n = rn < N
-    slot = tl.load(slots_ptr + rm, mask=mask_m, other=0)  # token · top_k + choice
-    a_row = slot // top_k if GATHER else rm
     # 64-bit expert offset: E·N·K exceeds 2**31 for large MoEs (the offsets within one expert do not);
     # SCALE_N, SCALE_K = 1, 0: scales per tensor/expert/row/channel, applied after the loop
     acc, acc_up = core.main_loop(a_ptr, w_ptr + e.to(tl.int64) * stride_we, x_scale_ptr, w_scale_ptr, a_row, rn,

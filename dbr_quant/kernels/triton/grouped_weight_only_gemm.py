@@ -16,6 +16,7 @@ memory-bound decode, where each expert's weight streams once at one byte per ele
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -30,11 +31,11 @@ from dbr_quant.kernels.triton.common import AotEntry, Kernel, on_interpreter
 from dbr_quant.kernels.triton.grouped_gemm import (
     EXPERT_CHUNK,
     expert_bias,
+    expert_tile,
     finish_output,
     grouped_output,
     slot_weights,
     store_rows,
-    tile_of,
 )
 from dbr_quant.kernels.triton.weight_only_gemm import CONFIGS as DENSE_CONFIGS
 from dbr_quant.kernels.triton.weight_only_gemm import MMA_DTYPES, decode_main_loop
@@ -71,16 +72,10 @@ def _fp8_grouped_weight_only_gemm_kernel(
     (token rows gathered through ``slots`` when GATHER), W E4M3 bytes [E, N, K] (GATED: [gate; up]), sw per
     expert and channel (stride_sn 1) or per expert (0); ``one_ptr`` holds 1.0, the activation scale the shared
     epilogue multiplies by. FP8_MAX … EXP_BIAS: :func:`gemm_core.store_tile`'s constants (no FP8 output here)."""
-    pid_m, pid_n = core.grouped_tile(tl.program_id(0), max_tiles * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    e, row0, row_end, valid = tile_of(pid_m, expert_offsets_ptr, num_experts, BLOCK_M, CHUNK)
+    e, valid, rm, rn, mask_m, mask_n, slot, a_row = expert_tile(expert_offsets_ptr, slots_ptr, num_experts, top_k,
+                                                               max_tiles, N, BLOCK_M, BLOCK_N, GROUP_M, CHUNK, GATHER)
     if not valid:
         return
-    rm = row0 + tl.arange(0, BLOCK_M)  # sorted rows of expert e
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = rm < row_end
-    mask_n = rn < N
-    slot = tl.load(slots_ptr + rm, mask=mask_m, other=0)  # token · top_k + choice
-    a_row = slot // top_k if GATHER else rm
     # 64-bit expert offset: E·N·K exceeds 2**31 for large MoEs (the offsets within one expert do not)
     acc, acc_up = decode_main_loop(a_ptr, w_ptr + e.to(tl.int64) * stride_we, a_row, rn, mask_m, mask_n, N, K,
                                    stride_am, stride_ak, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, GATED,
@@ -101,12 +96,8 @@ def fp8_grouped_weight_only_linear(
     w_scale: torch.Tensor,
     routing: MoeRouting,
     *,
-    x_sorted: bool = False,
-    bias: torch.Tensor | None = None,
-    activation: str | None = None,
-    out_dtype: torch.dtype = torch.float32,
-    topk_weights: torch.Tensor | None = None,
-    deterministic: bool = False,
+    x_sorted: bool = False, bias: torch.Tensor | None = None, activation: str | None = None,
+    out_dtype: torch.dtype = torch.float32, topk_weights: torch.Tensor | None = None, deterministic: bool = False,
     config: core.GemmConfig | None = None,
 ) -> torch.Tensor:
     """:func:`reference.grouped.fp8_grouped_weight_only_linear` in one launch (two with ``deterministic``
@@ -183,11 +174,8 @@ def _aot_configs() -> list[AotEntry]:
 AOT_CONFIGS: list[AotEntry] = _aot_configs()
 
 
-def aot_options(entry: AotEntry) -> dict[str, int]:
-    """``num_warps``/``num_stages`` of an AOT_CONFIGS entry (launch options, not constexprs)."""
-    return core.config_options(CONFIGS, entry)
-
-
-def aot_attrs(entry: AotEntry) -> dict:
-    """Divisibility by 16 of pointers, N, K and leading strides, as the JIT finds for aligned shapes."""
-    return core.aligned_attrs(entry, ("N", "K", "stride_am", "stride_we", "stride_wn", "stride_om"))
+# launch options of an entry; divisibility by 16 of pointers, N, K and leading strides, as the JIT finds for
+# aligned shapes
+aot_options = functools.partial(core.config_options, CONFIGS)
+aot_attrs = functools.partial(core.aligned_attrs,
+                              aligned=("N", "K", "stride_am", "stride_we", "stride_wn", "stride_om"))
