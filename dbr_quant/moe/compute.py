@@ -78,8 +78,7 @@ def _block_experts(x: torch.Tensor, routing: MoeRouting, weights: torch.Tensor, 
     """Block-scaled experts (the DeepSeek-V3 layout): quantize x (per-token groups of ``block[1]`` channels,
     or per-token / static scales repeated per group, as the dense block linear takes them), gate_up block GEMM
     per expert (high-precision out), quantize h the same way (static: each row with its expert's scale), down
-    block GEMM per expert with the routing-weighted scatter-add (kernels.fp8_grouped_block_linear: reference
-    path only)."""
+    block GEMM per expert with the routing-weighted scatter-add (kernels.fp8_grouped_block_linear)."""
     bk = block[1]
     x_q, xs = _group_layout(x, x_scale, fmt, per_token, group, bk)
     h = kernels.fp8_grouped_block_linear(x_q, xs, w13_q, w13_scale, routing, block=block, bias=bias13,
