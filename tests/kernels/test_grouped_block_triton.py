@@ -114,3 +114,31 @@ def test_moe_block_variants_compile_to_fp8_mma_without_spills(pattern, arch):
     entry = next(e for e in TGB.AOT_CONFIGS if re.fullmatch(pattern, e[1]))
     result = aot.compile_one(TGB, entry, arch)
     assert result.ok and result.fp8_mma > 0 and result.spill_bytes == 0, result
+
+
+def test_aot_configs_cover_wrapper_launches(monkeypatch):
+    from test_triton_gemm import _jit_signature, _Recorder
+
+    rec = _Recorder(TGB.GROUPED_BLOCK_KERNEL)
+    monkeypatch.setattr(TGB, "GROUPED_BLOCK_KERNEL", rec)
+    gen = torch.Generator().manual_seed(5)
+    with use_backend("triton-interpret"):
+        for tokens, block, act, fmt, out in [(1, (128, 128), "swiglu", FP8Format.E4M3, torch.bfloat16),
+                                             (64, (1, 32), None, FP8Format.E5M2, "scatter"),
+                                             (600, (128, 128), "gelu", FP8Format.E4M3, torch.float16)]:
+            r = moe_route(random_topk(gen, tokens, 4, 2), 4)
+            n_w = 512 if act == "swiglu" else 256
+            combine = out == "scatter"
+            rows = tokens * 2 if combine else tokens
+            w_q = (torch.randn(4, n_w, 384, generator=gen) * 4).to(fmt.dtype)
+            kb, w_rows = 384 // block[1], -(-n_w // block[0])
+            TGB.fp8_grouped_block_linear(
+                (torch.randn(rows, 384, generator=gen) * 4).to(fmt.dtype), torch.rand(rows, kb), w_q,
+                torch.rand(4, w_rows, kb), r, block=block, x_sorted=combine, bias=torch.randn(4, n_w), activation=act,
+                out_dtype=torch.float32 if combine else out, topk_weights=torch.rand(tokens, 2) if combine else None)
+    table = [(e[2], e[3], e[4]) for e in TGB.AOT_CONFIGS]
+    assert len(rec.launches) == 3
+    for args, kwargs in rec.launches:
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
+        sig, consts = _jit_signature(rec.kernel, args, kwargs)
+        assert (rec.kernel, sig, consts) in table, f"launch not in AOT_CONFIGS: {sig} {consts}"

@@ -31,17 +31,9 @@ from dbr_quant.kernels.reference.grouped import check_grouped_args
 from dbr_quant.kernels.reference.mx import MX_WEIGHT_BLOCK, check_e8m0, e8m0_to_float
 from dbr_quant.kernels.routing import MoeRouting
 from dbr_quant.kernels.triton import gemm_core as core
+from dbr_quant.kernels.triton import grouped_gemm as grouped
 from dbr_quant.kernels.triton.block_gemm import BLOCK_CONFIGS, MIN_BLOCK_K
 from dbr_quant.kernels.triton.common import AotEntry, Kernel
-from dbr_quant.kernels.triton.grouped_gemm import (
-    EXPERT_CHUNK,
-    expert_bias,
-    expert_tile,
-    finish_output,
-    grouped_output,
-    slot_weights,
-    store_rows,
-)
 
 __all__ = ["AOT_CONFIGS", "aot_attrs", "aot_options", "fp8_grouped_block_linear", "fp8_grouped_mx_linear"]
 
@@ -57,8 +49,8 @@ def _fp8_grouped_block_gemm_kernel(
 ):
     """out = epilogue(Σ_kb (A_rows[:, kb] · W[e][:, kb]ᵀ) · sx[row, kb] · sw[e, n // SCALE_N, kb]) for one (row
     tile, column tile) of expert e. Scales are contiguous fp32: sx [input rows, KB], sw [E, scale rows, KB]."""
-    e, valid, rm, rn, mask_m, mask_n, slot, a_row = expert_tile(expert_offsets_ptr, slots_ptr, num_experts, top_k,
-                                                               max_tiles, N, BLOCK_M, BLOCK_N, GROUP_M, CHUNK, GATHER)
+    e, valid, rm, rn, mask_m, mask_n, slot, a_row = grouped.expert_tile(
+        expert_offsets_ptr, slots_ptr, num_experts, top_k, max_tiles, N, BLOCK_M, BLOCK_N, GROUP_M, CHUNK, GATHER)
     if not valid:
         return
     ws_ptr = w_scale_ptr + e * stride_se
@@ -67,8 +59,8 @@ def _fp8_grouped_block_gemm_kernel(
                                  BLOCK_M, BLOCK_N, BLOCK_K, GATED, SCALE_N, SCALE_K)
     y = core.scale_bias_activation(acc, acc_up, x_scale_ptr, ws_ptr, bias_ptr + e * stride_be, a_row, rn, mask_m,
                                    mask_n, N, KB, KB, ACTIVATION, GATED, HAS_BIAS, SCALE_K)
-    store_rows(y, out_ptr, x_scale_ptr, route_w_ptr, slot, rm, rn, mask_m, mask_n, top_k, stride_om, stride_on,
-               OUT_KIND, FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
+    grouped.store_rows(y, out_ptr, x_scale_ptr, route_w_ptr, slot, rm, rn, mask_m, mask_n, top_k, stride_om,
+                       stride_on, OUT_KIND, FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
 
 
 # KB (1 for K ≤ bk) and UP_SCALE_ROW would double the variants, as in the dense block kernel
@@ -115,9 +107,9 @@ def fp8_grouped_block_linear(
     kb = math.ceil(k / bk)
     xs = x_scale.detach().float().contiguous()
     ws = w_scale.detach().float().contiguous()
-    b = expert_bias(bias, num_e, n_w, op)
-    route_w = slot_weights(routing, topk_weights, op)
-    out, out_view, kind_o = grouped_output(routing, n, out_dtype, topk_weights is not None, False, dev, op)
+    b = grouped.expert_bias(bias, num_e, n_w, op)
+    route_w = grouped.slot_weights(routing, topk_weights, op)
+    out, out_view, kind_o = grouped.grouped_output(routing, n, out_dtype, topk_weights is not None, False, dev, op)
     cfg = config or _config(triton.cdiv(rows, num_e), gated, bk)
     max_tiles = triton.cdiv(rows, cfg.BLOCK_M) + min(num_e, rows)
     if rows and n:
@@ -127,11 +119,11 @@ def fp8_grouped_block_linear(
             n, k, kb, up_row, num_e, routing.top_k, max_tiles,
             a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
             ws.stride(0), 0 if b is None else b.stride(0),
-            **cfg.constexprs(), CHUNK=EXPERT_CHUNK, SCALE_N=bn, SCALE_K=bk, GATHER=not x_sorted,
+            **cfg.constexprs(), CHUNK=grouped.EXPERT_CHUNK, SCALE_N=bn, SCALE_K=bk, GATHER=not x_sorted,
             **core.epilogue_constexprs(activation, b is not None, kind_o),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-    return finish_output(out, routing, kind_o, out_dtype)
+    return grouped.finish_output(out, routing, kind_o, out_dtype)
 
 
 def fp8_grouped_mx_linear(
@@ -164,7 +156,7 @@ def _entry(cfg: core.GemmConfig, block: tuple[int, int], fmt_a: FP8Format, fmt_w
             "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "slots_ptr": "*i32", "route_w_ptr": "*fp32",
             "expert_offsets_ptr": "*i32"}
     sig, consts = core.signature(GROUPED_BLOCK_KERNEL, ptrs, ("stride_ak", "stride_wk", "stride_on"))
-    consts.update(cfg.constexprs(), CHUNK=EXPERT_CHUNK, SCALE_N=block[0], SCALE_K=block[1], GATHER=gather,
+    consts.update(cfg.constexprs(), CHUNK=grouped.EXPERT_CHUNK, SCALE_N=block[0], SCALE_K=block[1], GATHER=gather,
                   **epilogue)
     desc = (f"{core.describe(cfg)} | block={block[0]}x{block[1]} {fmt_a.value}x{fmt_w.value} act={activation} "
             f"bias={int(has_bias)} rows={'gathered' if gather else 'sorted'} out={out}")
