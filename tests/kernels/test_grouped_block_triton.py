@@ -107,7 +107,7 @@ def test_aot_rows_are_unique_and_for_the_default_architectures():
 @pytest.mark.parametrize("arch", [90, 89])
 @pytest.mark.parametrize("pattern", [
     r"medium-gated .* block=128x128 e4m3xe4m3 act=swiglu bias=0 rows=gathered out=bf16",
-    r"large-k32 .* block=1x32 e4m3xe4m3 act=None bias=0 rows=sorted out=scatter_add"])
+    r"large-gated .* block=1x32 e4m3xe4m3 act=swiglu bias=1 rows=gathered out=fp32"])
 def test_moe_block_variants_compile_to_fp8_mma_without_spills(pattern, arch):
     import re
 

@@ -68,10 +68,28 @@ GROUPED_BLOCK_KERNEL = Kernel(_fp8_grouped_block_gemm_kernel, (
     "KB", "UP_SCALE_ROW", "num_experts", "top_k", "max_tiles", "stride_se", "stride_be"))
 
 
+# 32-wide K blocks (MX): one MMA step per scale pair, so every step scales two fp32 tiles (four when gated) on
+# the CUDA cores; the dense block kernel's medium / large tiles narrowed to K 32 then need 255 registers gated and
+# spill on sm_89 (20 and 8 bytes). Narrower N tiles, and 4 warps for large (with 8, ptxas held sm_89 to 128
+# registers and spilled 8 bytes): at most 252 registers on sm_89 / 237 on sm_90, no spills
+# (python -m dbr_quant.kernels.triton.aot --arch 89 --only grouped_block).
+MX_CONFIGS: dict[str, core.GemmConfig] = {
+    "decode": core.GemmConfig("decode", 64, 64, 32, GROUP_M=8, num_warps=4, num_stages=4),
+    "medium": core.GemmConfig("medium", 64, 64, 32, GROUP_M=8, num_warps=4, num_stages=3),
+    "large": core.GemmConfig("large", 128, 64, 32, GROUP_M=8, num_warps=4, num_stages=3),
+}
+
+
+def _configs(bk: int) -> dict[str, core.GemmConfig]:
+    return BLOCK_CONFIGS if bk % 64 == 0 else MX_CONFIGS
+
+
 def _config(rows_per_expert: int, gated: bool, bk: int) -> core.GemmConfig:
-    """The dense block kernel's tile for the average rows per expert, BLOCK_K narrowed to divide bk."""
-    cfg = BLOCK_CONFIGS["decode"] if rows_per_expert <= 16 else BLOCK_CONFIGS["medium"] if rows_per_expert <= 128 \
-        else BLOCK_CONFIGS["large"]
+    """The tile for the average rows per expert: the dense block kernel's (for 32-wide K blocks
+    :data:`MX_CONFIGS`), BLOCK_K narrowed to divide bk."""
+    configs = _configs(bk)
+    cfg = configs["decode"] if rows_per_expert <= 16 else configs["medium"] if rows_per_expert <= 128 \
+        else configs["large"]
     cfg = cfg.gated() if gated else cfg
     step = math.gcd(cfg.BLOCK_K, bk)
     if step < MIN_BLOCK_K:
@@ -150,7 +168,7 @@ _OUTS = ("fp32", "bf16", "fp16", "scatter_add")
 def _entry(cfg: core.GemmConfig, block: tuple[int, int], fmt_a: FP8Format, fmt_w: FP8Format, activation: str | None,
            has_bias: bool, gather: bool, out: str) -> AotEntry:
     epilogue = core.epilogue_constexprs(activation, has_bias, out)
-    cfg = _config({"decode": 1, "medium": 64, "large": 1024}[cfg.name], bool(epilogue["GATED"]), block[1])
+    cfg = _config({"decode": 1, "medium": 64, "large": 1024}[cfg.name], bool(epilogue["GATED"]), block[1])  # picked
     ptrs = {"a_ptr": core.PTR[fmt_a], "w_ptr": core.PTR[fmt_w],
             "out_ptr": "*fp32" if out.startswith("scatter") else core.OUT_PTR[out], "x_scale_ptr": "*fp32",
             "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "slots_ptr": "*i32", "route_w_ptr": "*fp32",
@@ -172,7 +190,8 @@ aot_attrs = functools.partial(core.aligned_attrs,
 
 
 def aot_options(entry: AotEntry) -> dict[str, int]:
-    """``num_warps``/``num_stages`` of an entry: its block config's (the description starts with the config's
-    name, "-gated" / "-k32" appended)."""
-    cfg = BLOCK_CONFIGS[entry[1].split()[0].split("-")[0]]
+    """``num_warps``/``num_stages`` of an entry: its tile config's (the description starts with the config's
+    name, "-gated" / "-k32" appended, and names the block)."""
+    block_k = int(entry[1].split(" block=")[1].split()[0].split("x")[1])
+    cfg = _configs(block_k)[entry[1].split()[0].split("-")[0]]
     return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
