@@ -73,8 +73,8 @@ GROUPED_BLOCK_KERNEL = Kernel(_fp8_grouped_block_gemm_kernel, (
 # spill on sm_89 (20 and 8 bytes). Narrower N tiles, and 4 warps for large (with 8, ptxas held sm_89 to 128
 # registers and spilled 8 bytes): at most 252 registers on sm_89 / 237 on sm_90, no spills
 # (python -m dbr_quant.kernels.triton.aot --arch 89 --only grouped_block).
+# Decode takes the medium tile (the FP8 MMA's 64 rows at least).
 MX_CONFIGS: dict[str, core.GemmConfig] = {
-    "decode": core.GemmConfig("decode", 64, 64, 32, GROUP_M=8, num_warps=4, num_stages=4),
     "medium": core.GemmConfig("medium", 64, 64, 32, GROUP_M=8, num_warps=4, num_stages=3),
     "large": core.GemmConfig("large", 128, 64, 32, GROUP_M=8, num_warps=4, num_stages=3),
 }
@@ -88,8 +88,13 @@ def _config(rows_per_expert: int, gated: bool, bk: int) -> core.GemmConfig:
     """The tile for the average rows per expert: the dense block kernel's (for 32-wide K blocks
     :data:`MX_CONFIGS`), BLOCK_K narrowed to divide bk."""
     configs = _configs(bk)
-    cfg = configs["decode"] if rows_per_expert <= 16 else configs["medium"] if rows_per_expert <= 128 \
-        else configs["large"]
+    name = "decode" if rows_per_expert <= 16 and "decode" in configs else "medium" if rows_per_expert <= 128 \
+        else "large"
+    return _narrowed(configs[name], gated, bk)
+
+
+def _narrowed(cfg: core.GemmConfig, gated: bool, bk: int) -> core.GemmConfig:
+    """``cfg`` (gated: half as wide) with BLOCK_K dividing the block's K ``bk``."""
     cfg = cfg.gated() if gated else cfg
     step = math.gcd(cfg.BLOCK_K, bk)
     if step < MIN_BLOCK_K:
@@ -165,10 +170,10 @@ AOT_BLOCKS = ((128, 128), MX_WEIGHT_BLOCK)
 _OUTS = ("fp32", "bf16", "fp16", "scatter_add")
 
 
-def _entry(cfg: core.GemmConfig, block: tuple[int, int], fmt_a: FP8Format, fmt_w: FP8Format, activation: str | None,
+def _entry(block: tuple[int, int], cfg: core.GemmConfig, fmt_a: FP8Format, fmt_w: FP8Format, activation: str | None,
            has_bias: bool, gather: bool, out: str) -> AotEntry:
     epilogue = core.epilogue_constexprs(activation, has_bias, out)
-    cfg = _config({"decode": 1, "medium": 64, "large": 1024}[cfg.name], bool(epilogue["GATED"]), block[1])  # picked
+    cfg = _narrowed(cfg, bool(epilogue["GATED"]), block[1])
     ptrs = {"a_ptr": core.PTR[fmt_a], "w_ptr": core.PTR[fmt_w],
             "out_ptr": "*fp32" if out.startswith("scatter") else core.OUT_PTR[out], "x_scale_ptr": "*fp32",
             "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "slots_ptr": "*i32", "route_w_ptr": "*fp32",
@@ -182,8 +187,9 @@ def _entry(cfg: core.GemmConfig, block: tuple[int, int], fmt_a: FP8Format, fmt_w
 
 
 AOT_CONFIGS: list[AotEntry] = [
-    _entry(*args) for args in itertools.product(BLOCK_CONFIGS.values(), AOT_BLOCKS, list(FP8Format), list(FP8Format),
-                                                (None,) + ACTIVATIONS + GATED, (False, True), (True, False), _OUTS)]
+    _entry(block, *args) for block in AOT_BLOCKS for args in itertools.product(
+        _configs(block[1]).values(), list(FP8Format), list(FP8Format), (None,) + ACTIVATIONS + GATED, (False, True),
+        (True, False), _OUTS)]
 # divisibility by 16 of pointers, N, K and leading strides, as the JIT finds for aligned shapes
 aot_attrs = functools.partial(core.aligned_attrs,
                               aligned=("N", "K", "stride_am", "stride_we", "stride_wn", "stride_om"))
