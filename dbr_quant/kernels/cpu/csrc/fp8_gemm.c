@@ -40,8 +40,8 @@ static void *aligned_buffer(size_t bytes) {
     return p;
 }
 
-/* Per-thread decode buffers kept between calls (the calling thread's decoded activations; each worker's weight
-   panel and partial sums). Allocated per call, the ones above glibc's mmap threshold (128 KiB at first; a
+/* Per-thread decode buffers kept between calls (the calling thread's decoded activations, each worker's decoded
+   weight panel). Allocated per call, the ones above glibc's mmap threshold (128 KiB at first; a
    32-sentence MiniLM's decoded activations are 0.4-1.5 MiB) came back as fresh pages every call: page faults,
    counted as system time, and heap churn that also hit torch's own large temporaries. A thread keeps at most
    GEMM_KEEP_BYTES per slot (a larger GEMM allocates and frees its own: the faults are then small beside its
@@ -196,30 +196,26 @@ static inline void transpose16_store(const __m512 *rf, uint32_t *dst, int64_t st
     }
 }
 
-/* codes k0..k1-1 (multiples of 64) of the panel's rows, pair (k0/2 + p) at panel[p·VNNI_N] */
-static void decode_panel_vnni(const bf16_tables *t, const uint8_t *const *wr, int64_t K, int64_t k0, int64_t k1,
+static void decode_panel_vnni(const bf16_tables *t, const uint8_t *const *wr, int64_t K, int64_t Kp,
                               uint32_t *panel) {
-    for (int64_t k = k0; k < k1; k += 64)
+    for (int64_t k = 0; k < Kp; k += 64)
         for (int h = 0; h < VNNI_N / 16; ++h) {
             __m512 a[16], b[16];
             for (int i = 0; i < 16; ++i) decode64(t, load_codes(wr[16 * h + i], k, K), &a[i], &b[i]);
-            transpose16_store(a, panel + ((k - k0) / 2) * VNNI_N + 16 * h, VNNI_N);
-            transpose16_store(b, panel + ((k - k0) / 2 + 16) * VNNI_N + 16 * h, VNNI_N);
+            transpose16_store(a, panel + (k / 2) * VNNI_N + 16 * h, VNNI_N);
+            transpose16_store(b, panel + (k / 2 + 16) * VNNI_N + 16 * h, VNNI_N);
         }
 }
 
-/* mb rows × the panel's 32 columns over ``pairs`` k-pairs; ``x``: the tile's first row at this K block, rows
-   ``stride`` pairs apart; ``partial``: the sums of the earlier K blocks (32 floats a row), NULL for the first.
-   Reloading a partial sum is exact, so the K blocking leaves every lane's chain of vdpbf16ps as it was. */
-static inline __attribute__((always_inline)) void vnni_tile(const int mb, const uint32_t *x, int64_t stride,
-                                                           int64_t pairs, const uint32_t *panel,
-                                                           const float *partial, __m512 acc[VNNI_M * 2]) {
-    for (int i = 0; i < mb * 2; ++i) acc[i] = partial ? _mm512_load_ps(partial + 16 * i) : _mm512_setzero_ps();
+static inline __attribute__((always_inline)) void vnni_tile(const int mb, const uint32_t *x, int64_t Kp,
+                                                           const uint32_t *panel, __m512 acc[VNNI_M * 2]) {
+    for (int i = 0; i < mb * 2; ++i) acc[i] = _mm512_setzero_ps();
+    const int64_t pairs = Kp / 2;
     for (int64_t p = 0; p < pairs; ++p) {
         __m512 w0 = _mm512_load_ps((const float *)(panel + p * VNNI_N));
         __m512 w1 = _mm512_load_ps((const float *)(panel + p * VNNI_N + 16));
         for (int m = 0; m < mb; ++m) {
-            __m512 xv = _mm512_castsi512_ps(_mm512_set1_epi32((int)x[m * stride + p]));
+            __m512 xv = _mm512_castsi512_ps(_mm512_set1_epi32((int)x[m * pairs + p]));
             acc[2 * m] = _mm512_dpbf16_ps(acc[2 * m], (__m512bh)xv, (__m512bh)w0);
             acc[2 * m + 1] = _mm512_dpbf16_ps(acc[2 * m + 1], (__m512bh)xv, (__m512bh)w1);
         }
@@ -350,30 +346,15 @@ static inline const uint8_t *weight_row(const gemm_args *g, int64_t n) {
 }
 
 #ifdef GEMM_BF16
-/* K blocks of VNNI_KC pairs: the block's decoded panel (VNNI_KC·128 bytes: 16 KiB) and one tile's activations (12
-   rows × VNNI_KC·4 bytes: 6 KiB) stay in L1 (32 KiB on Zen 4 and Sapphire Rapids) while every tile sweeps the
-   block, where a whole-K panel at K = 1536 (96 KiB) was read from L2 by every tile; the tiles' partial sums (M·128
-   bytes) wait in this thread's buffer between blocks. A multiple of 32 pairs (one decode64 step). */
-#ifndef VNNI_KC
-#define VNNI_KC 128
-#endif
-
-/* Bytes of a worker's buffer for bf16_panel_block: one K block's panel, and M rows of partial sums when K spans
-   more than one block. */
-static size_t vnni_scratch_bytes(int64_t M, int64_t Kp) {
-    const int64_t pairs = Kp / 2, kc = pairs < VNNI_KC ? pairs : VNNI_KC;
-    return (size_t)kc * VNNI_N * 4 + (pairs > VNNI_KC ? (size_t)M * VNNI_N * 4 : 0);
-}
-
 /* 32 weight rows from n0 against every activation row (M > GEMM_SMALL_M): the VNNI panel, 12-row tiles, the
-   epilogue on whole vectors of 16 outputs. ``scratch``: vnni_scratch_bytes(M, Kp) of this thread's. */
+   epilogue on whole vectors of 16 outputs. ``scratch``: Kp·64 bytes of this thread's. */
 static void bf16_panel_block(const gemm_args *g, int64_t n0, const uint32_t *x, void *scratch) {
     const int64_t Kp = g->Kp, pairs = Kp / 2;
     const uint8_t *wr[VNNI_N];
     for (int n = 0; n < VNNI_N; ++n) wr[n] = weight_row(g, n0 + n);
     uint32_t *panel = (uint32_t *)scratch;
-    float *partial = (float *)(panel + (pairs < VNNI_KC ? pairs : VNNI_KC) * VNNI_N);  /* 64-byte aligned */
     bf16_tables t = make_tables();
+    decode_panel_vnni(&t, wr, g->K, Kp, panel);
     const int64_t valid = g->N - n0 < VNNI_N ? g->N - n0 : VNNI_N;
     const __mmask16 k0 = (__mmask16)(valid >= 16 ? 0xFFFF : (1u << valid) - 1u);
     const __mmask16 k1 = (__mmask16)(valid >= 32 ? 0xFFFF : valid > 16 ? (1u << (valid - 16)) - 1u : 0u);
@@ -385,34 +366,23 @@ static void bf16_panel_block(const gemm_args *g, int64_t n0, const uint32_t *x, 
     }
     if (g->bias) b0 = _mm512_maskz_loadu_ps(k0, g->bias + n0), b1 = _mm512_maskz_loadu_ps(k1, g->bias + n0 + 16);
     __m512 acc[VNNI_M * 2];
-    for (int64_t kb = 0; kb < pairs; kb += VNNI_KC) {
-        const int64_t pb = pairs - kb < VNNI_KC ? pairs - kb : VNNI_KC;
-        const int first = kb == 0, last = kb + pb == pairs;
-        decode_panel_vnni(&t, wr, g->K, 2 * kb, 2 * (kb + pb), panel);
-        for (int64_t m0 = 0; m0 < g->M; m0 += VNNI_M) {
-            const int mb = g->M - m0 < VNNI_M ? (int)(g->M - m0) : VNNI_M;
-            const uint32_t *xt = x + m0 * pairs + kb;
-            float *part = partial + m0 * VNNI_N;
-            const float *in = first ? NULL : part;
-            switch (mb) {  /* a constant tile height per case: the accumulators stay in registers */
-#define TILE(h) case h: vnni_tile(h, xt, pairs, pb, panel, in, acc); break;
-            TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8) TILE(9) TILE(10) TILE(11)
-            default: vnni_tile(VNNI_M, xt, pairs, pb, panel, in, acc); break;
+    for (int64_t m0 = 0; m0 < g->M; m0 += VNNI_M) {
+        const int mb = g->M - m0 < VNNI_M ? (int)(g->M - m0) : VNNI_M;
+        const uint32_t *xt = x + m0 * pairs;
+        switch (mb) {  /* a constant tile height per case: the accumulators stay in registers */
+#define TILE(h) case h: vnni_tile(h, xt, Kp, panel, acc); break;
+        TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8) TILE(9) TILE(10) TILE(11)
+        default: vnni_tile(VNNI_M, xt, Kp, panel, acc); break;
 #undef TILE
-            }
-            if (!last) {
-                for (int i = 0; i < 2 * mb; ++i) _mm512_store_ps(part + 16 * i, acc[i]);
-                continue;
-            }
-            for (int m = 0; m < mb; ++m) {  /* (acc · (sx·sw)) + b, as finish() */
-                __m512 sx = _mm512_set1_ps(g->xs[(m0 + m) * g->xs_stride]);
-                float *out = g->y + (m0 + m) * g->N + n0;
-                __m512 y0 = _mm512_mul_ps(acc[2 * m], _mm512_mul_ps(sx, sw0));
-                __m512 y1 = _mm512_mul_ps(acc[2 * m + 1], _mm512_mul_ps(sx, sw1));
-                if (g->bias) y0 = _mm512_add_ps(y0, b0), y1 = _mm512_add_ps(y1, b1);
-                _mm512_mask_storeu_ps(out, k0, y0);
-                _mm512_mask_storeu_ps(out + 16, k1, y1);
-            }
+        }
+        for (int m = 0; m < mb; ++m) {  /* (acc · (sx·sw)) + b, as finish() */
+            __m512 sx = _mm512_set1_ps(g->xs[(m0 + m) * g->xs_stride]);
+            float *out = g->y + (m0 + m) * g->N + n0;
+            __m512 y0 = _mm512_mul_ps(acc[2 * m], _mm512_mul_ps(sx, sw0));
+            __m512 y1 = _mm512_mul_ps(acc[2 * m + 1], _mm512_mul_ps(sx, sw1));
+            if (g->bias) y0 = _mm512_add_ps(y0, b0), y1 = _mm512_add_ps(y1, b1);
+            _mm512_mask_storeu_ps(out, k0, y0);
+            _mm512_mask_storeu_ps(out + 16, k1, y1);
         }
     }
 }
@@ -503,7 +473,7 @@ int dbr_fp8_gemm(const uint8_t *x, const float *xs, int64_t xs_stride, const uin
         if (!xdec) return -1;
         bf16_tables t = make_tables();
         decode_rows_bf16(&t, x, M, K, g.Kp, (__m512 *)xdec);
-        if (M > GEMM_SMALL_M) block = VNNI_N, scratch = vnni_scratch_bytes(M, g.Kp);
+        if (M > GEMM_SMALL_M) block = VNNI_N, scratch = (size_t)g.Kp * 2 * VNNI_N;
     } else
 #endif
     {
