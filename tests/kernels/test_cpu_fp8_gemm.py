@@ -8,7 +8,9 @@ bits), else within the dot product's fp32 error bound of the exact (fp64) result
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
+import functools
 import platform
 
 import pytest
@@ -140,8 +142,6 @@ def test_kept_buffers_never_leak_between_calls(libraries, order):
 
 def test_threads_keep_their_own_buffers(libraries):
     """Calls from several threads at once (ctypes releases the GIL) each decode into their own thread's buffers."""
-    import concurrent.futures
-
     cases = [_grid_case(m, 40, k, seed=m) for m, k in ((3, 500), (30, 200), (17, 1000), (64, 64))]
 
     def run(lib, case):
@@ -149,7 +149,7 @@ def test_threads_keep_their_own_buffers(libraries):
 
     for name, lib in libraries.items():
         with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
-            assert all(pool.map(lambda c: run(lib, c), cases)), name
+            assert all(pool.map(functools.partial(run, lib), cases)), name
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])

@@ -29,6 +29,7 @@ bits except a small linear's sum order. NaN inputs are unsupported here: the upc
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -146,7 +147,7 @@ def fp8_linear(
 # The fused GEMM's activations, applied in place: torch's own elementwise kernel on the same input, so the same
 # bits as apply_activation's out-of-place call, without a second output-sized fp32 buffer (at 32 MiniLM sentences
 # a 2.9 MB GELU output per layer, fresh pages from the allocator each time: page faults beside the pass itself).
-_IN_PLACE = {
+_IN_PLACE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": torch.relu_,
     "gelu": torch.ops.aten.gelu_,
     "gelu_tanh": functools.partial(torch.ops.aten.gelu_, approximate="tanh"),
