@@ -26,7 +26,7 @@ from dbr_quant.kernels.triton.quantize import aot_signature
 __all__ = ["AOT_CONFIGS", "decode_e4m3", "decode_weight"]
 
 BLOCK_N, BLOCK_K = 32, 128  # a [32, 128] tile per program: 4 KB of FP8 in, 8 KB of bf16 out, rows coalesced along K
-NUM_WARPS = 4
+NUM_WARPS = 8  # 16 elements per thread: ~80 registers, so enough warps per SM stream the bytes
 MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension (the K tiles)
 DECODED_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
