@@ -9,13 +9,13 @@ import re
 import pytest
 import torch
 import triton
+from gpu.gpu_bounds import decode_once_bound  # tests/ is on sys.path (conftest): the bound the GPU tests use too
 from test_triton_gemm import _jit_signature, _Recorder
 from triton.backends.compiler import GPUTarget
 
 from dbr_quant import kernels
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels import use_backend
-from dbr_quant.kernels.reference import dense as R
 from dbr_quant.kernels.reference import weight_only as RW
 from dbr_quant.kernels.triton import aot
 from dbr_quant.kernels.triton import weight_decode as WD
@@ -145,26 +145,6 @@ def test_aot_tool_passes_on_sm_80(capsys):
 # prefill: above DECODE_ONCE_ABOVE_M rows W is decoded once (weight_decode) and multiplied by torch.matmul
 
 
-def _decode_once_bound(x_mma: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, pre: torch.Tensor,
-                       activation: str | None) -> torch.Tensor:
-    """weight_only_gemm's documented bound before the epilogue, (2u + K·2⁻²³)·Σ|x|·|w_q·w_s| (+ 2⁻²⁴·(Σ|x| + 1) for
-    fp16), carried through the activation (slopes ≤ 1.13; swiglu's act(g)·u moves by ≤ 1.2·Bg·(|u| + Bu) +
-    |act(g)|·Bu) plus 2⁻²⁰ of the value for the epilogue's own fp32 rounding."""
-    u = 2.0**-9 if x_mma.dtype == torch.bfloat16 else 2.0**-11
-    x = x_mma.double().abs().reshape(-1, x_mma.shape[-1])
-    w = (w_q.double() * w_s.double().reshape(-1, 1)).abs()
-    b = (2 * u + x.shape[-1] * 2.0**-23) * (x @ w.T)
-    if x_mma.dtype == torch.float16:
-        b = b + 2.0**-24 * (x.sum(-1, keepdim=True) + 1)
-    pre = pre.double().reshape(b.shape)
-    if activation not in R.GATED:
-        return (1.2 if activation else 1.0) * b + 2.0**-20 * pre.abs() + 1e-6
-    n = pre.shape[-1] // 2
-    gate, up, bg, bu = pre[:, :n], pre[:, n:], b[:, :n], b[:, n:]
-    act = torch.nn.functional.silu(gate)
-    return 1.2 * bg * (up.abs() + bu) + act.abs() * bu + 2.0**-20 * (act * up).abs() + 1e-6
-
-
 @pytest.mark.parametrize("m, n, k, lead, dtype, per_channel, activation, has_bias, residual, out", [
     (33, 40, 100, (2,), torch.bfloat16, True, None, False, None, torch.bfloat16),  # plain: the matmul's own output
     (20, 24, 64, (), torch.float16, True, "gelu", True, torch.float32, torch.float32),
@@ -186,7 +166,7 @@ def test_decode_once_path_within_its_bound(m, n, k, lead, dtype, per_channel, ac
     want = RW.fp8_weight_only_linear(x_mma, w_q, w_s, bias=bias, activation=activation, residual=res, **kw)
     assert got.shape == want.shape and got.dtype == want.dtype
     pre = RW.fp8_weight_only_linear(x_mma, w_q, w_s, bias=bias)
-    bound = _decode_once_bound(x_mma, w_q, w_s, pre, activation).reshape(want.shape)
+    bound = decode_once_bound(x_mma, w_q, w_s, pre, activation).reshape(want.shape)
     err = (got.double() - want.double()).abs()
     if isinstance(out, FP8Format):  # one FP8 step of the value (in out_scale units) beyond the bound
         bound = bound / 4.0 + (want.double().abs() * 2.0**-3).clamp(min=2.0**-9) * 1.0001
@@ -202,7 +182,7 @@ def test_the_bound_is_tight_enough_to_fail():
     x = torch.randn(8, 64, generator=gen).bfloat16()
     want = RW.fp8_weight_only_linear(x, w_q, w_s)
     wrong = RW.fp8_weight_only_linear(x, w_q, w_s * (1 + 2.0**-6))
-    assert not bool(((wrong - want).abs() <= _decode_once_bound(x, w_q, w_s, want, None)).all())
+    assert not bool(((wrong - want).abs() <= decode_once_bound(x, w_q, w_s, want, None)).all())
 
 
 def test_dispatch_rule_picks_the_path_by_rows(monkeypatch):
@@ -228,4 +208,4 @@ def test_prefill_rows_run_the_decode_once_path_against_the_reference():
     with use_backend("triton-interpret"):
         got = kernels.fp8_weight_only_linear(x, w_q, w_s, out_dtype=torch.float32)
     want = RW.fp8_weight_only_linear(x, w_q, w_s)
-    assert bool(((got - want).abs() <= _decode_once_bound(x, w_q, w_s, want, None)).all())
+    assert bool(((got - want).abs() <= decode_once_bound(x, w_q, w_s, want, None)).all())

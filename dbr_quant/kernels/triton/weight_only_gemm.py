@@ -26,7 +26,8 @@ fused kernel, which scales the fp32 accumulator: each decoded weight ``w_q·w_sc
 unit; fp16 overflows past 65504 as the unquantized fp16 linear would). So against the reference, before the epilogue,
 ``|y - y_ref| ≤ (2u + K·2⁻²³)·Σₖ|xₖ|·|w_q·w_scale|ₙₖ`` (+ 2⁻²⁴·(Σₖ|xₖ| + 1) for fp16) with u = 2⁻⁹ (bf16) or 2⁻¹¹
 (fp16), where the fused kernel's is ``K·2⁻²⁴·Σₖ|xₖ|·|w_q·w_scale|ₙₖ``; activation, residual and the output dtype
-follow as in the reference.
+follow as in the reference. The bound assumes cuBLAS accumulates in fp32; torch lets it reduce split-K partial sums
+in bf16/fp16 unless ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction`` (``…fp16…``) is False.
 """
 
 from __future__ import annotations
