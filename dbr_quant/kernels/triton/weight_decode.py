@@ -35,7 +35,8 @@ DECODED_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 def decode_e4m3(bits):
     """E4M3 bytes (uint8) → their values in fp32, exactly: normal codes by moving exponent and mantissa into an
     fp32 bit pattern (exponent + 120 rebiases 7 → 127), subnormals as m·2⁻⁹ (no fp32 subnormal, so no
-    flush-to-zero question), then the sign bit by an integer or (Triton's unary minus is 0 - x: -0.0 would read +0.0)."""
+    flush-to-zero question), then the sign bit by an integer or (Triton's unary minus is 0 - x: -0.0 would read
+    +0.0)."""
     b = bits.to(tl.uint32)
     exponent = (b >> 3) & 0xF
     normal = (((b & 0x7F) << 20) + (120 << 23)).to(tl.float32, bitcast=True)
