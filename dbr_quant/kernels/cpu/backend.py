@@ -219,6 +219,7 @@ moe_quantize = functools.partial(reference_grouped.moe_quantize, quantize=quanti
 fp8_grouped_linear = functools.partial(reference_grouped.fp8_grouped_linear, linear=fp8_linear)
 fp8_grouped_block_linear = functools.partial(reference_grouped.fp8_grouped_block_linear,
                                              block_linear=fp8_block_linear)
+mx_quantize = reference_mx.mx_quantize  # a scale per element, as group_quantize
 fp8_mx_linear = functools.partial(reference_mx.fp8_mx_linear, operands=block_operands, quantize=quantize)
 
 
