@@ -1,6 +1,7 @@
 """FP8 on this CPU against the faster high-precision dtype here (issue #25): decode and MiniLM, side by side.
 
     PYTHONPATH=. .venv/bin/python benchmarks/cpu_speed.py [--rounds 5] [--tokens 6]      (make bench)
+    PYTHONPATH=. taskset -c 1 .venv/bin/python benchmarks/cpu_speed.py --cpu-time        (a loaded machine)
 
 Prints the CPU features and the CPU GEMM path that runs here, then for torch's default thread count and for 1
 thread, one table per CPU GEMM path (the one that runs here first, then the other one forced):
@@ -14,6 +15,11 @@ Every variant of one figure runs in the same rotation, round by round, so load o
 them alike; "FP8 / best" is the median over rounds of the FP8 time over the time, in the same round, of whichever
 of fp32 / bf16 is faster (by median) at that figure. Decode: each sample times ``--tokens`` greedy steps after an
 untimed 8-token prefill (fresh KV cache per sample). The last lines: FP8 linear weight bytes / fp32.
+
+``--cpu-time`` times each sample in CPU time of the one thread that runs it (``time.thread_time``) instead of wall
+time, at 1 thread only (other threads' work would go uncounted): on a machine other processes load, a sample then
+does not count the time it waited for a core, so the ratios move less (cache and SMT sharing still do). Pin the
+process to one core (``taskset -c N``) so the thread is not moved.
 """
 
 from __future__ import annotations
@@ -59,18 +65,19 @@ def llama_models() -> dict[str, torch.nn.Module]:
     return {"fp32": fp32, "bf16": bf16, "fp8": dq.convert(prepared)}
 
 
-def decoder(model: torch.nn.Module, tokens: int, path: str | None) -> Callable[[], None]:
-    """One sample: ``tokens`` greedy batch-1 steps after an untimed prefill; returns nothing, records its own time."""
+def decoder(model: torch.nn.Module, tokens: int, path: str | None,
+            clock: Callable[[], float] = time.perf_counter) -> Callable[[], float]:
+    """One sample: ``tokens`` greedy batch-1 steps after an untimed prefill; returns their time on ``clock``."""
     prompt = torch.randint(0, LLAMA["vocab_size"], (1, PROMPT), generator=torch.Generator().manual_seed(1))
 
     def run() -> float:
         with use_cpu_gemm(path or "auto"), torch.no_grad():
             out = model(input_ids=prompt, use_cache=True)
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(tokens):
                 out = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values,
                             use_cache=True)
-            return time.perf_counter() - t0
+            return clock() - t0
     return run
 
 
@@ -101,8 +108,8 @@ def minilm_models() -> tuple[dict[str, torch.nn.Module], object, dict[str, torch
 def run_tables(args: argparse.Namespace, paths: list[str], llama: dict | None, mini: tuple | None) -> None:
     rows: dict[str, list[str]] = {p: [] for p in paths}
     if llama is not None:
-        variants = {k: decoder(llama[k], args.tokens, None) for k in ("fp32", "bf16")}
-        variants.update({f"fp8@{p}": decoder(llama["fp8"], args.tokens, p) for p in paths})
+        variants = {k: decoder(llama[k], args.tokens, None, args.clock) for k in ("fp32", "bf16")}
+        variants.update({f"fp8@{p}": decoder(llama["fp8"], args.tokens, p, args.clock) for p in paths})
         t = time_steps(variants, args.rounds)
         best = best_of(t, "decode")
         tps = {k: args.tokens / median(v) for k, v in t.items()}
@@ -119,7 +126,7 @@ def run_tables(args: argparse.Namespace, paths: list[str], llama: dict | None, m
             for p in paths:
                 for kind, m in fp8.items():
                     variants[f"{kind}@{p}"] = lambda m=m, p=p, b=batch: _pinned(m, p, b)
-            t = time_interleaved(variants, rounds=args.rounds, warmup=2)
+            t = time_interleaved(variants, rounds=args.rounds, warmup=2, clock=args.clock)
             best = best_of(t, "minilm")
             ms = {k: median(v) * 1e3 for k, v in t.items()}
             for p in paths:
@@ -149,13 +156,21 @@ def main() -> None:
     parser.add_argument("--threads", default="default,1", help="comma-separated: 'default' (torch's) and/or counts")
     parser.add_argument("--no-llama", action="store_true")
     parser.add_argument("--no-minilm", action="store_true")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time in the running thread's CPU time (time.thread_time), at 1 thread only")
     args = parser.parse_args()
+    if args.cpu_time and args.threads != "default,1" and args.threads != "1":
+        parser.error("--cpu-time counts one thread's CPU time: run it with --threads 1 (the default becomes 1)")
+    if args.cpu_time:
+        args.threads = "1"
+    args.clock = time.thread_time if args.cpu_time else time.perf_counter
     args.sentences = [int(n) for n in args.sentences.split(",")]
     warnings.simplefilter("ignore")
     default_threads = torch.get_num_threads()
     first = cpu.current_gemm_path()
     paths = [first, *(p for p in cpu.GEMM_PATHS if p != first)]
-    print(f"dbr_quant CPU speed (issue #25): torch {torch.__version__}, {args.rounds} interleaved rounds, "
+    clock = "CPU time of the running thread" if args.cpu_time else "wall time"
+    print(f"dbr_quant CPU speed (issue #25): torch {torch.__version__}, {args.rounds} interleaved rounds, {clock}, "
           "medians and paired ratios; a shared machine's load moves the ms, less the ratios")
     print(cpu.describe())
     llama = None if args.no_llama else llama_models()

@@ -28,6 +28,11 @@ Assumptions (identical for the fused and unfused columns, so the comparison is f
   2.04 TB/s, CUDA cores 19.5 TFLOP/s fp32 / 19.5 TOP/s int32). MX scales are uint8 and counted (M x K/32 + N x K/32
   bytes); the weight-only kernel's decode (DECODE_OPS integer ops per weight element) runs once per BLOCK_M-row
   tile of the output (16 rows up to M = 16, then 64, then 128: the wrapper's tiles) and is counted as CUDA-core work.
+  Above weight_only_gemm.DECODE_ONCE_ABOVE_M rows the wrapper decodes W once per call instead (a Triton pass reading
+  1 byte and writing 2 per weight element, DECODE_OPS + 1 ops each) and runs cuBLAS's bf16 GEMM, assumed to reach
+  the bf16 peak like the fused kernel; that threshold is this model's crossover (weight_only_crossover_m: the
+  smallest M from which decoding once is estimated faster for every Llama-3 linear shape) -- an estimate, not a
+  measurement on an A100.
 - Table 6 (which sm_90 GEMM kernel) models the kernels themselves instead of the peak; its assumptions are in
   gemm_kernel_model's docstring.
 """
@@ -43,6 +48,7 @@ from dataclasses import dataclass
 from dbr_quant.kernels.triton import block_gemm as triton_block_gemm
 from dbr_quant.kernels.triton import gemm as triton_gemm
 from dbr_quant.kernels.triton import tma_gemm
+from dbr_quant.kernels.triton import weight_only_gemm as triton_weight_only
 
 BF16, FP8 = 2, 1  # bytes per element
 
@@ -441,21 +447,48 @@ def mx_on_hopper(m: int, n: int, k: int) -> Seqs:
     }
 
 
+def weight_only_fused(m: int, n: int, k: int) -> Kernel:
+    """The weight-only kernel: W read as one byte per element, decoded in the K loop once per BLOCK_M-row tile of the
+    output (the wrapper's tiles), bf16 MMA, the per-channel scale in the epilogue."""
+    decode = DECODE_OPS * n * k * math.ceil(m / triton_weight_only.pick_config(m).BLOCK_M)
+    return A100.on(Kernel("weight-only gemm (decode in K loop)", 2.0 * m * n * k, decode + SCALE_FLOPS * m * n,
+                          m * k * BF16 + n * k * FP8 + m * n * BF16, BF16_FLOPS))
+
+
+def weight_only_decode_once(m: int, n: int, k: int) -> list[Kernel]:
+    """The prefill path: W decoded once to bf16 with its scale (FP8 in, bf16 out, fp32 scales), then cuBLAS."""
+    return [A100.on(elementwise("decode W once (fp8 -> bf16, scaled)", n * k, FP8, BF16, DECODE_OPS + 1, 4.0 * n)),
+            A100.on(gemm("bf16 gemm (cuBLAS)", m, n, k, in_bytes=BF16, epi_flops=0))]
+
+
 def weight_only(m: int, n: int, k: int) -> Seqs:
     """(5) One linear, bf16 x in, bf16 out, on an A100: bf16 weights; FP8 weights through the torch path the
     dispatcher took before (an upcast kernel writing W in bf16, then the bf16 GEMM reading it); FP8 weights through
-    the weight-only kernel (W read as one byte per element, decoded in the K loop once per BLOCK_M-row tile, bf16
-    MMA, the per-channel scale in the epilogue)."""
-    block_m = 16 if m <= 16 else 64 if m <= 128 else 128
-    decode = DECODE_OPS * n * k * math.ceil(m / block_m)
+    the fused weight-only kernel; and what the wrapper dispatches: the fused kernel up to DECODE_ONCE_ABOVE_M rows,
+    above it the decode-once pass + cuBLAS."""
+    fused = [weight_only_fused(m, n, k)]
     return {
         "bf16": [A100.on(gemm("bf16 gemm", m, n, k, in_bytes=BF16, epi_flops=0))],
         "upcast + bf16": [A100.on(elementwise("fp8 -> bf16 upcast of W", n * k, FP8, BF16, 1)),
                           A100.on(gemm("bf16 gemm", m, n, k, in_bytes=BF16, epi_flops=0))],
-        "W8A16 kernel": [A100.on(Kernel("weight-only gemm (decode in K loop)", 2.0 * m * n * k,
-                                        decode + SCALE_FLOPS * m * n, m * k * BF16 + n * k * FP8 + m * n * BF16,
-                                        BF16_FLOPS))],
+        "W8A16 fused": fused,
+        "W8A16 dispatched": (fused if triton_weight_only.pick_path(m) == "fused"
+                             else weight_only_decode_once(m, n, k)),
     }
+
+
+def weight_only_crossover_m(hiddens: tuple[int, ...] = (4096, 8192), overhead_s: float = 3e-6,
+                            limit: int = 16384) -> int:
+    """The smallest M from which decoding once + cuBLAS is estimated faster than the fused kernel for every Llama-3
+    linear shape (N = K = hidden, the FFN's up and down projections) and every larger M up to ``limit``."""
+    shapes = [(n, k) for h in hiddens for n, k in ((h, h), (ffn(h), h), (h, ffn(h)))]
+    def once_wins(m: int) -> bool:
+        return all(seq_time_s(weight_only_decode_once(m, n, k), overhead_s)
+                   < seq_time_s([weight_only_fused(m, n, k)], overhead_s) for n, k in shapes)
+    m = limit
+    while m > 1 and once_wins(m - 1):
+        m -= 1
+    return m
 
 
 def ffn(hidden: int) -> int:
@@ -526,8 +559,10 @@ def main(argv: list[str] | None = None) -> None:
                 lambda m, h, f: mx_linear(m, h, h), hs, ov, ratio="MXFP8 speedup vs")
     print_table("4b. H100: linear N=K=hidden, MXFP8 through the block GEMM (sm_90 path) vs FP8 per-tensor",
                 lambda m, h, f: mx_on_hopper(m, h, h), hs, ov, ratio="MXFP8 speedup vs")
-    print_table("5. A100: linear N=K=hidden, weight-only FP8 kernel vs upcast + bf16 GEMM vs bf16",
-                lambda m, h, f: weight_only(m, h, h), hs, ov, ratio="W8A16 speedup vs")
+    print_table(f"5. A100: linear N=K=hidden, weight-only FP8 as dispatched (fused kernel up to M = "
+                f"{triton_weight_only.DECODE_ONCE_ABOVE_M}, then decode once + cuBLAS; the model's crossover: M = "
+                f"{weight_only_crossover_m()}) vs the fused kernel alone vs upcast + bf16 GEMM vs bf16",
+                lambda m, h, f: weight_only(m, h, h), hs, ov, ratio="W8A16 dispatched speedup vs")
     print_sm90_gemm_table(hs, ov)
 
 

@@ -4,6 +4,8 @@ a block (the caller's own guard, or code a run executes as written) intercepts i
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,7 @@ from torch import nn
 
 import dbr_quant as dq
 from dbr_quant.kernels import count_launches
+from dbr_quant.runtime import interception
 from dbr_quant.runtime.interception import suspended
 
 
@@ -67,3 +70,29 @@ def test_module_calls_inside_a_suspension_run_as_written():
     assert n["fp8_linear"] == 1  # seen's; hidden ran as written
     with torch.no_grad():
         assert torch.equal(out, F.linear(seen_out[0], model.hidden.weight, model.hidden.bias))
+
+
+@pytest.mark.parametrize("inside_a_guard", [False, True])
+@pytest.mark.parametrize("exc", [RuntimeError("mode refused"), KeyboardInterrupt()])
+def test_a_failure_while_entering_the_interception_restores_global_state(monkeypatch, exc, inside_a_guard):
+    """``intercepting`` patches ``Module._call_impl`` and sets this thread's run before it pushes its torch-function
+    mode (and, inside the caller's DisableTorchFunction, switches torch functions on first): when that push fails,
+    all of it is undone, and the next forward runs as before."""
+    converted, x = _converted()
+    with torch.no_grad():
+        expected = converted(x)
+
+    def refuse(mode):
+        raise exc
+
+    monkeypatch.setattr(interception._FunctionMode, "__enter__", refuse)
+    guard = torch._C.DisableTorchFunction() if inside_a_guard else contextlib.nullcontext()
+    with torch.no_grad(), guard:
+        with pytest.raises(type(exc)):
+            converted(x)
+        assert torch._C._is_torch_function_all_disabled() == inside_a_guard  # the caller's guard as it was
+    assert not interception.is_patched() and interception.current_run() is None
+    assert torch._C._len_torch_function_stack() == 0
+    monkeypatch.undo()
+    with torch.no_grad():
+        assert torch.equal(converted(x), expected)

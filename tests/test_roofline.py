@@ -181,7 +181,7 @@ def test_mxfp8_on_hopper_scales_every_32_wide_step_on_cuda_cores(rl):
 def test_weight_only_on_a100_hand_computed(rl):
     n, k = 4096, 4096
     for m, block_m in ((1, 16), (16, 16), (100, 64), (4096, 128)):
-        (kernel,) = rl.weight_only(m, n, k)["W8A16 kernel"]
+        (kernel,) = rl.weight_only(m, n, k)["W8A16 fused"]
         assert kernel.bytes == m * k * 2 + n * k + m * n * 2  # W one byte per element, read once
         assert kernel.vec_flops == 6 * n * k * -(-m // block_m) + 2 * m * n  # decode per row tile + scale
         assert kernel.mma_peak == 312e12 and kernel.hbm_bytes_per_s == 2.039e12 and kernel.vector_peak == 19.5e12
@@ -189,10 +189,28 @@ def test_weight_only_on_a100_hand_computed(rl):
     assert upcast.bytes == n * k * 3 and gemm.bytes == (k + n * k) * 2 + n * 2
     # decode (M = 1) is HBM bound: the W8A16 kernel moves half of bf16's weight bytes
     t = {name: rl.seq_time_s(ks, 3e-6) for name, ks in rl.weight_only(1, n, k).items()}
-    assert t["W8A16 kernel"] == pytest.approx((2 * k + n * k + 2 * n) / 2.039e12 + 3e-6, rel=1e-12)
-    assert t["W8A16 kernel"] < t["bf16"] < t["upcast + bf16"]
+    assert t["W8A16 fused"] == pytest.approx((2 * k + n * k + 2 * n) / 2.039e12 + 3e-6, rel=1e-12)
+    assert t["W8A16 fused"] < t["bf16"] < t["upcast + bf16"]
     with pytest.raises(ValueError, match="no FP8 tensor cores"):
         rl.A100.on(rl.gemm("fp8 gemm", 1, n, k))
+
+
+def test_weight_only_dispatch_hand_computed_and_its_threshold_is_the_crossover(rl):
+    """Above DECODE_ONCE_ABOVE_M the dispatched sequence is the decode-once pass (1 byte in, 2 out and the fp32
+    scales, 7 ops per weight element) + the bf16 GEMM; the threshold is the model's crossover, which is where
+    ⌈M/128⌉·6/19.5e12 = 3/2.039e12 puts it (⌈M/128⌉ = 5) plus the launch overhead's shift for 4096x4096."""
+    n, k = 4096, 4096
+    assert rl.weight_only(640, n, k)["W8A16 dispatched"] == rl.weight_only(640, n, k)["W8A16 fused"]
+    decode, gemm = rl.weight_only(641, n, k)["W8A16 dispatched"]
+    assert decode.bytes == n * k * 3 + 4 * n and decode.vec_flops == 7 * n * k and decode.vector_peak == 19.5e12
+    assert gemm.bytes == (641 * k + n * k) * 2 + 641 * n * 2 and gemm.mma_peak == 312e12
+    crossover = rl.weight_only_crossover_m()
+    assert crossover == rl.triton_weight_only.DECODE_ONCE_ABOVE_M + 1
+    assert 4 * 128 < crossover <= 6 * 128
+    once = lambda m: rl.seq_time_s(rl.weight_only_decode_once(m, n, k), 3e-6)  # noqa: E731
+    fused = lambda m: rl.weight_only_fused(m, n, k).time_s(3e-6)  # noqa: E731
+    assert fused(crossover - 1) <= once(crossover - 1) and once(crossover) < fused(crossover)  # 4096x4096 is last
+    assert once(4096) < fused(4096) and fused(128) < once(128)
 
 
 def test_ffn_matches_llama3(rl):

@@ -59,6 +59,8 @@ __all__ = [
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
+# ``_env_cache`` once $DBR_QUANT_BACKEND was read and found unset: the backend is "auto" unless this thread forces one
+_ENV_AUTO: list[str | None] = [None]
 
 
 def _impl(t: torch.Tensor, ref: ModuleType = reference, fp8_mma: bool = True) -> ModuleType:
@@ -92,10 +94,25 @@ def _entry_point(op: KernelOp[F]) -> F:
     that is several calls); an op without a Triton kernel runs the reference everywhere, or, where
     ``op.without_triton`` says why Triton cannot, the plain backend chosen (reference or cpu) and that error on
     Triton. The body reads this module's ``_settings``,
-    ``_graph_op``, ``_impl`` and ``record_launch`` at call time, as a hand-written entry point would."""
+    ``_graph_op``, ``_impl`` and ``record_launch`` at call time, as a hand-written entry point would.
+
+    The common case comes first: nothing set on this thread (``_settings.all_default``), no backend in the
+    environment and a tensor off CUDA run the CPU backend, as ``_impl`` would choose, with one thread-local read
+    and no further call (on small shapes the runtime's Python is the cost, and this runs once per launch)."""
     args = call_arguments(op.parameters)
-    body = ["if (ops := _settings.graph_ops) is not None:",
-            f"    return _graph_op(ops, {op.name!r})({args})"]
+
+    def run_on(backend: str) -> str:
+        if op.launch is not None:
+            return f"return _launch({backend}, {', '.join(op.hook_arguments(op.launch))})"
+        return f"return {backend}.{op.name}({args})"
+
+    dispatched = op.launch is not None or op.triton is not None or bool(op.without_triton)  # else reference only
+    body = []
+    if dispatched:
+        body += [f"if _settings.all_default and not {op.device}.is_cuda and _env_cache == _ENV_AUTO:",
+                 f"    {run_on('cpu_backend')}"]
+    body += ["if (ops := _settings.graph_ops) is not None:",
+             f"    return _graph_op(ops, {op.name!r})({args})"]
     backend = f"_impl({op.device}, _reference{'' if op.fp8_tensor_cores else ', False'})"
     if op.without_triton:  # the plain backends (reference, cpu) run it; Triton has no kernel for it
         body += [f"_backend = {backend}", "if _backend is triton_backend:",
@@ -106,10 +123,8 @@ def _entry_point(op: KernelOp[F]) -> F:
         body += [f"_backend = {backend}", "if _settings.counters:",
                  f"    _more_launches(_backend, {', '.join(op.hook_arguments(op.more_launches))})"]
         backend = "_backend"
-    if op.launch is not None:
-        body.append(f"return _launch({backend}, {', '.join(op.hook_arguments(op.launch))})")
-    elif op.triton is not None or op.without_triton:
-        body.append(f"return {backend}.{op.name}({args})")
+    if dispatched:
+        body.append(run_on(backend))
     else:
         body.append(f"return _reference.{op.name}({args})")
     bound = {"_reference": op.reference, "_launch": op.launch, "_more_launches": op.more_launches,

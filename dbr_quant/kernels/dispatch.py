@@ -33,9 +33,17 @@ class _ThreadSettings(threading.local):
     backend: str | None = None
     graph_ops = None
     counters: tuple = ()
+    # True while none of the three above is set on this thread (no backend forced, no graph captured, no launches
+    # counted): then an entry point reads this one setting, not three (kept in step by `_changed_setting`)
+    all_default: bool = True
 
 
 _tls = _ThreadSettings()
+
+
+def _changed_setting() -> None:
+    """After any change of this thread's settings: recompute ``all_default`` from them."""
+    _tls.all_default = _tls.backend is None and _tls.graph_ops is None and not _tls.counters
 
 
 _env_cache: list = []  # [value] once read: the variable is read on the first kernel call, not per call
@@ -115,10 +123,12 @@ def _thread_setting(name: str, value) -> Iterator[None]:
     """Set a thread-local setting for the block and restore the previous value (so blocks nest)."""
     previous = getattr(_tls, name)
     setattr(_tls, name, value)
+    _changed_setting()
     try:
         yield
     finally:
         setattr(_tls, name, previous)
+        _changed_setting()
 
 
 def record_launch(kernel: str) -> None:
@@ -133,10 +143,12 @@ def count_launches() -> Iterator[collections.Counter]:
     counter: collections.Counter = collections.Counter()
     stack = _tls.counters
     _tls.counters = (*stack, counter)
+    _changed_setting()
     try:
         yield counter
     finally:
         _tls.counters = stack
+        _changed_setting()
 
 
 def graph_ops():

@@ -248,11 +248,11 @@ def fp8_block_linear(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor,
 # ------------------------------------------- MXFP8 (OCP MX: E8M0 scale per 32 along K) and weight-only FP8
 
 
-@kernel_op(launches="mx_quantize", reference=reference_mx)  # plain torch on every backend (one pass of torch ops)
+@kernel_op(launches="mx_quantize", reference=reference_mx, triton=TritonKernel("mx_quantize"))
 def mx_quantize(x: Tensor, fmt: FP8Format = FP8Format.E4M3, round_up: bool = False) -> tuple[Tensor, Tensor]:
     """MX quantization along the last dim (weights [N, K] and dynamic activations alike): (fp8 like x, E8M0 codes
     uint8 [..., ⌈K/32⌉], scale = 2^(code - 127); the exponent rounded down (OCP, saturating) or up (``round_up``:
-    nothing saturates); see reference_mx)."""
+    nothing saturates); see reference_mx). One launch on Triton; the CPU backend runs the reference's torch ops."""
     return (torch.empty_like(x, dtype=fmt.dtype),
             x.new_empty(_group_scale_shape(x, reference_mx.MX_BLOCK), dtype=torch.uint8))
 

@@ -9,12 +9,12 @@ import contextlib
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _hook_globals  # torch's global forward hooks (module_call)
 from torch.utils._pytree import tree_map
 
 from dbr_quant.integrations import accelerate as offload
@@ -36,15 +36,20 @@ from dbr_quant.ops.mappings import (
 )
 from dbr_quant.ops.patterns import Subgraph
 from dbr_quant.ops.tags import TAG, fqn_of, mark_placeholder, tag_of
-from dbr_quant.runtime.interception import current_run, has_global_hooks, has_hooks, suspended
+from dbr_quant.runtime.interception import current_run, has_hooks, suspended
 from dbr_quant.runtime.plan import plan_of
 from dbr_quant.runtime.runs import HOOKED_BODY_FUNCS, Run
 
 
-@dataclass(slots=True)
 class _Pending:
-    subgraph: Subgraph
-    calls: list[Call] = field(default_factory=list)
+    """A subgraph whose ops have arrived so far (made per subgraph run: a plain ``__init__``, cheaper than a
+    dataclass's default factory)."""
+
+    __slots__ = ("subgraph", "calls")
+
+    def __init__(self, subgraph: Subgraph) -> None:
+        self.subgraph = subgraph
+        self.calls: list[Call] = []
 
 
 class ConvertRun(Run):
@@ -62,7 +67,6 @@ class ConvertRun(Run):
         self.pending: dict[int, _Pending] = {}
         self.placeholders: dict[int, _Pending] = {}
         self.resolved: dict[int, torch.Tensor] = {}
-        self.done: list[_Pending] = []
         self.n_placeholders = placeholder_base(current_run() is None)  # next index into this thread's pool
         self.onloaded: dict[int, nn.Module] = {}  # accelerate-offloaded modules whose weights we loaded
         self.pool = _placeholder_pool()  # this thread's placeholder tensors (grown by _placeholder_tensor)
@@ -123,7 +127,6 @@ class ConvertRun(Run):
                 args = tuple(self.resolved.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in call.args)
                 out = run_basic(Call(call.kind, call.func, args, call.kwargs, call.op, call.state), self)
                 self.resolved[id(call.placeholder)] = out
-        self.done.append(p)
 
     def _step(self, p: _Pending, call: Call, last: bool) -> torch.Tensor:
         """Add ``call`` to its subgraph: run the fusion if it completes it (``last``: the caller knows, from the
@@ -142,7 +145,6 @@ class ConvertRun(Run):
         self.pending.pop(p.subgraph.id, None)
         for c in p.calls[:-1]:
             self.placeholders.pop(id(c.placeholder), None)
-        self.done.append(p)
         fusion = p.subgraph.fusion
         with self.torch_work():
             try:
@@ -183,9 +185,8 @@ class ConvertRun(Run):
             steps = plan.steps
             key = id(st)
             i = self.cursors.get(key, 0)
-            if i < len(steps) and steps[i].kind == kind and steps[i].fqn == fqn:  # == on one str: identity check
+            if i < len(steps) and (step := steps[i]).kind == kind and step.fqn == fqn:  # == on one str: identity
                 self.cursors[key] = i + 1
-                step = steps[i]
             else:
                 j = self.match_position(st, kind, fqn, warn)
                 step = steps[j] if j >= 0 else None
@@ -260,9 +261,10 @@ class ConvertRun(Run):
             if "_hf_hook" not in d and (tag is None or (tag.experts is None and not tag.norm)) \
                     and not ((self.placeholders or self.resolved) and has_hooks(module)):
                 return self.call_module(module, args, kwargs)  # the common case, decided by a few dict lookups
-        elif not module._forward_hooks and not module._forward_pre_hooks and not has_global_hooks():
-            # a stock nn.Linear or an activation module that no hook observes (decided per class, then by a
-            # few lookups)
+        elif not (module._forward_hooks or module._forward_pre_hooks or _hook_globals._global_forward_hooks
+                  or _hook_globals._global_forward_pre_hooks):
+            # a stock nn.Linear or an activation module that no hook observes, its own or a global one (decided
+            # per class, then by a few lookups: has_global_hooks() inlined, as torch's _call_impl reads them)
             if role is _LINEAR:
                 if "_hf_hook" not in d and "weight" in module._parameters:  # see mappings.is_linear_module
                     tag = d.get(TAG)
@@ -273,18 +275,18 @@ class ConvertRun(Run):
                 # the module call and the torch-function trip: compute it on real input, or join the pending
                 # subgraph its input is a placeholder of; else (a resolved placeholder, a subgraph that
                 # expects another op) the module runs its forward
-                func, name, default = ACTIVATION_MODULES[type(module)]
+                func, name, default, plain = ACTIVATION_MODULES[type(module)]
                 value = getattr(module, name)
-                kw = _NO_KWARGS if value == default else {name: value}  # a dict per call only when not the default
                 x = args[0]
                 p = self.placeholders.get(id(x))
                 if p is None:
                     if not self.resolved:
                         with suspended():
-                            return func(x) if kw is _NO_KWARGS else func(x, **kw)
+                            return plain(x) if value == default else func(x, **{name: value})
                 else:
                     kinds, n = p.subgraph.kinds, len(p.calls)
                     if n < len(kinds) and kinds[n] == ACT:
+                        kw = _NO_KWARGS if value == default else {name: value}  # a dict only when not the default
                         return self._step(p, Call(ACT, func, args, kw), n + 1 == len(kinds))
                 return self.call_module(module, args, kwargs)
         if "_hf_hook" in d and (is_linear_module(module) or ((tag := d.get(TAG)) is not None and tag.norm)) \
@@ -410,10 +412,13 @@ def placeholder_base(outermost: bool) -> int:
 
 
 # activation modules whose forward is one functional call: (module class) → (function, the keyword argument
-# it takes from the module's attribute of the same name, that argument's default: then it is not passed)
-ACTIVATION_MODULES: dict[type[nn.Module], tuple[Callable[..., torch.Tensor], str, object]] = {
-    nn.ReLU: (F.relu, "inplace", False),
-    nn.GELU: (F.gelu, "approximate", "none"),
-    nn.SiLU: (F.silu, "inplace", False),
+# it takes from the module's attribute of the same name, that argument's default: then it is not passed, the
+# C function that the functional call runs then when no torch function is overridden, as inside `suspended`:
+# torch/nn/functional.py's relu and silu bodies, past their has_torch_function check; F.gelu is that C function)
+ACTIVATION_MODULES: dict[type[nn.Module], tuple[Callable[..., torch.Tensor], str, object,
+                                                Callable[[torch.Tensor], torch.Tensor]]] = {
+    nn.ReLU: (F.relu, "inplace", False, torch.relu),
+    nn.GELU: (F.gelu, "approximate", "none", F.gelu),
+    nn.SiLU: (F.silu, "inplace", False, torch._C._nn.silu),
 }
 _NO_KWARGS: dict[str, Any] = {}  # the keyword arguments of an activation module's call at its defaults (never written)

@@ -20,6 +20,7 @@ import contextlib
 import threading
 import types
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
@@ -129,33 +130,67 @@ _OPEN_BODIES = {f: b for f in (F.multi_head_attention_forward,) if (b := _open_b
 FAST_PATH_MODULES = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
 
 
-@contextlib.contextmanager
-def intercepting(run: InterceptingRun, functions: bool = True) -> Iterator[None]:
+def intercepting(run: InterceptingRun, functions: bool = True) -> AbstractContextManager[None]:
     """Route this thread's torch functions and module calls to ``run`` for the duration of the block.
 
     ``functions=False`` intercepts module calls only (a calibration run whose recorded ops all run as
     modules has nothing to do per torch function, and the mode's trip costs microseconds per call)."""
-    global _patch_depth, _outer_call
-    with _patch_lock:
-        if _patch_depth == 0:
-            _outer_call = nn.Module._call_impl
-            nn.Module._call_impl = _intercepting_call  # type: ignore[method-assign, assignment]  # the point
-        _patch_depth += 1
-    # started from code that runs as written (a run's `suspended` work, or the caller's own DisableTorchFunction):
-    # this run intercepts its calls all the same
-    enable = torch._C._EnableTorchFunction() if _functions_off() else contextlib.nullcontext()
-    previous = _tls.run
-    _tls.run = run
-    run.routes_functions = functions
-    try:
-        with enable, _FunctionMode(run) if functions else contextlib.nullcontext():
-            yield
-    finally:
-        _tls.run = previous
+    return _Interception(run, functions)
+
+
+class _Interception:
+    """:func:`intercepting`'s block. A class rather than a generator-based context manager: it is entered once per
+    forward, and a generator's frame and ``contextlib`` wrapper cost about a microsecond more, which a small
+    model's forward feels. Global state (``Module._call_impl``) and this thread's run are restored on every exit
+    path, a failure while entering included."""
+
+    __slots__ = ("run", "functions", "previous", "enable", "mode")
+
+    def __init__(self, run: InterceptingRun, functions: bool) -> None:
+        self.run = run
+        self.functions = functions
+
+    def __enter__(self) -> None:
+        global _patch_depth, _outer_call
         with _patch_lock:
-            _patch_depth -= 1
             if _patch_depth == 0:
-                nn.Module._call_impl = _outer_call  # type: ignore[method-assign]  # put back
+                _outer_call = nn.Module._call_impl
+                nn.Module._call_impl = _intercepting_call  # type: ignore[method-assign, assignment]  # the point
+            _patch_depth += 1
+        run = self.run
+        self.previous = _tls.run
+        _tls.run = run
+        run.routes_functions = self.functions
+        self.enable = self.mode = None
+        try:
+            # started from code that runs as written (a run's `suspended` work, or the caller's own
+            # DisableTorchFunction): this run intercepts its calls all the same
+            if _functions_off():
+                self.enable = torch._C._EnableTorchFunction()
+                self.enable.__enter__()
+            if self.functions:
+                mode = _FunctionMode(run)
+                mode.__enter__()
+                self.mode = mode
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, typ: Any, value: Any, tb: Any) -> None:
+        global _patch_depth
+        try:
+            try:
+                if self.mode is not None:
+                    self.mode.__exit__(typ, value, tb)
+            finally:
+                if self.enable is not None:
+                    self.enable.__exit__(typ, value, tb)
+        finally:
+            _tls.run = self.previous
+            with _patch_lock:
+                _patch_depth -= 1
+                if _patch_depth == 0:
+                    nn.Module._call_impl = _outer_call  # type: ignore[method-assign]  # put back
 
 
 @contextlib.contextmanager

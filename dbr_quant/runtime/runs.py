@@ -164,7 +164,8 @@ class Run:
             assert x is not None, f"dbr_quant: {op.fqn}: a dynamic scale is computed from its tensor"
             return kernels.dynamic_scale(x, cfg.format, per_token=per_token)
         s = st.frozen_scale(op, slot) if st.converted else st.observed_scale(op, slot)
-        return s if x is None or s.device == x.device else s.to(x.device)
+        # both on the CPU: two flags, no device objects to build and compare (this runs once or twice per op)
+        return s if x is None or (s.is_cpu and x.is_cpu) or s.device == x.device else s.to(x.device)
 
     def call_module(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         self.stack.append(module)

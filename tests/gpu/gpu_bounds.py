@@ -48,6 +48,21 @@ def carry_bound(b: torch.Tensor, pre: torch.Tensor, activation: str | None) -> t
     return 1.2 * bg * (up.abs() + bu) + act.abs() * bu + 2.0 ** -20 * (act * up).abs() + 1e-6
 
 
+def decode_once_bound(x_mma: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, pre: torch.Tensor,
+                      activation: str | None) -> torch.Tensor:
+    """The weight-only linear's decode-once (prefill) path against the reference, as weight_only_gemm's docstring
+    derives it: each decoded ``w_q·w_scale`` and the GEMM's sum rounded to x's dtype (u = 2⁻⁹ bf16, 2⁻¹¹ fp16) and
+    the fp32 sum reordered, (2u + K·2⁻²³)·Σ|x|·|w_q·w_scale| (+ 2⁻²⁴·(Σ|x| + 1) for fp16's subnormals), carried
+    through the activation (:func:`carry_bound`; ``pre``: the reference's pre-activation output, bias added)."""
+    u = 2.0**-9 if x_mma.dtype == torch.bfloat16 else 2.0**-11
+    x = x_mma.double().abs().reshape(-1, x_mma.shape[-1])
+    w = (w_q.double() * w_scale.double().reshape(-1, 1)).abs()
+    b = (2 * u + x.shape[-1] * 2.0**-23) * (x @ w.t())
+    if x_mma.dtype == torch.float16:
+        b = b + 2.0**-24 * (x.sum(-1, keepdim=True) + 1)
+    return carry_bound(b, pre.double().reshape(b.shape), activation)
+
+
 def epilogue_bound(x_q, x_scale, w_q, w_scale, bias, activation) -> torch.Tensor:
     """:func:`gemm_bound` carried through bias + activation (:func:`carry_bound`)."""
     with kernels.use_backend("reference"):

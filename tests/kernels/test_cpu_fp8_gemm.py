@@ -8,7 +8,9 @@ bits), else within the dot product's fp32 error bound of the exact (fp64) result
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
+import functools
 import platform
 
 import pytest
@@ -111,6 +113,62 @@ def test_exact_sums_are_the_references_bits(libraries, order, m, n, k, seed):
     want = R.fp8_linear(xq, xs, wq, ws, bias=bias)
     for name, lib in libraries.items():
         assert torch.equal(_gemm(lib, xq, xs, wq, ws, bias, order), want), name
+
+
+def _grid_case(m: int, n: int, k: int, seed: int):
+    """Operands whose sums fp32 holds exactly in any order (see test_exact_sums_are_the_references_bits), and the
+    reference's result for them."""
+    g = torch.Generator().manual_seed(seed)
+    grid = torch.tensor([0.0] + [v for v in torch.arange(256, dtype=torch.uint8).view(E4M3).float().tolist()
+                                 if 0.125 <= abs(v) < 2])
+    xq = grid[torch.randint(0, len(grid), (m, k), generator=g)].to(E4M3)
+    wq = grid[torch.randint(0, len(grid), (n, k), generator=g)].to(E4M3)
+    xs, ws = torch.tensor([2.0**-3]), torch.full((n,), 2.0**-5)
+    bias = torch.arange(n, dtype=torch.float32) / 8
+    return (xq, xs, wq, ws, bias), R.fp8_linear(xq, xs, wq, ws, bias=bias)
+
+
+@pytest.mark.parametrize("order", [cpu_e4m3.SCALES_FIRST, cpu_e4m3.DEQUANTIZE_FIRST])
+def test_kept_buffers_never_leak_between_calls(libraries, order):
+    """Each thread keeps its decode buffers between calls: a call after a larger one (whose codes fill the buffer
+    past this call's K, padding included) and one larger than the kept size (allocated for the call) still return
+    the reference's bits."""
+    sizes = [(40, 70, 1000), (5, 13, 130), (13, 33, 100), (2, 9, 1000), (40, 70, 257), (8200, 3, 1088)]
+    for i, (m, n, k) in enumerate(sizes):  # 8200 × 1088 bf16 / fp32 decoded rows: above GEMM_KEEP_BYTES (16 MiB)
+        args, want = _grid_case(m, n, k, seed=i)
+        for name, lib in libraries.items():
+            assert torch.equal(_gemm(lib, *args, order), want), (name, m, n, k)
+
+
+def test_threads_keep_their_own_buffers(libraries):
+    """Calls from several threads at once (ctypes releases the GIL) each decode into their own thread's buffers."""
+    cases = [_grid_case(m, 40, k, seed=m) for m, k in ((3, 500), (30, 200), (17, 1000), (64, 64))]
+
+    def run(lib, case):
+        return all(torch.equal(_gemm(lib, *case[0], cpu_e4m3.SCALES_FIRST), case[1]) for _ in range(20))
+
+    for name, lib in libraries.items():
+        with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+            assert all(pool.map(functools.partial(run, lib), cases)), name
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("tail", ["plain", "residual", "quantized"])
+def test_fused_linear_epilogue_is_the_ops_one_by_one(activation, tail):
+    """Where the backend's fp8_linear runs the fused GEMM it applies the activation in place on the GEMM's own
+    result: the same bits as the reference's epilogue (torch's out-of-place activation, residual, quantize) on it."""
+    g = torch.Generator().manual_seed(7)
+    wq, ws, bias = _codes((96, 256), g), torch.rand(96, generator=g), torch.randn(96, generator=g)
+    xq, xs = _codes((40, 256), g), torch.rand(40, 1, generator=g)
+    residual = torch.randn(40, 96, generator=g) if tail == "residual" else None
+    out_scale = torch.tensor(0.5) if tail == "quantized" else None
+    with features.use_cpu_gemm("bf16"):
+        if not C.runs_fused_gemm(xq, wq):
+            pytest.skip("the fused GEMM does not run this linear on this CPU")
+        got = C.fp8_linear(xq, xs, wq, ws, bias=bias, activation=activation, residual=residual, out_scale=out_scale)
+    y = cpu_e4m3.fp8_gemm(xq, xs, wq, ws, bias, cpu_e4m3.SCALES_FIRST)
+    want = R.linear_epilogue(y, activation, residual, torch.float32, out_scale, FP8Format.E4M3, inplace=False)
+    assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 @pytest.mark.parametrize("order", [cpu_e4m3.SCALES_FIRST, cpu_e4m3.DEQUANTIZE_FIRST])

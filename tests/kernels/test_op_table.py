@@ -2,7 +2,9 @@
 agrees with what the reference kernel returns, and every function generated from it (entry point, Triton
 forwarding, graph op, capture-time entry) has the declared signature."""
 
+import contextlib
 import inspect
+import threading
 
 import pytest
 import torch
@@ -12,6 +14,9 @@ from dbr_quant import kernels
 from dbr_quant.formats import FP8Format
 from dbr_quant.fx_rewriter.oplib import OPS
 from dbr_quant.fx_rewriter.ops import GraphOps
+from dbr_quant.kernels import dispatch
+from dbr_quant.kernels.cpu import backend as cpu_backend
+from dbr_quant.kernels.reference import dense
 from dbr_quant.kernels.table import TABLE
 from dbr_quant.kernels.triton import backend as triton_backend
 
@@ -116,11 +121,15 @@ def test_generated_functions_have_the_declared_signature(op):
 def test_a_traceback_through_a_generated_entry_point_shows_its_source():
     import traceback
 
-    with pytest.raises(ValueError) as info:
-        kernels.group_quantize(torch.ones(4), 0)
-    frames = traceback.extract_tb(info.tb)
-    assert any(f.name == "group_quantize" and f.line and "record_launch" not in f.line and "_impl" in f.line
-               for f in frames)
+    # both ways through the body: the common case (nothing set on this thread: the CPU backend directly) and the
+    # full path (launches counted: the backend chosen by _impl)
+    for counting, backend in ((contextlib.nullcontext(), "cpu_backend"), (kernels.count_launches(), "_impl")):
+        kernels.quantize(torch.ones(2), torch.tensor(1.0), FP8Format.E4M3)  # $DBR_QUANT_BACKEND read (first call)
+        with pytest.raises(ValueError) as info, counting:
+            kernels.group_quantize(torch.ones(4), 0)
+        frames = traceback.extract_tb(info.tb)
+        assert any(f.name == "group_quantize" and f.line and f.line.startswith(f"return {backend}")
+                   and f.line.endswith(".group_quantize(x, group, fmt)") for f in frames)
 
 
 def test_an_op_without_a_triton_kernel_runs_on_the_plain_backends_and_says_why_on_triton():
@@ -145,3 +154,33 @@ def test_an_op_without_a_triton_kernel_runs_on_the_plain_backends_and_says_why_o
     assert launches["no_triton_op"] == 1 and calls == ["reference"]
     with kernels.use_backend("triton-interpret"), pytest.raises(NotImplementedError, match="no Triton kernel; use cpu"):
         entry(torch.zeros(2))
+
+
+def test_the_entry_points_common_case_is_taken_only_while_nothing_is_set_on_the_thread(monkeypatch):
+    """``dispatch._tls.all_default`` (the generated entry points' one read in the common case) follows this thread's
+    settings: a forced backend, launch counting or graph capture, nested, left by an exception, and per thread."""
+    ran: list[str] = []
+    for name, module in (("cpu", cpu_backend), ("reference", dense)):
+        monkeypatch.setattr(module, "quantize", lambda x, scale, fmt, name=name: ran.append(name) or x)
+    x, s = torch.ones(2), torch.tensor(1.0)
+
+    def run() -> str:
+        kernels.quantize(x, s, FP8Format.E4M3)
+        return ran.pop()
+
+    assert dispatch._tls.all_default and run() == "cpu"
+    with kernels.count_launches() as counts:
+        assert not dispatch._tls.all_default and run() == "cpu" and counts["quantize"] == 1
+        with kernels.use_backend("reference"):
+            assert run() == "reference" and counts["quantize"] == 2
+            seen_by_another_thread: list[bool] = []
+            other = threading.Thread(target=lambda: seen_by_another_thread.append(dispatch._tls.all_default))
+            other.start()
+            other.join()
+            assert seen_by_another_thread == [True]
+        assert not dispatch._tls.all_default and run() == "cpu"
+    assert dispatch._tls.all_default
+    with pytest.raises(RuntimeError), kernels.use_backend("reference"):
+        assert run() == "reference"
+        raise RuntimeError
+    assert dispatch._tls.all_default and run() == "cpu"

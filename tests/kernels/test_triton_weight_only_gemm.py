@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 import triton
+from gpu.gpu_bounds import decode_once_bound  # tests/ is on sys.path (conftest): the bound the GPU tests use too
 from test_triton_gemm import _jit_signature, _Recorder
 from triton.backends.compiler import GPUTarget
 
@@ -17,6 +18,7 @@ from dbr_quant.formats import FP8Format
 from dbr_quant.kernels import use_backend
 from dbr_quant.kernels.reference import weight_only as RW
 from dbr_quant.kernels.triton import aot
+from dbr_quant.kernels.triton import weight_decode as WD
 from dbr_quant.kernels.triton import weight_only_gemm as TW
 from dbr_quant.kernels.triton.gemm_core import GemmConfig
 
@@ -137,3 +139,73 @@ def test_mma_detection_per_architecture():
 def test_aot_tool_passes_on_sm_80(capsys):
     assert aot.main(["--arch", "80"]) == 0
     assert "_fp8_weight_only_linear_kernel" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------------
+# prefill: above DECODE_ONCE_ABOVE_M rows W is decoded once (weight_decode) and multiplied by torch.matmul
+
+
+@pytest.mark.parametrize("m, n, k, lead, dtype, per_channel, activation, has_bias, residual, out", [
+    (33, 40, 100, (2,), torch.bfloat16, True, None, False, None, torch.bfloat16),  # plain: the matmul's own output
+    (20, 24, 64, (), torch.float16, True, "gelu", True, torch.float32, torch.float32),
+    (19, 33, 70, (), torch.bfloat16, False, "swiglu", True, torch.bfloat16, torch.float32),  # gated, per tensor
+    (9, 16, 48, (), torch.float32, True, "silu", False, None, FP8Format.E4M3),  # fp32 x (rounded to bf16), FP8 out
+])
+def test_decode_once_path_within_its_bound(m, n, k, lead, dtype, per_channel, activation, has_bias, residual, out):
+    gen = torch.Generator().manual_seed(m * 100 + k + 1)
+    n_w = 2 * n if activation == "swiglu" else n
+    w_q, w_s = _weight(gen, n_w, k, per_channel)
+    x = torch.randn(*lead, m, k, generator=gen).to(dtype)
+    bias = torch.randn(n_w, generator=gen) if has_bias else None
+    res = None if residual is None else torch.randn(*lead, m, n, generator=gen).to(residual)
+    kw = {"out_scale": torch.tensor(4.0), "out_fmt": out} if isinstance(out, FP8Format) else {"out_dtype": out}
+    with use_backend("triton-interpret"):
+        got = TW.fp8_weight_only_linear(x, w_q, w_s, bias=bias, activation=activation, residual=res,
+                                        path="decode_once", **kw)
+    x_mma = x.bfloat16() if dtype == torch.float32 else x
+    want = RW.fp8_weight_only_linear(x_mma, w_q, w_s, bias=bias, activation=activation, residual=res, **kw)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    pre = RW.fp8_weight_only_linear(x_mma, w_q, w_s, bias=bias)
+    bound = decode_once_bound(x_mma, w_q, w_s, pre, activation).reshape(want.shape)
+    err = (got.double() - want.double()).abs()
+    if isinstance(out, FP8Format):  # one FP8 step of the value (in out_scale units) beyond the bound
+        bound = bound / 4.0 + (want.double().abs() * 2.0**-3).clamp(min=2.0**-9) * 1.0001
+    elif out != torch.float32:  # the output dtype's own rounding of both
+        bound = bound + 2.0**-8 * want.double().abs()
+    assert bool((err <= bound).all()), float((err / bound).max())
+
+
+def test_the_bound_is_tight_enough_to_fail():
+    """The decode-once bound catches a wrong path: the fused result with the weight scale applied twice fails it."""
+    gen = torch.Generator().manual_seed(3)
+    w_q, w_s = _weight(gen, 32, 64)
+    x = torch.randn(8, 64, generator=gen).bfloat16()
+    want = RW.fp8_weight_only_linear(x, w_q, w_s)
+    wrong = RW.fp8_weight_only_linear(x, w_q, w_s * (1 + 2.0**-6))
+    assert not bool(((wrong - want).abs() <= decode_once_bound(x, w_q, w_s, want, None)).all())
+
+
+def test_dispatch_rule_picks_the_path_by_rows(monkeypatch):
+    """Up to DECODE_ONCE_ABOVE_M rows the fused kernel runs, above it the decode kernel and torch.matmul; both
+    through the op table's entry point."""
+    assert TW.pick_path(TW.DECODE_ONCE_ABOVE_M) == "fused" and TW.pick_path(TW.DECODE_ONCE_ABOVE_M + 1) == "decode_once"
+    fused, decode = _Recorder(TW.WEIGHT_ONLY_KERNEL), _Recorder(WD.DECODE_WEIGHT)
+    monkeypatch.setattr(TW, "WEIGHT_ONLY_KERNEL", fused)
+    monkeypatch.setattr(WD, "DECODE_WEIGHT", decode)
+    w_q, w_s = _weight(torch.Generator().manual_seed(0), 16, 32)
+    with use_backend("triton-interpret"), kernels.count_launches() as counts:
+        for m in (TW.DECODE_ONCE_ABOVE_M, TW.DECODE_ONCE_ABOVE_M + 1):
+            kernels.fp8_weight_only_linear(torch.zeros(m, 32, dtype=torch.bfloat16), w_q, w_s)
+    assert len(fused.launches) == 1 and len(decode.launches) == 1
+    assert counts == {"fp8_weight_only_linear": 2}
+
+
+def test_prefill_rows_run_the_decode_once_path_against_the_reference():
+    """M = DECODE_ONCE_ABOVE_M + 1 through the entry point with nothing patched: within the decode-once bound."""
+    gen = torch.Generator().manual_seed(11)
+    w_q, w_s = _weight(gen, 24, 40)
+    x = torch.randn(TW.DECODE_ONCE_ABOVE_M + 1, 40, generator=gen).bfloat16()
+    with use_backend("triton-interpret"):
+        got = kernels.fp8_weight_only_linear(x, w_q, w_s, out_dtype=torch.float32)
+    want = RW.fp8_weight_only_linear(x, w_q, w_s)
+    assert bool(((got - want).abs() <= decode_once_bound(x, w_q, w_s, want, None)).all())

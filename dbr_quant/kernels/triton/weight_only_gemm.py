@@ -15,24 +15,39 @@ activations stay as they are. Semantics: :mod:`dbr_quant.kernels.reference.weigh
   per-tensor) weight scale on the accumulator after the loop, then :func:`gemm_core.linear_epilogue` (bias,
   activation incl. gated [gate; up], residual, fp32/bf16/fp16 or FP8 out). Against the reference: the order of the
   fp32 additions (bf16/fp16 x), plus x's rounding to bf16 (fp32 x).
+
+Prefill (M > :data:`DECODE_ONCE_ABOVE_M` rows, see there for where the threshold comes from): the decode in the K
+loop runs once per 128-row tile and competes with the MMA, so the wrapper instead decodes W once per call to x's MMA
+dtype with its scale (:func:`weight_decode.decode_weight`, one Triton launch: ``(w_q·w_scale).to(dtype)``, an N×K
+transient of 2 bytes per element), multiplies with ``torch.matmul`` (cuBLAS, fp32 accumulation) and runs the
+reference's epilogue in fp32 torch ops (none for a plain linear whose output dtype is x's). What differs from the
+fused kernel, which scales the fp32 accumulator: each decoded weight ``w_q·w_scale`` is rounded to bf16 (relative
+2⁻⁹) or fp16 (2⁻¹¹; below fp16's 2⁻¹⁴ an absolute 2⁻²⁵), and cuBLAS rounds the sum to x's dtype once more (the same
+unit; fp16 overflows past 65504 as the unquantized fp16 linear would). So against the reference, before the epilogue,
+``|y - y_ref| ≤ (2u + K·2⁻²³)·Σₖ|xₖ|·|w_q·w_scale|ₙₖ`` (+ 2⁻²⁴·(Σₖ|xₖ| + 1) for fp16) with u = 2⁻⁹ (bf16) or 2⁻¹¹
+(fp16), where the fused kernel's is ``K·2⁻²⁴·Σₖ|xₖ|·|w_q·w_scale|ₙₖ``; activation, residual and the output dtype
+follow as in the reference. The bound assumes cuBLAS accumulates in fp32; torch lets it reduce split-K partial sums
+in bf16/fp16 unless ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction`` (``…fp16…``) is False.
 """
 
 from __future__ import annotations
 
 import itertools
+from typing import Literal
 
 import torch
 import triton
 import triton.language as tl
 
 from dbr_quant.formats import FP8Format
-from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
+from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED, linear_epilogue
 from dbr_quant.kernels.reference.weight_only import check_weight_only
 from dbr_quant.kernels.triton import gemm_core as core
 from dbr_quant.kernels.triton.common import AotEntry, Kernel, device_function, on_interpreter
+from dbr_quant.kernels.triton.weight_decode import decode_e4m3, decode_weight
 
-__all__ = ["AOT_CONFIGS", "CONFIGS", "aot_attrs", "aot_options", "decode_e4m3", "decode_main_loop",
-           "fp8_weight_only_linear"]
+__all__ = ["AOT_CONFIGS", "CONFIGS", "DECODE_ONCE_ABOVE_M", "aot_attrs", "aot_options", "decode_e4m3",
+           "decode_main_loop", "fp8_weight_only_linear", "pick_path"]
 
 # Tiles for Ampere's mma.sync (BLOCK_M ≥ 16). decode: one 16-row tile, narrow N → many CTAs streaming W, long K
 # steps; smem per stage (16·128·2 + 128·64·1) = 12 KB. medium/large: bf16 A tiles take 2 bytes per element, so
@@ -43,23 +58,27 @@ CONFIGS: dict[str, core.GemmConfig] = {
     "large": core.GemmConfig("large", 128, 128, 64, GROUP_M=8, num_warps=8, num_stages=3),
 }
 MMA_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+Path = Literal["fused", "decode_once"]
+
+# Above this many rows the weight is decoded once per call (weight_decode, 3 bytes of HBM traffic per element) and
+# multiplied by cuBLAS, instead of decoded in the K loop once per 128-row tile. Derived from the roofline estimate
+# (benchmarks/roofline.py, table 5; an estimate, not a measurement) on an A100 SXM: the fused kernel's decode costs
+# DECODE_OPS = 6 integer ops per weight element per tile on CUDA cores (19.5 TOP/s), the decode-once pass 1 + 2 bytes
+# per element at 2.04 TB/s, so decoding once wins from ⌈M/128⌉·6/19.5e12 > 3/2.039e12, i.e. ⌈M/128⌉ ≥ 5 (M > 512);
+# with 3 µs per launch the Llama-3 shapes cross at M = 513 … 641 (4096×4096 last): the largest, 641, is where the
+# estimate says decoding once is faster for every one of them (roofline.weight_only_crossover_m, which
+# tests/test_roofline.py checks against this constant).
+DECODE_ONCE_ABOVE_M = 640
+
+
+def pick_path(m: int) -> Path:
+    """"decode_once" (decode W once, cuBLAS) above :data:`DECODE_ONCE_ABOVE_M` rows, else "fused"."""
+    return "decode_once" if m > DECODE_ONCE_ABOVE_M else "fused"
 
 
 def pick_config(m: int) -> core.GemmConfig:
     """The tile config for an output of ``m`` rows (no autotuning: must also run in the interpreter)."""
     return CONFIGS["decode"] if m <= 16 else CONFIGS["medium"] if m <= 128 else CONFIGS["large"]
-
-
-@device_function
-def decode_e4m3(bits):
-    """E4M3 bytes (uint8) → their values in fp32, exactly: normal codes by moving exponent and mantissa into an
-    fp32 bit pattern (exponent + 120 rebiases 7 → 127), subnormals as m·2⁻⁹ (no fp32 subnormal, so no
-    flush-to-zero question), then the sign."""
-    b = bits.to(tl.uint32)
-    exponent = (b >> 3) & 0xF
-    normal = (((b & 0x7F) << 20) + (120 << 23)).to(tl.float32, bitcast=True)
-    magnitude = tl.where(exponent == 0, (b & 0x7).to(tl.float32) * 0.001953125, normal)
-    return tl.where((b & 0x80) != 0, -magnitude, magnitude)
 
 
 @device_function
@@ -134,9 +153,12 @@ def fp8_weight_only_linear(
     out_scale: torch.Tensor | None = None,
     out_fmt: FP8Format | str = FP8Format.E4M3,
     config: core.GemmConfig | None = None,
+    path: Path | None = None,
 ) -> torch.Tensor:
-    """``act(x·(w_q·w_scale)ᵀ + bias) + residual`` in one kernel (see reference.weight_only). ``config``
-    overrides the tile config picked by M (tests use small tiles to get many ragged edges)."""
+    """``act(x·(w_q·w_scale)ᵀ + bias) + residual`` (see reference.weight_only): one fused kernel, or above
+    :data:`DECODE_ONCE_ABOVE_M` rows the weight decoded once and cuBLAS (``path`` forces one; see the module
+    docstring for how their numbers differ). ``config`` overrides the fused kernel's tile config picked by M (tests
+    use small tiles to get many ragged edges)."""
     check_weight_only(x, w_q, w_scale)
     if w_q.dtype != torch.float8_e4m3fn:
         raise TypeError(f"fp8_weight_only_linear: w_q must be float8_e4m3fn (vLLM's W8A16 layout), got {w_q.dtype}")
@@ -155,6 +177,9 @@ def fp8_weight_only_linear(
     core.check_size(a, w_bytes, residual)
     m = a.shape[0]
     ws = w_scale.detach().float().reshape(-1)
+    if (path or pick_path(m)) == "decode_once":
+        return _decode_once_linear(a, w_q, ws, lead, n, bias, activation, residual, out_dtype, out_scale,
+                                   FP8Format.parse(out_fmt))
     one = torch.ones(1, dtype=torch.float32, device=a.device)
     b = None if bias is None else bias.detach().float().reshape(n_w)
     ep = core.epilogue_operands(lead, m, n, residual, out_dtype, out_scale, out_fmt, a.device)
@@ -173,6 +198,19 @@ def fp8_weight_only_linear(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return ep.out.reshape(*lead, n)
+
+
+def _decode_once_linear(a: torch.Tensor, w_q: torch.Tensor, ws: torch.Tensor, lead: torch.Size, n: int,
+                        bias: torch.Tensor | None, activation: str | None, residual: torch.Tensor | None,
+                        out_dtype: torch.dtype, out_scale: torch.Tensor | None, out_fmt: FP8Format) -> torch.Tensor:
+    """The prefill path: W decoded once to a's dtype with its scale (weight_decode), ``torch.matmul`` (cuBLAS on the
+    GPU) in a's dtype, then the reference's epilogue in fp32 (torch ops) unless there is nothing to do."""
+    y = torch.matmul(a, decode_weight(w_q, ws, a.dtype).t())
+    if bias is None and activation is None and residual is None and out_scale is None and out_dtype == y.dtype:
+        return y.reshape(*lead, n)
+    pre = y.float() if bias is None else y.float() + bias.detach().float()
+    res = None if residual is None else residual.reshape(-1, n)
+    return linear_epilogue(pre, activation, res, out_dtype, out_scale, out_fmt).reshape(*lead, n)
 
 
 # ---------------------------------------------------------------------------------------------------

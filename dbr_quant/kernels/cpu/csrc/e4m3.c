@@ -266,7 +266,7 @@ void dbr_small_linear(const uint8_t *xq, const float *xs, int64_t xs_stride, con
    cache. Writes the codes and the scales (one per row, or one). */
 static inline uint32_t magnitude_if_finite(uint32_t bits) {
     uint32_t a = bits & 0x7FFFFFFFu;
-    return a < 0x7F800000u ? a : 0u;
+    return a & (0u - (uint32_t)(a < 0x7F800000u));  /* a mask, not a select: GCC 12 vectorizes this max, not ?: */
 }
 
 static float safe_scale_of(uint32_t amax_bits) {

@@ -40,6 +40,54 @@ static void *aligned_buffer(size_t bytes) {
     return p;
 }
 
+/* Per-thread decode buffers kept between calls (the calling thread's decoded activations, each worker's decoded
+   weight panel). Allocated per call, the ones above glibc's mmap threshold (128 KiB at first; a
+   32-sentence MiniLM's decoded activations are 0.4-1.5 MiB) came back as fresh pages every call: page faults,
+   counted as system time, and heap churn that also hit torch's own large temporaries. A thread keeps at most
+   GEMM_KEEP_BYTES per slot (a larger GEMM allocates and frees its own: the faults are then small beside its
+   work); a pthread key's destructor frees them when the thread ends. */
+#include <pthread.h>
+#ifndef GEMM_KEEP_BYTES
+#define GEMM_KEEP_BYTES ((size_t)16 << 20)
+#endif
+enum { SLOT_ACTIVATIONS, SLOT_PANEL, SLOTS };
+typedef struct { void *p[SLOTS]; size_t cap[SLOTS]; } held_buffers;
+static pthread_key_t held_key;
+static pthread_once_t held_once = PTHREAD_ONCE_INIT;
+static int held_ok;
+
+static void free_held(void *h_) {
+    held_buffers *h = (held_buffers *)h_;
+    for (int i = 0; i < SLOTS; ++i) free(h->p[i]);
+    free(h);
+}
+
+static void make_held_key(void) { held_ok = pthread_key_create(&held_key, free_held) == 0; }
+
+/* At least ``bytes`` of 64-byte aligned memory: this thread's kept buffer for ``slot`` (grown when short), or, for
+   a large request or when the key is unavailable, a fresh one (*owned = 1: the caller frees it). NULL: no memory. */
+static void *thread_buffer(int slot, size_t bytes, int *owned) {
+    *owned = 0;
+    if (bytes <= GEMM_KEEP_BYTES && pthread_once(&held_once, make_held_key) == 0 && held_ok) {
+        held_buffers *h = (held_buffers *)pthread_getspecific(held_key);
+        if (!h && (h = (held_buffers *)calloc(1, sizeof *h)) != NULL && pthread_setspecific(held_key, h) != 0) {
+            free(h);
+            h = NULL;
+        }
+        if (h) {
+            if (h->cap[slot] < bytes) {
+                const size_t grown = (bytes + 65535) / 65536 * 65536;  /* whole 64 KiB: fewer regrowths */
+                free(h->p[slot]);
+                h->p[slot] = aligned_buffer(grown);
+                h->cap[slot] = h->p[slot] ? grown : 0;
+            }
+            if (h->p[slot]) return h->p[slot];
+        }
+    }
+    *owned = 1;
+    return aligned_buffer(bytes);
+}
+
 /* The epilogue shared by every path: ``acc`` is Σ x·w in the path's units (``unit``: 2¹⁶ where operands were
    decoded 2⁻⁸ too small, else 1). */
 static inline float finish(float acc, float unit, int mode, float sx, float sw, const float *bias, int64_t n) {
@@ -415,12 +463,13 @@ int dbr_fp8_gemm(const uint8_t *x, const float *xs, int64_t xs_stride, const uin
                  int64_t ws_stride, const float *bias, int64_t M, int64_t N, int64_t K, int32_t mode, float *y) {
     gemm_args g = {w, xs, ws, bias, xs_stride, ws_stride, M, N, K, K, mode, y};
     void *xdec;
+    int xdec_owned;
     int64_t block = GEMM_NB;
-    size_t scratch = M > GEMM_SMALL_M ? (size_t)(GEMM_NB * K + 64) * 4 : 0;
+    size_t scratch = 0;
 #ifdef GEMM_BF16
     if (mode == 0) {
         g.Kp = (K + 63) / 64 * 64;
-        xdec = aligned_buffer((size_t)(M * g.Kp) * 2);
+        xdec = thread_buffer(SLOT_ACTIVATIONS, (size_t)(M * g.Kp) * 2, &xdec_owned);
         if (!xdec) return -1;
         bf16_tables t = make_tables();
         decode_rows_bf16(&t, x, M, K, g.Kp, (__m512 *)xdec);
@@ -431,11 +480,11 @@ int dbr_fp8_gemm(const uint8_t *x, const float *xs, int64_t xs_stride, const uin
 #if defined(GEMM_AVX512) || defined(GEMM_AVX2)
         g.Kp = (K + 2 * VW - 1) / (2 * VW) * (2 * VW);
         scratch = M > GEMM_SMALL_M ? (size_t)(GEMM_NB * g.Kp) * 4 : 0;
-        xdec = aligned_buffer((size_t)(M * g.Kp) * 4);
+        xdec = thread_buffer(SLOT_ACTIVATIONS, (size_t)(M * g.Kp) * 4, &xdec_owned);
         if (!xdec) return -1;
         decode_rows_fp32(x, M, K, g.Kp, mode, xs, xs_stride, (float *)xdec);
 #else
-        xdec = aligned_buffer((size_t)(M * K) * 4);
+        xdec = thread_buffer(SLOT_ACTIVATIONS, (size_t)(M * K) * 4, &xdec_owned);
         if (!xdec) return -1;
         for (int64_t m = 0; m < M; ++m)
             decode_run(x + m * K, (float *)xdec + m * K, K, mode == 1 ? xs[m * xs_stride] : 1.0f);
@@ -450,7 +499,8 @@ int dbr_fp8_gemm(const uint8_t *x, const float *xs, int64_t xs_stride, const uin
 #pragma omp parallel num_threads(parts) if (parts > 1) reduction(| : failed)
 #endif
     {
-        void *buf = scratch ? aligned_buffer(scratch) : NULL;
+        int owned = 0;
+        void *buf = scratch ? thread_buffer(SLOT_PANEL, scratch, &owned) : NULL;
         if (scratch && !buf) {
             failed = 1;
         } else {
@@ -467,9 +517,9 @@ int dbr_fp8_gemm(const uint8_t *x, const float *xs, int64_t xs_stride, const uin
                 gemm_block(&g, b * GEMM_NB, xdec, buf);
             }
         }
-        free(buf);
+        if (owned) free(buf);
     }
-    free(xdec);
+    if (xdec_owned) free(xdec);
     return failed ? -1 : 0;
 }
 
