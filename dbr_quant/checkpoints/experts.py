@@ -15,10 +15,11 @@ is written per expert, the way the hub checkpoint of its architecture names it:
   ``<block>.experts.<e>.gate_proj`` / ``up_proj`` / ``down_proj`` (vLLM ``models/qwen2_moe.py``:
   ``ckpt_gate_proj_name="gate_proj"``…; transformers "qwen2_moe": ``mlp.experts.*.gate_proj.weight``…).
 
-Each projection: ``weight`` float8_e4m3fn [out, in]; ``weight_scale`` [out, 1] (per channel) or [1] (per
-expert: gate and up get the same value); ``input_scale`` [1] when static — gate and up get the one
-gate_up input scale, down its expert's own (vLLM's ``CompressedTensorsW8A8Fp8MoEMethod`` loads one per
-expert and takes the max over experts). ``dbr_quant.json`` keeps under ``experts`` how to stack them back.
+Each projection: ``weight`` float8_e4m3fn [out, in]; ``weight_scale`` [out, 1] (per channel), [1] (per
+expert: gate and up get the same value), or the block grid / MXFP8's uint8 E8M0 codes [out, ⌈in/32⌉];
+``input_scale`` [1] when static — gate and up get the one gate_up input scale, down its expert's own (vLLM's
+``CompressedTensorsW8A8Fp8MoEMethod`` loads one per expert and takes the max over experts).
+``dbr_quant.json`` keeps under ``experts`` how to stack them back.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch import nn
 from dbr_quant.checkpoints.errors import CheckpointError
 from dbr_quant.checkpoints.safetensors_io import Entry, tensor_entry
 from dbr_quant.checkpoints.schemes import Scheme, scale_dtype, scheme
+from dbr_quant.kernels.reference.mx import MX_BLOCK, MX_WEIGHT_BLOCK
 from dbr_quant.moe.experts import MoeState
 from dbr_quant.ops.state import AutoQuantizationState
 from dbr_quant.quantize.weights import FP8Weight
@@ -100,8 +102,8 @@ def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, Scheme]
     # per 3-D weight: (weight strategy, activation strategy, dynamic, block, group) — _scheme refuses what the
     # format lacks (E5M2, in_features not whole activation groups), naming the tensor
     proj_schemes = [scheme(f"{st.fqn}.{n}", w, [op]) for n, w, op in zip(spec.names, params, st.seen_ops)]
-    _, act, dynamic, block, _ = proj_schemes[0]
-    granularity = "block" if block is not None else \
+    wstrat, act, dynamic, block, _ = proj_schemes[0]
+    granularity = "mx" if wstrat == "mx" else "block" if block is not None else \
         "channel" if st.seen_ops[0].qconfig.weight.granularity == "channel" else "tensor"
     inputs = [] if dynamic else [st.scale(op, "input").detach().float() for op in st.seen_ops]  # gate_up, down
     biases = [module._parameters.get(f"{n}_bias") if spec.has_bias else None for n in spec.names]
@@ -115,22 +117,25 @@ def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, Scheme]
             w, b = params[which], biases[which]
             prefix = f"{st.fqn}.{e}.{pname}"
             q = w.qdata[e] if rows is None else w.qdata[e, rows]
-            if block is not None:  # gate / up: their own row blocks (moe/ takes I a multiple of bn)
+            if granularity == "mx":  # E8M0 codes [rows, ⌈K/32⌉] as they are (compressed-tensors' MXFP8 weight_scale)
+                s = w.scale[e] if rows is None else w.scale[e, rows]
+            elif block is not None:  # gate / up: their own row blocks (moe/ takes I a multiple of bn)
                 s = (w.scale[e] if rows is None else
                      w.scale[e, rows.start // block[0]:-(-rows.stop // block[0])]).float()
             else:
                 s = w.scale[e] if rows is None or granularity == "tensor" else w.scale[e, rows]
                 s = s.float().reshape(-1, 1) if granularity == "channel" else s.float().reshape(1)
             entries.append(Entry(f"{prefix}.weight", q.dtype, tuple(q.shape), q.contiguous))
-            entries.append(tensor_entry(f"{prefix}.weight_scale", s, scale_dtype(s, w.dtype)))
+            entries.append(tensor_entry(f"{prefix}.weight_scale", s, s.dtype if granularity == "mx" else
+                                        scale_dtype(s, w.dtype)))
             if b is not None:
                 bb = b[e] if rows is None else b[e, rows]
                 entries.append(tensor_entry(f"{prefix}.bias", bb, bb.dtype))
             if not dynamic:
                 a = (inputs[0] if which == 0 else inputs[1][e] if inputs[1].numel() > 1 else inputs[1]).reshape(1)
                 entries.append(tensor_entry(f"{prefix}.input_scale", a, scale_dtype(a, w.dtype)))
-            schemes[prefix] = proj_schemes[which] if granularity == "block" else (granularity, act, dynamic, None,
-                                                                                 None)
+            schemes[prefix] = proj_schemes[which] if granularity in ("block", "mx") else (granularity, act, dynamic,
+                                                                                           None, None)
     info = {"names": list(names), "params": list(spec.names), "num_experts": spec.num_experts, "gated": spec.gated,
             "granularity": granularity, "dynamic": dynamic, "transposed": spec.transposed, "bias": spec.has_bias,
             "dtype": str(w1.dtype).removeprefix("torch.")}
@@ -159,6 +164,10 @@ def vllm_notes(infos: dict[str, dict[str, Any]]) -> list[str]:
         # channel, which fails on a block grid ("size of tensor a (48) must match ... b (3)"), whoever wrote it
         notes.append("block-scaled experts: transformers' compressed-tensors experts loader (DecompressExperts) "
                      "multiplies FP8 by the scale without expanding blocks and cannot load them; "
+                     "dbr_quant.load_pretrained does")
+    if any(i["granularity"] == "mx" for i in infos.values()):  # the same DecompressExperts product: [out, in/32]
+        notes.append("MXFP8 experts: transformers' compressed-tensors experts loader (DecompressExperts) multiplies "
+                     "FP8 by the scale without expanding the 32-channel groups and cannot load them; "
                      "dbr_quant.load_pretrained does")
     if any(not i["dynamic"] for i in infos.values()):
         notes.append("vLLM uses one input scale per MoE layer for all experts (the max of the per-expert scales)")
@@ -191,7 +200,8 @@ def expected_experts(model: nn.Module, meta: dict[str, Any]) -> tuple[dict[str, 
                     n = n_all if rows is None else n_all // 2
                     prefix = f"{fqn}.{e}.{name}"
                     out[f"{prefix}.weight"] = ((torch.float8_e4m3fn,), (n, k))
-                    out[f"{prefix}.weight_scale"] = (floats, _scale_shape(info, n, k))
+                    out[f"{prefix}.weight_scale"] = ((torch.uint8,) if info["granularity"] == "mx" else floats,
+                                                     _scale_shape(info, n, k))
                     if info["bias"]:
                         out[f"{prefix}.bias"] = ((p.dtype,), (n,))
                     if not info["dynamic"]:
@@ -200,7 +210,10 @@ def expected_experts(model: nn.Module, meta: dict[str, Any]) -> tuple[dict[str, 
 
 
 def _scale_shape(info: dict[str, Any], n: int, k: int) -> tuple[int, ...]:
-    """One expert projection's weight_scale shape: [⌈n/bn⌉, ⌈k/bk⌉] blocks, [n, 1] channels, [1] tensor."""
+    """One expert projection's weight_scale shape: [⌈n/bn⌉, ⌈k/bk⌉] blocks, [n, ⌈k/32⌉] MX codes, [n, 1] channels,
+    [1] tensor."""
+    if info["granularity"] == "mx":
+        return (n, -(-k // MX_BLOCK))
     if info["granularity"] == "block":
         bn, bk = info["block"]
         return (-(-n // bn), -(-k // bk))
@@ -226,6 +239,8 @@ def _fp8(fqn: str, info: dict[str, Any], layout: list, values: dict[str, torch.T
     """(qdata [E, N, K], scale [E, N] per channel, [E, 1] per expert or [E, row blocks, K blocks]) of one 3-D
     parameter."""
     q = _stacked(fqn, info, layout, values, "weight")
+    if info["granularity"] == "mx":  # [E, N, ⌈K/32⌉] E8M0 codes, as convert stores them
+        return q, _stacked(fqn, info, layout, values, "weight_scale").contiguous()
     if info["granularity"] == "block":  # [E, gate row blocks + up row blocks, K blocks]
         return q, _stacked(fqn, info, layout, values, "weight_scale").float()
     s = _stacked(fqn, info, layout, values, "weight_scale").float().reshape(q.shape[0], -1)
@@ -241,7 +256,7 @@ def place_experts(skeleton: Placer, meta: dict[str, Any], values: dict[str, torc
     """Each experts module's 3-D parameters as FP8, stacked back from the per-expert tensors (popped from
     ``values`` as they are stacked: one module's experts held twice at most)."""
     for fqn, info in meta.get("experts", {}).items():
-        block = tuple(info["block"]) if "block" in info else None
+        block = tuple(info["block"]) if "block" in info else MX_WEIGHT_BLOCK if info["granularity"] == "mx" else None
         for pname, layout in zip(info["params"], _layouts(info)):
             q, s = _fp8(fqn, info, layout, values)
             skeleton.put_fp8(f"{fqn}.{pname}", q, s, info["transposed"], block)
@@ -262,6 +277,9 @@ def check_experts_as_saved(meta: dict[str, Any], states: Sequence[AutoQuantizati
             raise CheckpointError(f"'{fqn}': saved as FP8 experts, but this trace runs them in high precision")
         block = tuple(info["block"]) if "block" in info else None
         cfg = st.seen_ops[0].qconfig.weight
+        if (info["granularity"] == "mx") != (cfg.granularity == "mx"):
+            raise CheckpointError(f"'{fqn}': saved with {info['granularity']} weight scales, traced with "
+                                  f"{cfg.granularity}; load with the QConfig the folder was saved with")
         if (block, info["transposed"]) != (tuple(cfg.block) if cfg.granularity == "block" else None,
                                            st.spec.transposed):
             raise CheckpointError(f"'{fqn}': saved with weight blocks {block} (transposed {info['transposed']}), "

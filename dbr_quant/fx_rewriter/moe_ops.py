@@ -27,27 +27,32 @@ from dbr_quant.moe.compute import fp8_experts_compute
 def fp8_moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13_q: Tensor, w13_scale: Tensor,
                     w2_q: Tensor, w2_scale: Tensor, x_scale: Tensor | None, h_scale: Tensor | None,
                     bias13: Tensor | None, bias2: Tensor | None, activation: str, fmt: str, per_token: bool,
-                    out_dtype: torch.dtype, block: list[int] | None = None, group: bool = False) -> Tensor:
+                    out_dtype: torch.dtype, block: list[int] | None = None, group: bool = False,
+                    weight_only: bool = False, mx: bool = False, mx_round_up: bool = False) -> Tensor:
     """x [T, H], topk_ids / topk_weights [T, k], w13_q [E, N1, H], w2_q [E, H_out, I] → [T, H_out].
     Static activation scales when ``x_scale`` and ``h_scale`` are given, else dynamic (``per_token``, or per
-    token-group with ``group``). ``block``: block-scaled weights (scales [E, ⌈N/bn⌉, ⌈K/bk⌉])."""
+    token-group with ``group``). ``block``: block-scaled weights (scales [E, ⌈N/bn⌉, ⌈K/bk⌉]). ``weight_only`` /
+    ``mx``: W8A16 / MXFP8 experts (see moe.compute.fp8_experts_compute)."""
     return fp8_experts_compute(x, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale, x_scale, h_scale,
                                bias13, bias2, activation=activation, fmt=FP8Format.parse(fmt),
                                per_token=per_token, out_dtype=out_dtype,
-                               block=None if block is None else (block[0], block[1]), group=group)
+                               block=None if block is None else (block[0], block[1]), group=group,
+                               weight_only=weight_only, mx=mx, mx_round_up=mx_round_up)
 
 
 @fp8_moe_experts.register_fake
 def _(x, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale, x_scale, h_scale, bias13, bias2, activation,
-      fmt, per_token, out_dtype, block=None, group=False):
+      fmt, per_token, out_dtype, block=None, group=False, weight_only=False, mx=False, mx_round_up=False):
     ensure_lowerings()
     torch._check(topk_ids.shape[0] == x.shape[0], lambda: "fp8_moe_experts: topk_ids must have one row per token")
     return x.new_empty((x.shape[0], w2_q.shape[1]), dtype=out_dtype)
 
 
 def graph_fp8_moe_experts(x, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale, x_scale, h_scale, bias13,
-                          bias2, *, activation, fmt, per_token, out_dtype, block=None, group=False):
+                          bias2, *, activation, fmt, per_token, out_dtype, block=None, group=False,
+                          weight_only=False, mx=False, mx_round_up=False):
     """The ``GraphOps`` entry (``fmt`` an ``FP8Format``)."""
     return torch.ops.dbr_quant.fp8_moe_experts(x, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale,
                                                x_scale, h_scale, bias13, bias2, activation or "", fmt.value,
-                                               per_token, out_dtype, None if block is None else list(block), group)
+                                               per_token, out_dtype, None if block is None else list(block), group,
+                                               weight_only, mx, mx_round_up)

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dbr_quant import kernels
-from dbr_quant.inspect.features import Feature, Quantized, TensorContext, feature_pass
+from dbr_quant.inspect.features import Feature, Quantized, TensorContext, feature_pass, not_quantized
 from dbr_quant.inspect.layers import model_record, named_ops
+from dbr_quant.kernels.reference.mx import MX_BLOCK
 from dbr_quant.kernels.routing import MoeRouting
 from dbr_quant.moe.compute import flat_inputs
 from dbr_quant.moe.experts import MoeState, observer_of
@@ -106,7 +107,9 @@ def _projection(inspector: Inspector, module: nn.Module, st: MoeState, op: SeenO
                                           "expert tensor; expert tensors keep their format and granularity (select "
                                           "other layers for Scaling)")
     row_experts = routing.row_experts
-    quantizers = {"input": lambda t: _quantize_rows(st, op, index, t, row_experts),
+    weight_only = op.qconfig.weight_only  # W8A16: the rows go into the GEMM as they are
+    quantizers = {"input": (not_quantized(str(name), "input") if weight_only else
+                            lambda t: _quantize_rows(st, op, index, t, row_experts)),
                   "weight": lambda t: _quantize_weight(st, op, param, t)}
     inputs = {"input": rows, "weight": w_hp}
     processed, quantized = {}, {}
@@ -115,7 +118,9 @@ def _projection(inspector: Inspector, module: nn.Module, st: MoeState, op: SeenO
         quantize = quantizers[tensor]
         ctx = TensorContext(layer, tensor, inspector.step, fp8, inspector._logger(layer.name, tensor), quantize) \
             if layer is not None else None
-        processed[tensor], q = feature_pass(features, ctx, t, tensor == "weight", want_q, fp8, quantize)
+        quantizes = not (weight_only and tensor == "input")
+        processed[tensor], q = feature_pass(features, ctx, t, tensor == "weight", want_q and quantizes, fp8,
+                                            quantize)
         if q is not None:
             quantized[tensor] = q
     y = _gemm(processed, quantized if fp8 else None, offsets, rows.dtype)
@@ -145,6 +150,9 @@ def _quantize_rows(st: MoeState, op: SeenOp, index: int, rows: torch.Tensor | No
     if rows is None:
         raise RuntimeError("expert input rows are needed to quantize them")
     cfg = op.qconfig.activation
+    if cfg.granularity == "mx":  # MXFP8 experts: E8M0 codes per row per 32 channels (dynamic)
+        data, code = kernels.mx_quantize(rows, cfg.format, cfg.mx_scale_rounding == "ceil")
+        return Quantized(data, code, cfg.format, group=MX_BLOCK)
     if op.qconfig.dynamic and cfg.granularity == "group":  # block-scaled experts: per token per group
         q, scale = kernels.group_quantize(rows, cfg.group_size, cfg.format)
         return Quantized(q, scale, cfg.format, group=cfg.group_size)
@@ -184,8 +192,15 @@ def _gemm(x: dict[str, torch.Tensor], q: dict[str, Quantized] | None, offsets: l
         if q is None:
             out[lo:hi] = F.linear(x["input"][lo:hi], w[e]).to(dtype)
             continue
-        qi, qw = q["input"], q["weight"]
+        qi, qw = q.get("input"), q["weight"]
+        if qi is None:  # weight-only experts (W8A16): the rows as they are
+            out[lo:hi] = kernels.fp8_weight_only_linear(x["input"][lo:hi], qw.data[e], qw.scale[e].reshape(-1),
+                                                        out_dtype=dtype)
+            continue
         xs = qi.scale[lo:hi] if qi.scale.dim() else qi.scale
+        if qw.scale.dtype == torch.uint8:  # MXFP8: E8M0 codes on both operands
+            out[lo:hi] = kernels.fp8_mx_linear(qi.data[lo:hi], xs, qw.data[e], qw.scale[e], out_dtype=dtype)
+            continue
         if qw.block is not None:  # block GEMM: one x scale per row per K block (coarser ones repeated)
             kb = -(-qw.data.shape[-1] // qw.block[1])
             xs = xs if qi.group is not None else xs.float().reshape(-1, 1).expand(hi - lo, kb)

@@ -47,11 +47,12 @@ class LayerInfo:
 
     def quantizes(self, tensor: str) -> bool:
         """Whether FP8 execution quantizes ``tensor`` of this layer: never the output, and not the input of a
-        weight-only linear (``QConfig.fp8_weight_only()``: the W8A16 GEMM reads it as it is). Such a tensor has
-        no FP8 scale and no quantization error (no FP8 stats, FakeQuant leaves it alone)."""
+        weight-only linear or expert tensor (``QConfig.fp8_weight_only()``: the W8A16 GEMM reads it as it is). Such
+        a tensor has no FP8 scale and no quantization error (no FP8 stats, FakeQuant leaves it alone)."""
         if tensor == "output":
             return False
-        return not (tensor == "input" and self.kind == "linear" and self.qconfig.weight_only)
+        return not (tensor == "input" and self.kind in ("linear", "experts") and self.qconfig.weight_only)
+
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,17 @@ class Quantized:
 # quantize(x) with a tensor's FP8 scale; quantize(None) on a weight: the FP8 weight as stored (or as convert
 # would store it)
 Quantizer = Callable[[torch.Tensor | None], Quantized]
+
+
+
+def not_quantized(layer: str, tensor: str) -> Quantizer:
+    """The quantizer of a tensor FP8 execution leaves in high precision (:meth:`LayerInfo.quantizes`): a clear
+    error."""
+    def refuse(x: torch.Tensor | None) -> Quantized:
+        raise RuntimeError(f"dbr_quant.inspect: layer {layer!r} runs weight-only FP8 (QConfig.fp8_weight_only()): "
+                           f"its {tensor!r} is not quantized, so it has no FP8 scale; check "
+                           "ctx.layer.quantizes(ctx.tensor) before ctx.quantize(x)")
+    return refuse
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,15 @@ from torch import nn
 from dbr_quant import kernels
 from dbr_quant.formats import safe_scale
 from dbr_quant.inspect.experts import run_experts
-from dbr_quant.inspect.features import Feature, LayerInfo, Quantized, Quantizer, TensorContext, feature_pass
+from dbr_quant.inspect.features import (
+    Feature,
+    LayerInfo,
+    Quantized,
+    Quantizer,
+    TensorContext,
+    feature_pass,
+    not_quantized,
+)
 from dbr_quant.inspect.layers import RecordedLayer
 from dbr_quant.kernels.reference.mx import MX_BLOCK
 from dbr_quant.moe.experts import MoeState
@@ -92,7 +100,7 @@ class Inspector:
         for name, t in inputs.items():
             cfg = self._tensor_cfg(layer, name, features)
             quantize = self._quantizer(call, op, env, name, cfg, t) if layer.quantizes(name) else \
-                _not_quantized(layer, name)
+                not_quantized(layer.name, name)
             ctx = TensorContext(layer, name, self.step, fp8, self._logger(layer.name, name), quantize)
             processed[name], q = feature_pass(features, ctx, t, name == "weight", want_q and layer.quantizes(name),
                                               fp8, quantize)
@@ -236,15 +244,6 @@ def _group_scale(q: Quantized, group: int) -> torch.Tensor:
     s = q.scale.float()
     s = s.reshape(*q.data.shape[:-1], 1) if s.numel() > 1 else s.reshape([1] * q.data.dim())
     return s.expand(*q.data.shape[:-1], groups).contiguous()
-
-
-def _not_quantized(layer: LayerInfo, tensor: str) -> Quantizer:
-    """The quantizer of a tensor FP8 execution leaves in high precision (``LayerInfo.quantizes``): a clear error."""
-    def refuse(x: torch.Tensor | None) -> Quantized:
-        raise RuntimeError(f"dbr_quant.inspect: layer {layer.name!r} runs weight-only FP8 (QConfig.fp8_weight_only()): "
-                           f"its {tensor!r} is not quantized, so it has no FP8 scale; check "
-                           "ctx.layer.quantizes(ctx.tensor) before ctx.quantize(x)")
-    return refuse
 
 
 def _raise_no_quantizer() -> Quantized:

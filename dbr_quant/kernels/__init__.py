@@ -55,6 +55,7 @@ __all__ = [
     "fp8_attention", "layer_norm_quantize", "MoeRouting", "moe_route", "moe_quantize", "fp8_grouped_linear",
     "fp8_moe_block", "fp8_grouped_block_linear", "block_quantize_weight", "group_quantize",
     "layer_norm_group_quantize", "fp8_block_linear", "mx_quantize", "fp8_mx_linear", "fp8_weight_only_linear",
+    "fp8_grouped_weight_only_linear", "fp8_grouped_mx_linear",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -152,6 +153,8 @@ fp8_block_linear = _entry_point(table.fp8_block_linear)
 mx_quantize = _entry_point(table.mx_quantize)
 fp8_mx_linear = _entry_point(table.fp8_mx_linear)
 fp8_weight_only_linear = _entry_point(table.fp8_weight_only_linear)
+fp8_grouped_weight_only_linear = _entry_point(table.fp8_grouped_weight_only_linear)
+fp8_grouped_mx_linear = _entry_point(table.fp8_grouped_mx_linear)
 
 
 def fp8_moe_block(x: torch.Tensor, routing: MoeRouting, topk_weights: torch.Tensor, w13_q: torch.Tensor,

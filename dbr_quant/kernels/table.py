@@ -172,17 +172,39 @@ def fp8_grouped_linear(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tenso
     return _grouped_output(x_q, w_q, routing, activation, out_dtype, out_scale, out_fmt, topk_weights)
 
 
-@kernel_op(launches="fp8_grouped_block_linear", reference=reference_grouped, without_triton=(
-    "fp8_grouped_block_linear: the Triton grouped GEMM has no block scales yet; run block-scaled MoE "
-    "experts on the CPU or reference backend (kernels.use_backend('cpu'), or DBR_QUANT_BACKEND=cpu), "
-    "or convert the experts with per-channel weights (QConfig override on '.*experts')"))
+@kernel_op(launches="fp8_grouped_block_linear", reference=reference_grouped, triton=TritonKernel("grouped_block_gemm"))
 def fp8_grouped_block_linear(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, routing: MoeRouting, *,
                              block: tuple[int, int], x_sorted: bool = False, bias: Tensor | None = None,
                              activation: str | None = None, out_dtype: torch.dtype = torch.float32,
                              topk_weights: Tensor | None = None) -> Tensor:
     """Block-scaled MoE experts: every expert's rows (per-token-group scales ``x_scale`` [rows, ⌈K/bk⌉])
     against its weight ``w_q[e]`` with block scales ``w_scale[e]`` (see
-    reference_grouped.fp8_grouped_block_linear). Reference path only: one block GEMM per expert hit."""
+    reference_grouped.fp8_grouped_block_linear). Triton: one launch (the block's K a multiple of 32)."""
+    return _grouped_output(x_q, w_q, routing, activation, out_dtype, None, FP8Format.E4M3, topk_weights)
+
+
+@kernel_op(launches="fp8_grouped_weight_only_linear", reference=reference_grouped, fp8_tensor_cores=False,
+           triton=TritonKernel("grouped_weight_only_gemm"), more_launches=_combine_launch)
+def fp8_grouped_weight_only_linear(x: Tensor, w_q: Tensor, w_scale: Tensor, routing: MoeRouting, *,
+                                   x_sorted: bool = False, bias: Tensor | None = None, activation: str | None = None,
+                                   out_dtype: torch.dtype = torch.float32, topk_weights: Tensor | None = None,
+                                   deterministic: bool = False) -> Tensor:
+    """Weight-only FP8 MoE experts (W8A16): every expert's rows of the high-precision ``x`` against its FP8 weight
+    ``w_q[e]`` (per-channel [E, N] or per-expert scales), decoded exactly, in one launch, with the epilogues of
+    fp8_weight_only_linear and fp8_grouped_linear's ``topk_weights`` combine (see
+    reference_grouped.fp8_grouped_weight_only_linear). Triton on every CUDA GPU (bf16/fp16 MMA: Ampere's path),
+    ``deterministic`` as fp8_grouped_linear's."""
+    return _grouped_output(x, w_q, routing, activation, out_dtype, None, FP8Format.E4M3, topk_weights)
+
+
+@kernel_op(launches="fp8_grouped_mx_linear", reference=reference_grouped, triton=TritonKernel("grouped_block_gemm"))
+def fp8_grouped_mx_linear(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, routing: MoeRouting, *,
+                          x_sorted: bool = False, bias: Tensor | None = None, activation: str | None = None,
+                          out_dtype: torch.dtype = torch.float32, topk_weights: Tensor | None = None) -> Tensor:
+    """MXFP8 MoE experts: every expert's rows (E8M0 codes ``x_scale`` [rows, ⌈K/32⌉] from mx_quantize) against its
+    weight ``w_q[e]`` with codes ``w_scale[e]`` [N, ⌈K/32⌉], each expert exactly fp8_mx_linear (see
+    reference_grouped.fp8_grouped_mx_linear); ``topk_weights`` combine as fp8_grouped_linear's. Triton: the grouped
+    block GEMM with 1×32 blocks on the decoded scales (sm_89/90; no ``tl.dot_scaled`` grouped kernel yet)."""
     return _grouped_output(x_q, w_q, routing, activation, out_dtype, None, FP8Format.E4M3, topk_weights)
 
 

@@ -153,7 +153,10 @@ def _fp8_experts(module: nn.Module, st: MoeState, x: torch.Tensor, ids: torch.Te
     if compute is None:
         raise NotImplementedError(f"dbr_quant: the graph op table {type(ops).__name__} has no fp8_moe_experts "
                                   f"op for the MoE experts module '{st.fqn}'; run the converted model eagerly")
-    # p1.block: block-scaled weights, both (checked when the state was made)
+    # p1.block: block-scaled weights, both (checked when the state was made); MX: E8M0 codes, run by their own path
+    mx = cfg.granularity == "mx"
     return compute(x2, ids2, w2, p1.qdata, p1.scale, p2.qdata, p2.scale, xs, hs, b1, b2, activation=spec.activation,
-                   fmt=cfg.format, per_token=cfg.granularity == "token", out_dtype=x.dtype, block=p1.block,
-                   group=p1.block is not None and cfg.granularity == "group").reshape(x.shape)
+                   fmt=cfg.format, per_token=cfg.granularity == "token", out_dtype=x.dtype,
+                   block=None if mx else p1.block, group=p1.block is not None and cfg.granularity == "group",
+                   weight_only=gate_up.qconfig.weight_only, mx=mx,
+                   mx_round_up=mx and cfg.mx_scale_rounding == "ceil").reshape(x.shape)

@@ -4,6 +4,8 @@ no record."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dbr_quant import kernels
@@ -21,13 +23,25 @@ def fp8_experts_compute(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
                         x_scale: torch.Tensor | None, h_scale: torch.Tensor | None, bias13: torch.Tensor | None,
                         bias2: torch.Tensor | None, *, activation: str, fmt: FP8Format, per_token: bool,
                         out_dtype: torch.dtype, block: tuple[int, int] | None = None,
-                        group: bool = False) -> torch.Tensor:
+                        group: bool = False, weight_only: bool = False, mx: bool = False,
+                        mx_round_up: bool = False) -> torch.Tensor:
     """An experts call on flat inputs (x [T, H], ids / weights [T, k]) → [T, H_out]: routing plan, then
     static scales (``x_scale``, ``h_scale`` given) → ``kernels.fp8_moe_block`` (3 launches after routing);
     dynamic → quantize, gate_up (high-precision out), quantize, down + scatter-add (4 launches). The eager
     model and the graph op ``dbr_quant::fp8_moe_experts`` both run this. ``block``: block-scaled weights
-    (scales [E, ⌈N/bn⌉, ⌈K/bk⌉]), see :func:`_block_experts`."""
+    (scales [E, ⌈N/bn⌉, ⌈K/bk⌉]), see :func:`_block_experts`. ``weight_only``: W8A16 experts, x and h never
+    quantized (2 launches); ``mx``: MXFP8 experts (E8M0 weight codes [E, N, ⌈K/32⌉], x and h quantized per 32
+    channels by ``mx_quantize``, the exponent rounded up with ``mx_round_up``), see :func:`_mx_experts`."""
     routing = kernels.moe_route(ids, w13_q.shape[0])
+    if weight_only:  # the high-precision rows go straight into the grouped W8A16 GEMMs, as the dense linears read x
+        h = kernels.fp8_grouped_weight_only_linear(x, w13_q, w13_scale, routing, bias=bias13, activation=activation,
+                                                   out_dtype=out_dtype)
+        return kernels.fp8_grouped_weight_only_linear(h, w2_q, w2_scale, routing, x_sorted=True, bias=bias2,
+                                                      topk_weights=weights, out_dtype=out_dtype)
+    if mx:  # each expert's rows exactly the dense MX linear's (fp8_mx_linear); x's codes per token, h's per row
+        return _dynamic_experts(x, routing, weights, w13_q, w13_scale, w2_q, w2_scale, bias13, bias2,
+                                lambda t: kernels.mx_quantize(t, fmt, mx_round_up), kernels.fp8_grouped_mx_linear,
+                                activation=activation, out_dtype=out_dtype)
     if block is not None:
         return _block_experts(x, routing, weights, w13_q, w13_scale, w2_q, w2_scale, x_scale, h_scale, bias13, bias2,
                               activation=activation, fmt=fmt, per_token=per_token, group=group, block=block,
@@ -36,12 +50,24 @@ def fp8_experts_compute(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
         return kernels.fp8_moe_block(x, routing, weights, w13_q, w13_scale, w2_q, w2_scale, h_scale,
                                      x_scale=x_scale, activation=activation, fmt=fmt, bias13=bias13, bias2=bias2,
                                      out_dtype=out_dtype)
-    x_q, xs = kernels.dynamic_quantize(x, fmt, per_token)
-    h = kernels.fp8_grouped_linear(x_q, xs, w13_q, w13_scale, routing, bias=bias13, activation=activation,
-                                   out_dtype=out_dtype)
-    h_q, hs = kernels.dynamic_quantize(h, fmt, per_token)
-    return kernels.fp8_grouped_linear(h_q, hs, w2_q, w2_scale, routing, x_sorted=True, bias=bias2,
-                                      topk_weights=weights, out_dtype=out_dtype)
+    return _dynamic_experts(x, routing, weights, w13_q, w13_scale, w2_q, w2_scale, bias13, bias2,
+                            lambda t: kernels.dynamic_quantize(t, fmt, per_token), kernels.fp8_grouped_linear,
+                            activation=activation, out_dtype=out_dtype)
+
+
+def _dynamic_experts(x: torch.Tensor, routing: MoeRouting, weights: torch.Tensor, w13_q: torch.Tensor,
+                     w13_scale: torch.Tensor, w2_q: torch.Tensor, w2_scale: torch.Tensor, bias13: torch.Tensor | None,
+                     bias2: torch.Tensor | None, quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                     grouped: Callable[..., torch.Tensor], *, activation: str | None,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """Experts with dynamic activation scales: ``quantize`` x (FP8 and its scales), gate_up ``grouped`` GEMM
+    (high-precision out), ``quantize`` h (sorted rows), down ``grouped`` GEMM with the routing-weighted
+    scatter-add (4 launches)."""
+    x_q, xs = quantize(x)
+    h = grouped(x_q, xs, w13_q, w13_scale, routing, bias=bias13, activation=activation, out_dtype=out_dtype)
+    h_q, hs = quantize(h)
+    return grouped(h_q, hs, w2_q, w2_scale, routing, x_sorted=True, bias=bias2, topk_weights=weights,
+                   out_dtype=out_dtype)
 
 
 def _block_experts(x: torch.Tensor, routing: MoeRouting, weights: torch.Tensor, w13_q: torch.Tensor,
@@ -52,8 +78,7 @@ def _block_experts(x: torch.Tensor, routing: MoeRouting, weights: torch.Tensor, 
     """Block-scaled experts (the DeepSeek-V3 layout): quantize x (per-token groups of ``block[1]`` channels,
     or per-token / static scales repeated per group, as the dense block linear takes them), gate_up block GEMM
     per expert (high-precision out), quantize h the same way (static: each row with its expert's scale), down
-    block GEMM per expert with the routing-weighted scatter-add (kernels.fp8_grouped_block_linear: reference
-    path only)."""
+    block GEMM per expert with the routing-weighted scatter-add (kernels.fp8_grouped_block_linear)."""
     bk = block[1]
     x_q, xs = _group_layout(x, x_scale, fmt, per_token, group, bk)
     h = kernels.fp8_grouped_block_linear(x_q, xs, w13_q, w13_scale, routing, block=block, bias=bias13,

@@ -281,20 +281,6 @@ def fallback_note(missing: list[int], total: int) -> str:
             f"max over the calibrated experts'")
 
 
-def activation_gap(st: MoeState) -> str | None:
-    """What the grouped MoE kernels run in place of the configured activation scheme, or None when they run it.
-    There is no grouped weight-only kernel and no grouped kernel for MX activations (issue #24's kernels are
-    dense): said at convert (a warning) and in ``report`` rather than left for the user to find."""
-    qc = st.seen_ops[0].qconfig
-    if qc.weight_only:
-        return ("weight-only FP8 has no grouped MoE kernel: the experts' inputs are quantized to FP8 too "
-                "(dynamic, per tensor), i.e. the experts run W8A8; skip them with an Override to keep them 16-bit")
-    if qc.activation.granularity == "mx":
-        return ("MXFP8 has no grouped MoE kernel for MX activations: the experts' inputs are quantized per tensor "
-                "(dynamic); their weights keep the 1x32 power-of-two scales")
-    return None
-
-
 # ------------------------------------------------------------------------------------------- report
 def report_rows(st: MoeState) -> list[dict[str, Any]]:
     """``dbr_quant.report`` rows of an experts module: one per 3-D expert tensor, FP8 or not and why (or
@@ -302,7 +288,11 @@ def report_rows(st: MoeState) -> list[dict[str, Any]]:
     rows = []
     for op in st.seen_ops:
         note = op.reason
-        if op.quantize and op.qconfig.dynamic:
+        if op.quantize and op.qconfig.weight_only:
+            note = "weight-only FP8 (activations stay high precision)"
+        elif op.quantize and op.qconfig.activation.granularity == "mx":
+            note = "MXFP8: dynamic E8M0 activation scales per token per 32 channels, 1×32 weight blocks"
+        elif op.quantize and op.qconfig.dynamic:
             note = "dynamic activation scales"
             if op.qconfig.weight.granularity == "block":
                 bn, bk = op.qconfig.weight.block
@@ -311,9 +301,6 @@ def report_rows(st: MoeState) -> list[dict[str, Any]]:
                 note = f"dynamic activation scales ({groups}), {bn}×{bk} weight blocks"
         elif op.quantize and op.index == 1 and st.converted:
             note = fallback_note(st.fallback, st.spec.num_experts)
-        gap = activation_gap(st) if op.quantize else None
-        if gap is not None:
-            note = gap if note is None else f"{note}; {gap}"
         rows.append({"fqn": op.fqn, "kind": EXPERTS, "module": st.fqn, "fp8": op.quantize, "fusion": op.fusion,
                      "reason": note, "weight": op.fqn})
     return rows

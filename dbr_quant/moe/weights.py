@@ -13,14 +13,13 @@ It reports the original dtype and shape, so model code reading ``experts.gate_up
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from dbr_quant.moe.experts import MoeState, activation_gap, experts_spec
+from dbr_quant.moe.experts import MoeState, experts_spec
 from dbr_quant.ops.tags import experts_of
 from dbr_quant.qconfig import TensorQConfig
 from dbr_quant.quantize.weight_quantization import quantize_weight
@@ -49,8 +48,6 @@ def quantize_expert_weights(model: nn.Module, record: StatesRecord) -> None:
         if not isinstance(st, MoeState) or not st.quantized:
             continue
         module = model.get_submodule(st.fqn)
-        if (gap := activation_gap(st)) is not None:
-            warnings.warn(f"dbr_quant.convert(): experts module '{st.fqn}': {gap}", stacklevel=3)
         for op, name in zip(st.seen_ops, st.spec.names):
             w = expert_parameter(module, name).detach()
             if type(w) is FP8Weight:

@@ -44,9 +44,8 @@ BLOCK_ELEMENTS = 2**18  # 1 MiB of fp32 per block
 class QuantizedWeight:
     """A weight in FP8 as convert stores it. ``qdata``: [N, K] (or [E, N, K] for stacked experts), contiguous.
     ``scale`` (fp32): [N] per channel, 0-d per tensor, [⌈N/bn⌉, ⌈K/bk⌉] per block; for experts [E, N], [E, 1]
-    (one per expert) or [E, ⌈N/bn⌉, ⌈K/bk⌉]; MX: uint8 E8M0 codes [N, ⌈K/32⌉] with block (1, 32) (experts: the
-    decoded fp32 powers of two [E, N, ⌈K/32⌉], the block layout the grouped kernels read). ``block``: the
-    (bn, bk) tile of a block-scaled (or MX) weight, else None."""
+    (one per expert) or [E, ⌈N/bn⌉, ⌈K/bk⌉]; MX: uint8 E8M0 codes [N, ⌈K/32⌉] (experts [E, N, ⌈K/32⌉]) with
+    block (1, 32). ``block``: the (bn, bk) tile of a block-scaled (or MX) weight, else None."""
 
     qdata: torch.Tensor
     scale: torch.Tensor
@@ -141,9 +140,9 @@ def _quantize_experts(w3: torch.Tensor, cfg: TensorQConfig) -> QuantizedWeight:
     """Stacked expert weights [E, N, K], each expert on its own: the observer of ``cfg`` per expert and output
     channel ([E, N]) or per expert ([E, 1]); block scales per expert (blocks never straddle two experts)."""
     num_e, n, k = w3.shape
-    if cfg.granularity == "mx":  # each expert's rows; the grouped kernels take fp32 block scales: decoded (exact)
+    if cfg.granularity == "mx":  # each expert's rows: E8M0 codes [E, N, ⌈K/32⌉], what the grouped MX GEMM reads
         q, code = kernels.mx_quantize(w3, cfg.format, cfg.mx_scale_rounding == "ceil")
-        return QuantizedWeight(q.contiguous(), e8m0_to_float(code), MX_WEIGHT_BLOCK)
+        return QuantizedWeight(q.contiguous(), code, MX_WEIGHT_BLOCK)
     if cfg.granularity == "block":
         pairs = [kernels.block_quantize_weight(w3[e], cfg.block, cfg.format) for e in range(num_e)]
         return QuantizedWeight(torch.stack([q for q, _ in pairs]).contiguous(), torch.stack([s for _, s in pairs]),

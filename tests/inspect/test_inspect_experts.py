@@ -154,8 +154,8 @@ def test_module_list_experts_share_their_traced_flops_evenly(style):
 @pytest.mark.parametrize("qconfig", [dq.QConfig.mxfp8(), dq.QConfig.fp8_weight_only()], ids=["mxfp8", "weight_only"])
 def test_session_matches_convert_under_mx_and_weight_only(qconfig):
     """Every layer logged (attention linears, experts, lm_head): the same bits as the converted model, prepared or
-    converted. MX expert weights hold decoded power-of-two scales; weight-only experts run the W8A8 grouped kernels
-    (moe/compute.py), so their input is quantized and logged as such, unlike a weight-only linear's."""
+    converted. MX expert tensors take E8M0 codes on both operands; weight-only experts read their input as it is
+    (moe/compute.py), so it has no FP8 stats, like a weight-only linear's."""
     with torch.random.fork_rng():
         prepared = dq.prepare(build("mixtral", "grouped_mm"), example_kwargs=batches(1, EXAMPLE, 1)[0],
                               qconfig=qconfig)
@@ -169,6 +169,6 @@ def test_session_matches_convert_under_mx_and_weight_only(qconfig):
                 got = _fn(model, batch)
             assert torch.equal(got, want)
     logged = {(r["layer"], r["tensor"]) for r in s.records}
-    assert (EXPERT_LAYERS[0], "input") in logged
-    assert ("model.layers.0.self_attn.q_proj", "input") in logged if qconfig.weight.granularity == "mx" else \
-        ("model.layers.0.self_attn.q_proj", "input") not in logged
+    for layer in (EXPERT_LAYERS[0], "model.layers.0.self_attn.q_proj"):
+        assert ((layer, "input") in logged) == (qconfig.weight.granularity == "mx"), layer
+    assert (EXPERT_LAYERS[0], "weight") in logged

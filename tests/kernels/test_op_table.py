@@ -74,6 +74,15 @@ def examples():
          {"out_scale": s}),
         ("fp8_weight_only_linear", (x, wq, torch.full((8,), 0.05)), {"bias": torch.randn(8, generator=g)}),
         ("fp8_weight_only_linear", (x.bfloat16(), wq, s), {"activation": "geglu", "out_dtype": torch.bfloat16}),
+        ("fp8_grouped_weight_only_linear", (torch.randn(4, 16, generator=g), ew, torch.full((3, 8), 0.05), routing),
+         {"activation": "swiglu", "out_dtype": torch.bfloat16}),
+        ("fp8_grouped_weight_only_linear", (torch.randn(4, 16, generator=g).half(), ew, s, routing),
+         {"topk_weights": topk, "out_dtype": torch.float16}),
+        ("fp8_grouped_mx_linear", (eq, torch.full((4, 1), 120, dtype=torch.uint8), ew,
+                                   torch.full((3, 8, 1), 125, dtype=torch.uint8), routing), {"activation": "geglu"}),
+        ("fp8_grouped_mx_linear", (q4(8, 16), torch.full((8, 1), 120, dtype=torch.uint8), ew,
+                                   torch.full((3, 8, 1), 125, dtype=torch.uint8), routing),
+         {"x_sorted": True, "topk_weights": topk, "out_dtype": torch.bfloat16}),
     ]
 
 
@@ -124,22 +133,27 @@ def test_a_traceback_through_a_generated_entry_point_shows_its_source():
 
 
 def test_an_op_without_a_triton_kernel_runs_on_the_plain_backends_and_says_why_on_triton():
-    """fp8_grouped_block_linear (no Triton kernel, ``without_triton``): the chosen plain backend runs it (the CPU
-    backend by default on a CPU tensor, the reference when forced) and Triton refuses with the declared reason."""
-    e, n, k = 2, 8, 16
-    routing = kernels.moe_route(torch.tensor([[0], [1], [1]]), e)
-    x_q = torch.randn(3, k).to(torch.float8_e4m3fn)
-    x_s = torch.full((3, 1), 0.5)
-    w_q = torch.randn(e, n, k).to(torch.float8_e4m3fn)
-    w_s = torch.full((e, 1, 1), 0.25)
-    outs = {}
-    for backend in ("cpu", "reference"):
-        with kernels.use_backend(backend), kernels.count_launches() as launches:
-            outs[backend] = kernels.fp8_grouped_block_linear(x_q, x_s, w_q, w_s, routing, block=(8, 16))
-        assert launches["fp8_grouped_block_linear"] == 1
-    torch.testing.assert_close(outs["cpu"], outs["reference"], rtol=2**-7, atol=1e-3)
-    with kernels.use_backend("triton-interpret"), pytest.raises(NotImplementedError, match="no block scales yet"):
-        kernels.fp8_grouped_block_linear(x_q, x_s, w_q, w_s, routing, block=(8, 16))
+    """An op declared with ``without_triton`` (none in the table today: a declaration made here): the chosen plain
+    backend runs it (the CPU backend by default on a CPU tensor, the reference when forced) and Triton refuses
+    with the declared reason."""
+    from types import SimpleNamespace
+
+    from dbr_quant.kernels.op_table import kernel_op
+
+    calls = []
+    plain = SimpleNamespace(__name__="plain", no_triton_op=lambda x: calls.append("reference") or x + 1)
+
+    @kernel_op(launches="no_triton_op", reference=plain, without_triton="no_triton_op: no Triton kernel; use cpu")
+    def no_triton_op(x: torch.Tensor) -> torch.Tensor:
+        """An op Triton cannot run."""
+        return torch.empty_like(x)
+
+    entry = kernels._entry_point(no_triton_op)
+    with kernels.use_backend("reference"), kernels.count_launches() as launches:
+        assert torch.equal(entry(torch.zeros(2)), torch.ones(2))
+    assert launches["no_triton_op"] == 1 and calls == ["reference"]
+    with kernels.use_backend("triton-interpret"), pytest.raises(NotImplementedError, match="no Triton kernel; use cpu"):
+        entry(torch.zeros(2))
 
 
 def test_the_entry_points_common_case_is_taken_only_while_nothing_is_set_on_the_thread(monkeypatch):

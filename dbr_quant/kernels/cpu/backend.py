@@ -238,3 +238,6 @@ def weight_only_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, 
 
 fp8_weight_only_linear = functools.partial(reference_weight_only.fp8_weight_only_linear, gemm=weight_only_gemm,
                                            quantize=quantize)
+fp8_grouped_weight_only_linear = functools.partial(reference_grouped.fp8_grouped_weight_only_linear,
+                                                   linear=fp8_weight_only_linear)
+fp8_grouped_mx_linear = functools.partial(reference_grouped.fp8_grouped_mx_linear, mx_linear=fp8_mx_linear)

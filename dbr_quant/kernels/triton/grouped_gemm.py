@@ -6,7 +6,7 @@ fp32/bf16/fp16, FP8 with the next projection's input scale, or the routing-weigh
 
 Tile schedule (ragged rows per expert, no padding). :func:`kernels.routing.moe_route` sorts rows by expert
 and gives ``expert_offsets``; expert ``e`` needs ``ceil(rows_e / BLOCK_M)`` row tiles. Each program
-derives the schedule from the offsets itself (:func:`_tile_of`: a prefix sum of tiles per expert over
+derives the schedule from the offsets itself (:func:`tile_of`: a prefix sum of tiles per expert over
 chunks of 64 experts, then "how many experts end at or before my tile"), so a launch needs no host-side
 schedule, no host sync and no extra kernels; experts without rows own no tiles. The grid is an upper
 bound known from shapes alone, ``cdiv(rows, BLOCK_M) + min(E, rows)`` row tiles, and programs past the
@@ -46,14 +46,15 @@ from dbr_quant.kernels.triton.common import AotEntry, Kernel, check_device, devi
 from dbr_quant.kernels.triton.gemm import CONFIGS, pick_config
 from dbr_quant.kernels.triton.quantize import LOADED_DTYPES, block_max, block_sum, quantize_bits
 
-__all__ = ["AOT_CONFIGS", "aot_attrs", "aot_options", "fp8_grouped_linear", "moe_quantize"]
+__all__ = ["AOT_CONFIGS", "aot_attrs", "aot_options", "expert_bias", "finish_output", "fp8_grouped_linear",
+           "expert_tile", "grouped_output", "moe_quantize", "slot_weights", "store_rows", "tile_of"]
 
 EXPERT_CHUNK = 64  # experts examined per step of the tile schedule (a 64-lane prefix sum)
 QUANT_BLOCK = 1024  # columns per step of the gather-quantize kernel
 
 
 @device_function
-def _tile_of(tile, expert_offsets_ptr, num_experts, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+def tile_of(tile, expert_offsets_ptr, num_experts, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
     """Row tile ``tile`` of the ragged schedule → (expert, its first row in the tile, the expert's end row,
     total tiles). Expert e owns tiles [T_e, T_e + ceil(rows_e / BLOCK_M)) with T_e the prefix sum; since
     those ends are non-decreasing, the owner is the number of experts whose tiles end at or before
@@ -78,6 +79,22 @@ def _tile_of(tile, expert_offsets_ptr, num_experts, BLOCK_M: tl.constexpr, CHUNK
     return e, row, tl.load(expert_offsets_ptr + e + 1), valid
 
 
+@device_function
+def expert_tile(expert_offsets_ptr, slots_ptr, num_experts, top_k, max_tiles, N, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, CHUNK: tl.constexpr, GATHER: tl.constexpr):
+    """This program's tile of a grouped GEMM: (expert, valid, its sorted rows, output columns, their masks, each
+    row's slot = token · top_k + choice, the input row each reads: its token's when GATHER, else itself)."""
+    pid_m, pid_n = core.grouped_tile(tl.program_id(0), max_tiles * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    e, row0, row_end, valid = tile_of(pid_m, expert_offsets_ptr, num_experts, BLOCK_M, CHUNK)
+    rm = row0 + tl.arange(0, BLOCK_M)  # sorted rows of expert e
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = rm < row_end
+    mask_n = rn < N
+    slot = tl.load(slots_ptr + rm, mask=mask_m, other=0)
+    a_row = slot // top_k if GATHER else rm
+    return e, valid, rm, rn, mask_m, mask_n, slot, a_row
+
+
 def _fp8_grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, inv_out_scale_ptr, slots_ptr, route_w_ptr,
     expert_offsets_ptr,
@@ -93,16 +110,10 @@ def _fp8_grouped_gemm_kernel(
     (2N × K) and the CTA holds both accumulators, as the dense kernel (act(gate)·up formed in registers).
     Scales are indexed through strides that are 0 where they do not vary: x by expert (stride_xe) or by
     input row (stride_xr), W by expert (stride_se) and channel (stride_sn), the FP8 output by expert."""
-    pid_m, pid_n = core.grouped_tile(tl.program_id(0), max_tiles * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    e, row0, row_end, valid = _tile_of(pid_m, expert_offsets_ptr, num_experts, BLOCK_M, CHUNK)
+    e, valid, rm, rn, mask_m, mask_n, slot, a_row = expert_tile(expert_offsets_ptr, slots_ptr, num_experts, top_k,
+                                                               max_tiles, N, BLOCK_M, BLOCK_N, GROUP_M, CHUNK, GATHER)
     if not valid:
         return
-    rm = row0 + tl.arange(0, BLOCK_M)  # sorted rows of expert e
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = rm < row_end
-    mask_n = rn < N
-    slot = tl.load(slots_ptr + rm, mask=mask_m, other=0)  # token · top_k + choice
-    a_row = slot // top_k if GATHER else rm
     # 64-bit expert offset: E·N·K exceeds 2**31 for large MoEs (the offsets within one expert do not);
     # SCALE_N, SCALE_K = 1, 0: scales per tensor/expert/row/channel, applied after the loop
     acc, acc_up = core.main_loop(a_ptr, w_ptr + e.to(tl.int64) * stride_we, x_scale_ptr, w_scale_ptr, a_row, rn,
@@ -112,19 +123,30 @@ def _fp8_grouped_gemm_kernel(
     y = core.scale_bias_activation(acc, acc_up, x_scale_ptr + e * stride_xe, w_scale_ptr + e * stride_se,
                                    bias_ptr + e * stride_be, a_row, rn, mask_m, mask_n, N, stride_xr, stride_sn,
                                    ACTIVATION, GATED, HAS_BIAS, 0)
+    # an FP8 output takes the next projection's input scale, per expert or shared
+    store_rows(y, out_ptr, inv_out_scale_ptr + e * stride_ie, route_w_ptr, slot, rm, rn, mask_m, mask_n, top_k,
+               stride_om, stride_on, OUT_KIND, FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
+
+
+@device_function
+def store_rows(y, out_ptr, inv_out_scale_ptr, route_w_ptr, slot, rows, cols, mask_m, mask_n, top_k,
+               stride_om, stride_on, OUT_KIND: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr,
+               MIN_NORMAL: tl.constexpr, EXP_BIAS: tl.constexpr):
+    """A grouped GEMM's fp32 tile of sorted ``rows``: weighted by each row's routing weight and atomically added
+    into its token's row ("scatter_add") or stored at its slot ("scatter_store"), else stored at the sorted row
+    as OUT_KIND (:func:`gemm_core.store_tile`)."""
     mask = mask_m[:, None] & mask_n[None, :]
     if OUT_KIND == "scatter_add" or OUT_KIND == "scatter_store":
         y = y * tl.load(route_w_ptr + slot, mask=mask_m, other=0.0)[:, None]
         dest = slot // top_k if OUT_KIND == "scatter_add" else slot
-        out_ptrs = out_ptr + dest[:, None] * stride_om + rn[None, :] * stride_on
+        out_ptrs = out_ptr + dest[:, None] * stride_om + cols[None, :] * stride_on
         if OUT_KIND == "scatter_add":
             tl.atomic_add(out_ptrs, y, mask=mask, sem="relaxed")
         else:
             tl.store(out_ptrs, y, mask=mask)
-    else:  # an FP8 output takes the next projection's input scale, per expert or shared
-        out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on
-        core.store_tile(y, out_ptrs, inv_out_scale_ptr + e * stride_ie, mask,
-                        OUT_KIND, FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
+    else:
+        out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
+        core.store_tile(y, out_ptrs, inv_out_scale_ptr, mask, OUT_KIND, FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
 
 
 def _moe_quantize_kernel(x_ptr, slots_ptr, expert_offsets_ptr, inv_ptr, q_ptr, K, num_experts, top_k,
@@ -132,7 +154,7 @@ def _moe_quantize_kernel(x_ptr, slots_ptr, expert_offsets_ptr, inv_ptr, q_ptr, K
                          MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, EXP_BIAS: tl.constexpr):
     """Sorted row r = its token's activations quantized with its expert's scale (one program per row)."""
     r = tl.program_id(0)
-    e, _, _, _ = _tile_of(r, expert_offsets_ptr, num_experts, 1, CHUNK)
+    e, _, _, _ = tile_of(r, expert_offsets_ptr, num_experts, 1, CHUNK)
     inv = tl.load(inv_ptr + e)
     x_row = x_ptr + (tl.load(slots_ptr + r) // top_k).to(tl.int64) * stride_xm
     q_row = q_ptr + r.to(tl.int64) * K
@@ -194,36 +216,18 @@ def fp8_grouped_linear(
     stride_xe, stride_xr = {"tensor": (0, 0), "expert": (1, 0), "row": (0, 1)}[kind]
     ws = expert_weight_scale(w_scale, num_e, n_w, op).contiguous()
     stride_se, stride_sn = (0, 0) if ws.dim() == 0 else (ws.stride(0), 0 if ws.shape[1] == 1 else 1)
-    b = None
-    if bias is not None:
-        if tuple(bias.shape) != (num_e, n_w):
-            raise ValueError(f"{op}: bias must be [E, N] = [{num_e}, {n_w}], got {tuple(bias.shape)}")
-        b = bias.detach().float().contiguous()
-    route_w = None  # routing weights in slot order (token · top_k + choice): the kernel indexes them by slot
-    if topk_weights is not None:
-        if tuple(topk_weights.shape) != (routing.num_tokens, routing.top_k):
-            raise ValueError(f"{op}: topk_weights must be [{routing.num_tokens}, {routing.top_k}] like the "
-                             f"routing's topk_ids, got {tuple(topk_weights.shape)}")
-        route_w = topk_weights.detach().float().contiguous().reshape(-1)
-
+    b = expert_bias(bias, num_e, n_w, op)
+    route_w = slot_weights(routing, topk_weights, op)
     inv, stride_ie, fmt_o = xs, 0, FP8Format.E4M3
-    if topk_weights is not None:
-        kind_o = "scatter_store" if deterministic and routing.top_k > 1 else "scatter_add"
-        shape = (rows, n) if kind_o == "scatter_store" else (routing.num_tokens, n)
-        out = (torch.empty if kind_o == "scatter_store" else torch.zeros)(shape, dtype=torch.float32, device=dev)
-        out_view = out
-    elif out_scale is not None:
+    if out_scale is not None and topk_weights is None:
         fmt_o, kind_o = FP8Format.parse(out_fmt), "fp8"
         inv = torch.reciprocal(expert_out_scale(out_scale, num_e, op)).reshape(-1)  # reference.quantize's bits
         stride_ie = 0 if inv.numel() == 1 else 1
         out = torch.empty((rows, n), dtype=fmt_o.dtype, device=dev)
         out_view = out.view(torch.uint8)
     else:
-        if out_dtype not in core.OUT_KINDS:
-            raise TypeError(f"{op}: out_dtype must be one of {list(core.OUT_KINDS)} (or pass out_scale for FP8)")
-        kind_o = core.OUT_KINDS[out_dtype]
-        out = torch.empty((rows, n), dtype=out_dtype, device=dev)
-        out_view = out.view(torch.uint16) if kind_o == "bf16" else out
+        out, out_view, kind_o = grouped_output(routing, n, out_dtype, topk_weights is not None, deterministic, dev,
+                                               op)
 
     cfg = config or pick_grouped_config(rows, num_e)
     if gated and config is None:
@@ -240,9 +244,51 @@ def fp8_grouped_linear(
             **core.epilogue_constexprs(activation, b is not None, fmt_o if kind_o == "fp8" else kind_o),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-    if kind_o == "scatter_store":  # the fixed-order combine over each token's top_k slots
-        out = out.view(routing.num_tokens, routing.top_k, n).sum(1)
-    if topk_weights is not None and out_dtype != torch.float32:
+    return finish_output(out, routing, kind_o, out_dtype)
+
+
+def expert_bias(bias: torch.Tensor | None, num_e: int, n_w: int, op: str) -> torch.Tensor | None:
+    """The per-expert bias [E, N] as the kernels read it (fp32, contiguous), or None."""
+    if bias is None:
+        return None
+    if tuple(bias.shape) != (num_e, n_w):
+        raise ValueError(f"{op}: bias must be [E, N] = [{num_e}, {n_w}], got {tuple(bias.shape)}")
+    return bias.detach().float().contiguous()
+
+
+def slot_weights(routing: MoeRouting, topk_weights: torch.Tensor | None, op: str) -> torch.Tensor | None:
+    """Routing weights in slot order (token · top_k + choice): the kernels index them by slot."""
+    if topk_weights is None:
+        return None
+    if tuple(topk_weights.shape) != (routing.num_tokens, routing.top_k):
+        raise ValueError(f"{op}: topk_weights must be [{routing.num_tokens}, {routing.top_k}] like the "
+                         f"routing's topk_ids, got {tuple(topk_weights.shape)}")
+    return topk_weights.detach().float().contiguous().reshape(-1)
+
+
+def grouped_output(routing: MoeRouting, n: int, out_dtype: torch.dtype, combine: bool, deterministic: bool,
+                   device: torch.device, op: str) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(out, the view the kernel stores through, OUT_KIND) of a high-precision grouped output: with ``combine``
+    fp32 token rows for the atomic scatter-add, or (``deterministic``, top_k > 1) a [T·top_k, N] slot buffer that
+    :func:`finish_output` sums in a fixed order; else sorted rows in ``out_dtype``."""
+    if combine:
+        kind = "scatter_store" if deterministic and routing.top_k > 1 else "scatter_add"
+        shape = (routing.num_rows, n) if kind == "scatter_store" else (routing.num_tokens, n)
+        out = (torch.empty if kind == "scatter_store" else torch.zeros)(shape, dtype=torch.float32, device=device)
+        return out, out, kind
+    if out_dtype not in core.OUT_KINDS:
+        raise TypeError(f"{op}: out_dtype must be one of {list(core.OUT_KINDS)} (or pass out_scale for FP8)")
+    kind = core.OUT_KINDS[out_dtype]
+    out = torch.empty((routing.num_rows, n), dtype=out_dtype, device=device)
+    return out, out.view(torch.uint16) if kind == "bf16" else out, kind
+
+
+def finish_output(out: torch.Tensor, routing: MoeRouting, kind: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """After the launch: the fixed-order combine over each token's top_k slots ("scatter_store"), and a combined
+    output's cast to ``out_dtype``."""
+    if kind == "scatter_store":
+        out = out.view(routing.num_tokens, routing.top_k, out.shape[1]).sum(1)
+    if kind.startswith("scatter") and out_dtype != torch.float32:
         out = out.to(out_dtype)
     return out
 

@@ -43,11 +43,11 @@ from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED, linear_epilogue
 from dbr_quant.kernels.reference.weight_only import check_weight_only
 from dbr_quant.kernels.triton import gemm_core as core
-from dbr_quant.kernels.triton.common import AotEntry, Kernel, on_interpreter
+from dbr_quant.kernels.triton.common import AotEntry, Kernel, device_function, on_interpreter
 from dbr_quant.kernels.triton.weight_decode import decode_e4m3, decode_weight
 
 __all__ = ["AOT_CONFIGS", "CONFIGS", "DECODE_ONCE_ABOVE_M", "aot_attrs", "aot_options", "decode_e4m3",
-           "fp8_weight_only_linear", "pick_path"]
+           "decode_main_loop", "fp8_weight_only_linear", "pick_path"]
 
 # Tiles for Ampere's mma.sync (BLOCK_M ≥ 16). decode: one 16-row tile, narrow N → many CTAs streaming W, long K
 # steps; smem per stage (16·128·2 + 128·64·1) = 12 KB. medium/large: bf16 A tiles take 2 bytes per element, so
@@ -81,24 +81,19 @@ def pick_config(m: int) -> core.GemmConfig:
     return CONFIGS["decode"] if m <= 16 else CONFIGS["medium"] if m <= 128 else CONFIGS["large"]
 
 
-def _fp8_weight_only_linear_kernel(
-    a_ptr, w_ptr, out_ptr, w_scale_ptr, one_ptr, bias_ptr, res_ptr, inv_out_scale_ptr,
-    M, N, K,
-    stride_am, stride_ak, stride_wn, stride_wk, stride_om, stride_on, stride_rm, stride_rn, stride_ws,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ACTIVATION: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    OUT_KIND: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
-    EXP_BIAS: tl.constexpr, DOT_FP32: tl.constexpr,
-):
-    """out[M, N] = epilogue((A · decode(W)ᵀ) · sw[n]): A [M, K] bf16/fp16, W [N, K] E4M3 bytes (GATED: [gate; up],
-    2N rows), sw per channel (stride_ws 1) or per tensor (0); ``one_ptr`` holds 1.0, the activation scale the
-    shared epilogue multiplies by."""
-    rm, rn, mask_m, mask_n = core.output_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+@device_function
+def decode_main_loop(a_ptr, w_ptr, a_rows, cols, mask_m, mask_n, N, K, stride_am, stride_ak, stride_wn, stride_wk,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
+                     DOT_FP32: tl.constexpr):
+    """fp32 ``A[a_rows] · decode(W[cols])ᵀ`` over K (and the up half's, rows ``cols + N``, when GATED): A
+    bf16/fp16, W E4M3 bytes decoded in each K step into A's dtype (exact), ``tl.dot`` with fp32 accumulation.
+    The dense kernel's rows are its output rows; the grouped kernel's the tokens its sorted rows gather."""
     rk = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak
-    w_ptrs = w_ptr + rk[:, None] * stride_wk + rn[None, :] * stride_wn  # a K × N tile of Wᵀ
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + rk[None, :] * stride_ak
+    w_ptrs = w_ptr + rk[:, None] * stride_wk + cols[None, :] * stride_wn  # a K × N tile of Wᵀ
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     acc_up = acc
+    up_ptrs = w_ptrs
     if GATED:
         up_ptrs = w_ptrs + N * stride_wn
         acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
@@ -117,6 +112,24 @@ def _fp8_weight_only_linear_kernel(
             up_ptrs += BLOCK_K * stride_wk
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
+    return acc, acc_up
+
+
+def _fp8_weight_only_linear_kernel(
+    a_ptr, w_ptr, out_ptr, w_scale_ptr, one_ptr, bias_ptr, res_ptr, inv_out_scale_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_wn, stride_wk, stride_om, stride_on, stride_rm, stride_rn, stride_ws,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ACTIVATION: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    OUT_KIND: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
+    EXP_BIAS: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """out[M, N] = epilogue((A · decode(W)ᵀ) · sw[n]): A [M, K] bf16/fp16, W [N, K] E4M3 bytes (GATED: [gate; up],
+    2N rows), sw per channel (stride_ws 1) or per tensor (0); ``one_ptr`` holds 1.0, the activation scale the
+    shared epilogue multiplies by."""
+    rm, rn, mask_m, mask_n = core.output_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc, acc_up = decode_main_loop(a_ptr, w_ptr, rm, rn, mask_m, mask_n, N, K, stride_am, stride_ak, stride_wn,
+                                   stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, GATED, DOT_FP32)
     core.linear_epilogue(acc, acc_up, one_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr, inv_out_scale_ptr,
                          rm, rn, mask_m, mask_n, N,
                          0, stride_ws, stride_rm, stride_rn, stride_om, stride_on,
