@@ -265,6 +265,33 @@ def test_ops_stay_calls_on_the_triton_backend():
         assert decomposition(a_q, a_s, b_q, b_s) is NotImplemented
 
 
+def test_compile_frozen_folds_weights_where_eager_runs_the_fused_gemm(monkeypatch, close_to_reference):
+    """Where eager runs the fused C GEMM (bf16 path, C library built), a plain compile keeps the linear as a call
+    (compiled = eager), but ``compile_frozen`` decomposes it: its weights are constants, so their upcast folds and
+    no dbr_quant call is left in the code (the frozen speed it exists for). Close to eager, not bit-equal: the
+    decomposition's bf16 GEMM rounds its result."""
+    from test_rewrite import converted_block
+
+    from dbr_quant.fx_rewriter import compile_frozen, rewrite
+
+    monkeypatch.setattr(cpu_backend, "SMALL_OPERAND", 0)  # the block's small GEMMs would run as small C calls
+    _, c, x = converted_block()
+    gm = rewrite(c)
+    with use_cpu_gemm("bf16"):
+        x_q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+        if not cpu_backend.runs_fused_gemm(x_q, torch.empty(32, 32, dtype=torch.float8_e4m3fn)):
+            pytest.skip("eager does not run the fused C GEMM here (no C library, or not at this batch on this ISA)")
+        plain, (plain_code,) = run_and_get_code(torch.compile(gm, fullgraph=True), x)
+        frozen, codes = run_and_get_code(compile_frozen(gm), x)
+        with torch.no_grad():
+            want = c(x)["out"]
+    assert "torch.ops.dbr_quant.fp8_linear" in plain_code  # kept as the eager kernel
+    assert torch.equal(plain["out"], want)
+    assert codes and not any("= torch.ops.dbr_quant." in line for code in codes for line in code.splitlines())
+    assert any("bfloat16" in code for code in codes)
+    close_to_reference(frozen["out"], want, min_cos=0.999, max_rel=0.03)
+
+
 @pytest.mark.parametrize("path", GEMM_PATHS)
 def test_compile_frozen_folds_the_weight_upcast(path, monkeypatch, close_to_reference):
     """With freezing the weights are constants: the upcast runs once at compile time, not per call. The
