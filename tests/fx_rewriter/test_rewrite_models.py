@@ -7,6 +7,7 @@ from test_hf_models import OTHER_SHAPES, SPECS, make_batch, run_pipeline  # test
 import dbr_quant as dq
 from dbr_quant.examples.minilm import CALIBRATION_SENTENCES, EVAL_SENTENCES, encode, load_minilm
 from dbr_quant.fx_rewriter import rewrite
+from dbr_quant.kernels.cpu.features import current_gemm_path
 
 
 def _leaves(out, fields):
@@ -82,7 +83,10 @@ def test_minilm_compiled_is_as_accurate_as_eager(minilm):
     """The compiled graph (inductor lowering of the FP8 ops, frozen and not) is as close to fp32 as the
     eager model. It is not bit-equal: inductor rounds a few fp32 ops differently (no FMA in the epilogue,
     its own LayerNorm sums), a 1-ulp change flips some FP8 roundings, and the flips spread through the
-    layers — eager itself moves as far (min cosine ≈ 0.9988) when its addcmul becomes mul + add."""
+    layers — eager itself moves as far (min cosine ≈ 0.9988) when its addcmul becomes mul + add. ``compile_frozen``
+    moves further where eager runs the fused C GEMM (bf16 path): there it runs oneDNN's bf16 GEMM on folded weights,
+    whose result rounds to bf16 (2⁻⁹) where eager keeps fp32 sums, so each sentence is held to being nearer eager
+    than eager is to fp32 (measured: min 0.9980 vs eager's own min 0.996 to fp32), with the same accuracy."""
     from dbr_quant.examples.minilm import sentence_embeddings
     from dbr_quant.fx_rewriter import compile_frozen
 
@@ -91,12 +95,15 @@ def test_minilm_compiled_is_as_accurate_as_eager(minilm):
     gm = rewrite(c)
     torch._dynamo.reset()
     with torch._inductor.config.patch(force_disable_caches=True), torch.no_grad():
-        for compiled in (torch.compile(gm, fullgraph=True), compile_frozen(gm)):
+        for frozen, compiled in ((False, torch.compile(gm, fullgraph=True)), (True, compile_frozen(gm))):
             for b in (encode(tok, EVAL_SENTENCES[:32]), encode(tok, EVAL_SENTENCES[:1])):
                 emb = {name: sentence_embeddings(m, b) for name, m in
                        (("compiled", compiled), ("eager", c), ("fp32", fp32))}
                 vs_eager = (emb["compiled"] * emb["eager"]).sum(-1)
-                assert vs_eager.min() > 0.998 and vs_eager.mean() > 0.999, vs_eager
+                if frozen and current_gemm_path() == "bf16":  # bf16-rounded GEMM results: see the docstring
+                    assert (vs_eager > (emb["eager"] * emb["fp32"]).sum(-1)).all(), vs_eager
+                else:
+                    assert vs_eager.min() > 0.998 and vs_eager.mean() > 0.999, vs_eager
                 accuracy = {k: (emb[k] * emb["fp32"]).sum(-1).mean() for k in ("compiled", "eager")}
                 assert abs(accuracy["compiled"] - accuracy["eager"]) < 5e-4, accuracy
     torch._dynamo.reset()
