@@ -103,16 +103,9 @@ def test_every_code_decodes_to_its_value(libraries, order, rows):
 def test_exact_sums_are_the_references_bits(libraries, order, m, n, k, seed):
     """FP8 values in [1/8, 2) and 0: products are multiples of 2⁻¹² below 4, so 100 of them sum below 2¹⁰ on
     fp32's grid (24 bits) in any order; with power-of-two scales every path returns the reference's bits."""
-    g = torch.Generator().manual_seed(seed)
-    grid = torch.tensor([0.0] + [v for v in torch.arange(256, dtype=torch.uint8).view(E4M3).float().tolist()
-                                 if 0.125 <= abs(v) < 2])
-    xq = grid[torch.randint(0, len(grid), (m, k), generator=g)].to(E4M3)
-    wq = grid[torch.randint(0, len(grid), (n, k), generator=g)].to(E4M3)
-    xs, ws = torch.tensor([2.0**-3]), torch.full((n,), 2.0**-5)
-    bias = torch.arange(n, dtype=torch.float32) / 8
-    want = R.fp8_linear(xq, xs, wq, ws, bias=bias)
+    operands, want = _grid_case(m, n, k, seed)
     for name, lib in libraries.items():
-        assert torch.equal(_gemm(lib, xq, xs, wq, ws, bias, order), want), name
+        assert torch.equal(_gemm(lib, *operands, order), want), name
 
 
 def _grid_case(m: int, n: int, k: int, seed: int):

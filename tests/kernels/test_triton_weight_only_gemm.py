@@ -43,6 +43,18 @@ def test_decode_is_torchs_cast_for_every_finite_code(dtype):
     assert torch.equal(got, w_q.float().T)
 
 
+def _case(seed, m, n, k, lead, dtype, per_channel, activation, has_bias, residual, out):
+    """A weight-only linear's operands from ``seed``: (x, w_q, w_s, bias, residual, output keywords)."""
+    gen = torch.Generator().manual_seed(seed)
+    n_w = 2 * n if activation == "swiglu" else n
+    w_q, w_s = _weight(gen, n_w, k, per_channel)
+    x = torch.randn(*lead, m, k, generator=gen).to(dtype)
+    bias = torch.randn(n_w, generator=gen) if has_bias else None
+    res = None if residual is None else torch.randn(*lead, m, n, generator=gen).to(residual)
+    kw = {"out_scale": torch.tensor(4.0), "out_fmt": out} if isinstance(out, FP8Format) else {"out_dtype": out}
+    return x, w_q, w_s, bias, res, kw
+
+
 @pytest.mark.parametrize("m, n, k, lead, dtype, per_channel, activation, has_bias, residual, out", [
     (1, 24, 64, (), torch.bfloat16, True, None, False, None, torch.bfloat16),  # decode
     (7, 40, 100, (2,), torch.float16, True, "gelu", True, torch.float32, torch.float16),  # ragged K
@@ -51,13 +63,8 @@ def test_decode_is_torchs_cast_for_every_finite_code(dtype):
 ])
 def test_weight_only_linear_matches_reference(m, n, k, lead, dtype, per_channel, activation, has_bias, residual,
                                               out):
-    gen = torch.Generator().manual_seed(m * 100 + k)
-    n_w = 2 * n if activation == "swiglu" else n
-    w_q, w_s = _weight(gen, n_w, k, per_channel)
-    x = torch.randn(*lead, m, k, generator=gen).to(dtype)
-    bias = torch.randn(n_w, generator=gen) if has_bias else None
-    res = None if residual is None else torch.randn(*lead, m, n, generator=gen).to(residual)
-    kw = {"out_scale": torch.tensor(4.0), "out_fmt": out} if isinstance(out, FP8Format) else {"out_dtype": out}
+    x, w_q, w_s, bias, res, kw = _case(m * 100 + k, m, n, k, lead, dtype, per_channel, activation, has_bias,
+                                       residual, out)
     with use_backend("triton-interpret"):
         got = TW.fp8_weight_only_linear(x, w_q, w_s, bias=bias, activation=activation, residual=res, config=SMALL,
                                         **kw)
@@ -152,13 +159,8 @@ def test_aot_tool_passes_on_sm_80(capsys):
     (9, 16, 48, (), torch.float32, True, "silu", False, None, FP8Format.E4M3),  # fp32 x (rounded to bf16), FP8 out
 ])
 def test_decode_once_path_within_its_bound(m, n, k, lead, dtype, per_channel, activation, has_bias, residual, out):
-    gen = torch.Generator().manual_seed(m * 100 + k + 1)
-    n_w = 2 * n if activation == "swiglu" else n
-    w_q, w_s = _weight(gen, n_w, k, per_channel)
-    x = torch.randn(*lead, m, k, generator=gen).to(dtype)
-    bias = torch.randn(n_w, generator=gen) if has_bias else None
-    res = None if residual is None else torch.randn(*lead, m, n, generator=gen).to(residual)
-    kw = {"out_scale": torch.tensor(4.0), "out_fmt": out} if isinstance(out, FP8Format) else {"out_dtype": out}
+    x, w_q, w_s, bias, res, kw = _case(m * 100 + k + 1, m, n, k, lead, dtype, per_channel, activation, has_bias,
+                                       residual, out)
     with use_backend("triton-interpret"):
         got = TW.fp8_weight_only_linear(x, w_q, w_s, bias=bias, activation=activation, residual=res,
                                         path="decode_once", **kw)
