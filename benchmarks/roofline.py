@@ -343,8 +343,9 @@ def gemm_kernel_model(cfg: triton_gemm.GemmConfig, efficiency: float, m: int, n:
       (block: BLOCK_SCALE_FLOPS) on CUDA cores, not overlapped with the MMAs (an upper bound): BLOCK_K 128
       (TMA) pays this half as often as BLOCK_K 64 (the pointer kernel's large tile).
     - Bytes as gemm(): operands and output once (HBM roofline), scale tensors ignored.
-    - Nothing else of the tile shape: the TMA kernel's 128x64 tile (chosen so the epilogue does not spill)
-      reads 1.33x the shared memory per FLOP of the anchors' 128x128+ tiles, which may keep it below the anchor.
+    - Nothing else of the tile shape: the TMA kernel's 128x64 tile (gated and block-scaled linears, chosen so the
+      epilogue does not spill) reads 1.33x the shared memory per FLOP of the anchors' 128x128+ tiles, which may
+      keep it below the anchor; dense ungated linears take the 128x128x128 "tma-wide" tile (tma_gemm.tma_config).
     """
     tiles_m, tiles_n = math.ceil(m / cfg.BLOCK_M), math.ceil(n / cfg.BLOCK_N)
     tiles = tiles_m * tiles_n
@@ -359,13 +360,13 @@ def gemm_kernel_model(cfg: triton_gemm.GemmConfig, efficiency: float, m: int, n:
 def sm90_gemms(m: int, n: int, k: int) -> dict[str, Kernel]:
     """(6) The dense and block-scaled linears by the pointer kernel (gemm.pick_config / block_gemm's config for M)
     and by the TMA persistent kernel (tma_gemm.TMA_CONFIGS), whichever the dispatcher would pick."""
-    tma = tma_gemm.TMA_CONFIGS["tma"]
     return {
         "dense pointer": gemm_kernel_model(triton_gemm.pick_config(m), POINTER_EFFICIENCY, m, n, k),
-        "dense TMA": gemm_kernel_model(tma, TMA_PERSISTENT_EFFICIENCY, m, n, k),
+        "dense TMA": gemm_kernel_model(tma_gemm.tma_config(False, False), TMA_PERSISTENT_EFFICIENCY, m, n, k),
         "block pointer": gemm_kernel_model(triton_block_gemm.pick_block_config(m), POINTER_EFFICIENCY, m, n, k,
                                            block_scaled=True),
-        "block TMA": gemm_kernel_model(tma, TMA_PERSISTENT_EFFICIENCY, m, n, k, block_scaled=True),
+        "block TMA": gemm_kernel_model(tma_gemm.tma_config(False, True), TMA_PERSISTENT_EFFICIENCY, m, n, k,
+                                       block_scaled=True),
     }
 
 

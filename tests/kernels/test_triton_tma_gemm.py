@@ -35,8 +35,9 @@ OUTS = [torch.float32, torch.bfloat16, torch.float16, FP8Format.E4M3, FP8Format.
 REL = 1e-5
 
 
-def _small(flatten: bool) -> T.TmaConfig:
-    return T.TmaConfig("test", 16, 16, 32, GROUP_M=2, num_warps=4, num_stages=2, flatten=flatten)
+def _small(flatten: bool, halves: bool = False) -> T.TmaConfig:
+    return T.TmaConfig("test", 16, 16, 32, GROUP_M=2, num_warps=4, num_stages=2, flatten=flatten,
+                       epilogue_halves=halves)
 
 
 def _out_kwargs(out, ref, gen):
@@ -72,10 +73,11 @@ def _check(got, ref, out, kwargs, tol, kind):
     residual=st.sampled_from([None, torch.float32, torch.bfloat16]),
     out=st.sampled_from(OUTS),
     flatten=st.booleans(),
+    halves=st.booleans(),  # the epilogue on two column halves (the wide tile's), ragged N included
     seed=st.integers(0, 2**16),
 )
 def test_dense_tma_linear_matches_reference(m, n, k, fmt_x, fmt_w, per_row, per_channel, has_bias, activation,
-                                            residual, out, flatten, seed):
+                                            residual, out, flatten, halves, seed):
     gen = torch.Generator().manual_seed(seed)
     n_w = 2 * n if activation in R.GATED else n
     x_q, w_q = _fp8((m, k), fmt_x, gen), _fp8((n_w, k), fmt_w, gen)
@@ -87,7 +89,7 @@ def test_dense_tma_linear_matches_reference(m, n, k, fmt_x, fmt_w, per_row, per_
     kwargs = _out_kwargs(out, ref, gen)
     with use_backend("triton-interpret"):
         got = G.fp8_linear(x_q, xs, w_q, ws, bias=bias, activation=activation, residual=res,
-                           config=_small(flatten), kernel="tma", **kwargs)
+                           config=_small(flatten, halves), kernel="tma", **kwargs)
     assert got.shape == (m, n)
     _check(got, ref, out, kwargs, _tolerance(x_q, xs, w_q, ws, bias, activation, ref), "tma dense")
 
@@ -132,8 +134,9 @@ def test_block_tma_linear_matches_reference(m, n, k, block, fmt_x, fmt_w, has_bi
 
 @pytest.mark.parametrize("activation", [None, "swiglu"])
 def test_default_tile_through_the_op_table(activation):
-    """The 128×128×128 tile the dispatcher uses, forced through kernels.fp8_linear / fp8_block_linear (the op
-    table's entry points) with forced_kernel: one 128-row tile over 300 rows, K = 384 (three TMA K steps)."""
+    """The tiles tma_config gives (128×128×128 "tma-wide" for the dense ungated linear, 128×64×128 for the gated
+    and the block-scaled ones), forced through kernels.fp8_linear / fp8_block_linear (the op table's entry points)
+    with forced_kernel: 128-row tiles over 300 rows, K = 384 (three TMA K steps)."""
     gen = torch.Generator().manual_seed(7)
     gated = activation is not None
     m, n, k = 300, 48, 384
@@ -230,6 +233,21 @@ def test_aot_configs_cover_tma_launches(monkeypatch):
         assert (recorder.kernel, sig, consts) in table, f"launch not in AOT_CONFIGS: {sig} {consts}"
 
 
+def test_each_linear_gets_the_tile_it_compiles_without_spills():
+    """Dense ungated linears take the wide tile; gated and block-scaled ones keep the 128×64 tile, whose wide
+    version spills (TMA_CONFIGS); the AOT table holds each tile only for the linears it is launched for."""
+    wide, narrow = T.TMA_CONFIGS["tma-wide"], T.TMA_CONFIGS["tma"]
+    assert (wide.BLOCK_M, wide.BLOCK_N, wide.BLOCK_K) == (128, 128, 128) and narrow.BLOCK_N == 64
+    assert T.tma_config(False, False) is wide
+    assert T.tma_config(True, False) is narrow and T.tma_config(False, True) is narrow
+    for entry in T.AOT_CONFIGS:
+        name = entry[1].split()[0]
+        if name == "tma-wide":
+            assert "block=" not in entry[1] and not entry[4]["GATED"]
+        else:
+            assert name in ("tma", "tma-gated")
+
+
 def test_tma_rows_are_for_sm_90_only():
     rows = [c for c in aot.all_configs("tma")]
     assert rows and all("sm_90" in c.description for c in rows)
@@ -238,7 +256,8 @@ def test_tma_rows_are_for_sm_90_only():
 
 @pytest.mark.parametrize("pattern", [
     r"tma-gated .* sm_90 block=128x128 e4m3xe4m3 act=swiglu bias=1 residual=fp32 out=fp8e4m3$",
-    r"tma .* sm_90 e4m3xe4m3 act=gelu bias=1 residual=fp32 out=fp16$",  # spilled 12 B on a 128x128 tile (3.6)
+    r"tma .* sm_90 block=128x128 e4m3xe4m3 act=gelu bias=1 residual=fp32 out=fp16$",  # 128x128 spills here (3.6)
+    r"tma-wide .* sm_90 e4m3xe4m3 act=gelu bias=1 residual=fp32 out=fp32$",  # 255 registers under 3.6
 ])
 def test_heaviest_tma_rows_compile_to_tma_and_fp8_wgmma_without_spills(pattern):
     [entry] = [e for e in T.AOT_CONFIGS if re.search(pattern, e[1])]

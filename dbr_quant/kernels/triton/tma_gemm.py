@@ -44,17 +44,19 @@ from dbr_quant.kernels.triton import gemm_core as core
 from dbr_quant.kernels.triton.common import AotEntry, Kernel, device_function, on_interpreter
 
 __all__ = ["AOT_CONFIGS", "KERNEL_CHOICES", "TMA_CONFIGS", "TMA_MIN_ROWS", "aot_attrs", "aot_options",
-           "forced_kernel", "launch_linear", "use_tma"]
+           "forced_kernel", "launch_linear", "tma_config", "use_tma"]
 
 @dataclasses.dataclass(frozen=True)
 class TmaConfig(core.GemmConfig):
     """A tile config plus ``flatten``: whether ``tl.range`` software-pipelines across tiles (the next tile's
-    TMA loads overlap this tile's epilogue) or only within a tile's K loop (fewer live registers)."""
+    TMA loads overlap this tile's epilogue) or only within a tile's K loop (fewer live registers); and
+    ``epilogue_halves``: the epilogue on the tile's two column halves, one after the other (fewer live registers)."""
 
     flatten: bool = True
+    epilogue_halves: bool = False
 
     def constexprs(self) -> dict[str, int]:
-        return {**super().constexprs(), "FLATTEN": self.flatten}
+        return {**super().constexprs(), "FLATTEN": self.flatten, "EPILOGUE_HALVES": self.epilogue_halves}
 
     def gated(self) -> TmaConfig:
         """The same tile: its BLOCK_N is already the gated width (see TMA_CONFIGS)."""
@@ -67,8 +69,20 @@ class TmaConfig(core.GemmConfig):
 # accumulators). 128×128 tiles spill: the epilogue (gemm_core.linear_epilogue) on 64 values a thread needs
 # 255+ registers for gelu + bias + fp32 residual + fp16 out (12 B spilled under triton 3.6, also with 3
 # stages, BLOCK_K 64 or 4 warps on 128×64 / 64×128); 128×64 with 8 warps needs 150.
+#
+# "tma-wide" (dense, ungated linears: the q/k/v, o and down projections, fc1 + GELU) is the FP8 tile of Triton's
+# tutorial 09-persistent-matmul.py narrowed to what our epilogue fits: 128×128×128, 8 warps, 4 stages, pipelined
+# across tiles (flatten), the epilogue run on two 128×64 halves (the tutorial's EPILOGUE_SUBTILE). It halves the
+# shared-memory reads per FLOP of the 128×64 tile and matches the pointer kernel's large tile, which measured faster
+# than the 128×64 TMA tile (README "Measured on a GPU"). ptxas (triton 3.7.1, sm_90), heaviest epilogues: 150–180
+# registers, 0 spills; without the halves 255 registers and 16 B spilled (gelu + fp32 residual + fp32 out).
+# Gated tiles of this size reach 255 registers even with the halves and block-scaled gated ones spill ~0.8 KB, so
+# those keep "tma". Not yet timed on a GPU: benchmarks/gpu.py's TMA column runs it (forced_kernel("tma")), and
+# AUTO_TMA stays off until a GPU run measures it faster than the pointer kernel.
 TMA_CONFIGS: dict[str, core.GemmConfig] = {
     "tma": TmaConfig("tma", 128, 64, 128, GROUP_M=8, num_warps=8, num_stages=4, flatten=False),
+    "tma-wide": TmaConfig("tma-wide", 128, 128, 128, GROUP_M=8, num_warps=8, num_stages=4, flatten=True,
+                          epilogue_halves=True),
 }
 # Rows above which sm_90 would take the TMA kernel automatically: the pointer kernels' "large" range
 # (gemm.pick_config). Below it a 128-row tile is mostly padding and decode GEMVs are bound by streaming W.
@@ -96,6 +110,12 @@ def forced_kernel(kernel: str | None) -> Iterator[None]:
         yield
     finally:
         _forced.reset(token)
+
+
+def tma_config(gated: bool, block_scaled: bool) -> core.GemmConfig:
+    """The TMA tile a linear launches when no ``config`` is given: "tma-wide" for dense ungated linears,
+    "tma" for gated or block-scaled ones (whose wide tiles spill; see TMA_CONFIGS)."""
+    return TMA_CONFIGS["tma" if gated or block_scaled else "tma-wide"]
 
 
 @functools.cache
@@ -186,7 +206,7 @@ def _fp8_linear_tma_kernel(
     M, N, K, UP_SCALE_ROW, NUM_PROGRAMS,
     stride_om, stride_on, stride_rm, stride_rn, stride_xs, stride_ws,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+    FLATTEN: tl.constexpr, EPILOGUE_HALVES: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     ACTIVATION: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     OUT_KIND: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
     EXP_BIAS: tl.constexpr,
@@ -207,11 +227,28 @@ def _fp8_linear_tma_kernel(
         acc, acc_up = tma_main_loop(a_desc, w_desc, x_scale_ptr, w_scale_ptr, off_m, off_n, rm, rn, mask_m, mask_n,
                                     N, K, UP_SCALE_ROW, stride_xs, stride_ws,
                                     BLOCK_M, BLOCK_N, BLOCK_K, GATED, SCALE_N, SCALE_K)
-        core.linear_epilogue(acc, acc_up, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr, inv_out_scale_ptr,
-                             rm, rn, mask_m, mask_n, N,
-                             stride_xs, stride_ws, stride_rm, stride_rn, stride_om, stride_on,
-                             SCALE_K, ACTIVATION, GATED, HAS_BIAS, HAS_RESIDUAL, OUT_KIND,
-                             FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
+        if EPILOGUE_HALVES:  # the epilogue on two BLOCK_M × BLOCK_N/2 halves (tutorial 09's EPILOGUE_SUBTILE):
+            # half the epilogue's live values, so a 128×128 tile's heaviest epilogue fits in registers
+            acc_left, acc_right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            up_left, up_right = tl.split(tl.permute(tl.reshape(acc_up, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            rn_left = off_n + tl.arange(0, BLOCK_N // 2)
+            rn_right = rn_left + BLOCK_N // 2
+            core.linear_epilogue(acc_left, up_left, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr,
+                                 inv_out_scale_ptr, rm, rn_left, mask_m, rn_left < N, N,
+                                 stride_xs, stride_ws, stride_rm, stride_rn, stride_om, stride_on,
+                                 SCALE_K, ACTIVATION, GATED, HAS_BIAS, HAS_RESIDUAL, OUT_KIND,
+                                 FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
+            core.linear_epilogue(acc_right, up_right, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr,
+                                 inv_out_scale_ptr, rm, rn_right, mask_m, rn_right < N, N,
+                                 stride_xs, stride_ws, stride_rm, stride_rn, stride_om, stride_on,
+                                 SCALE_K, ACTIVATION, GATED, HAS_BIAS, HAS_RESIDUAL, OUT_KIND,
+                                 FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
+        else:
+            core.linear_epilogue(acc, acc_up, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr, inv_out_scale_ptr,
+                                 rm, rn, mask_m, mask_n, N,
+                                 stride_xs, stride_ws, stride_rm, stride_rn, stride_om, stride_on,
+                                 SCALE_K, ACTIVATION, GATED, HAS_BIAS, HAS_RESIDUAL, OUT_KIND,
+                                 FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
 
 
 # M (1 when decoding), UP_SCALE_ROW, the program count and the scale strides (0, 1 or KB) would each
@@ -230,7 +267,7 @@ def launch_linear(a: torch.Tensor, w_q: torch.Tensor, ep: core.EpilogueOperands,
     """Launch the TMA kernel for ``ep.out = epilogue(a · w_qᵀ)`` (a: m × K, w_q: rows × K, both TMA-ready),
     with the operands the dense/block wrapper prepared. ``block`` = (SCALE_N, SCALE_K): (1, 0) dense."""
     m, k = a.shape
-    cfg = config or TMA_CONFIGS["tma"]
+    cfg = config or tma_config(activation in GATED, block[1] > 0)
     if not isinstance(cfg, TmaConfig):  # a plain tile config: pipelined within tiles only, as the default
         cfg = TmaConfig(**dataclasses.asdict(cfg), flatten=False)
     if block[1] % cfg.BLOCK_K:
@@ -271,9 +308,16 @@ def _entry(cfg: core.GemmConfig, block: tuple[int, int] | None, fmt_a: FP8Format
     return (name, desc, kernel, sig, {key: v for key, v in consts.items() if key in params})
 
 
-# dense (no block) and the 128x128 blocks of the checkpoints in use, each with every epilogue variant
+def _launched(cfg: core.GemmConfig, block: tuple[int, int] | None, activation: str | None) -> bool:
+    """Whether the wrappers launch ``cfg`` for this block and activation when no config is given (tma_config)."""
+    return tma_config(activation in GATED, block is not None) is cfg
+
+
+# dense (no block) and the 128x128 blocks of the checkpoints in use, each with every epilogue variant, on the
+# tile tma_config gives it
 AOT_CONFIGS: list[AotEntry] = [_entry(cfg, block, *variant) for cfg in TMA_CONFIGS.values()
-                               for block in (None, (128, 128)) for variant in core.linear_variants()]
+                               for block in (None, (128, 128)) for variant in core.linear_variants()
+                               if _launched(cfg, block, variant[2])]
 
 
 def aot_options(entry: AotEntry) -> dict[str, int]:
