@@ -260,7 +260,9 @@ class MSEObserver(_BatchMeanObserver):
         fmax, tiny = self.fmt.max, torch.finfo(torch.float32).tiny
         errors = []
         for r in ratios.tolist():
-            scale = max(r / fmax, tiny)
+            # a 0-d tensor on the data's device, not a Python number: CUDA torch turns a division by a number
+            # into a multiply by its reciprocal (see formats.safe_scale), so a GPU's pick could differ from the CPU's
+            scale = torch.tensor(max(r / fmax, tiny), dtype=torch.float32, device=normalized.device)
             fake = (normalized / scale).clamp(-fmax, fmax).to(self.fmt.dtype).float() * scale
             errors.append((fake - normalized).square().mean(dim=1))
         # argmin returns the first minimum, i.e. the largest ratio among ties
