@@ -11,19 +11,31 @@
 3. End to end: a MiniLM-shaped BERT (random weights: the real checkpoint is not on the GPU image) and a bf16
    Llama (Llama-3-8B layer sizes, 2 layers), FP8 eager and ``rewrite`` + ``torch.compile`` vs the bf16 model
    eager and compiled.
-4. Host time per decode-size call: entry point, Triton wrapper, Triton's launch, cuBLASLt; a profile.
+4. Host time per decode-size call: entry point (as dispatched by default, and under ``use_backend``), Triton
+   wrapper, Triton's launch, cuBLASLt, the weight-only and grouped weight-only entry points; a profile.
+5. MoE experts at Mixtral-8x7B shapes (E = 8, top_k = 2, hidden 4096, ffn 14336; 16 and 4096 tokens): the grouped
+   FP8 (W8A8, static scales), weight-only FP8 (W8A16) and MXFP8 expert computations vs a bf16 per-expert loop (as
+   transformers' eager experts) and bf16 ``torch._grouped_mm``.
+6. Decode under CUDA graphs: a bf16 Llama (Llama-3-8B layer sizes, 2 layers) at one token, FP8 ``rewrite`` +
+   ``torch.compile(mode="reduce-overhead")`` vs the bf16 model under the same mode, and both eager.
 Times are medians of CUDA-event runs after warm-up. Prints the device, driver, torch, triton and CUDA versions.
-Needs CUDA (prints why not, else).
+Sections run in the order of ``--order`` (the never-measured ones first), each under a time limit of its own and
+within ``--budget-s`` in all: a section that fails or runs out of time prints why, and the others still run.
+``--dry`` runs sections 5 and 6 on the CPU at toy sizes (Triton interpreter, wall-clock timing): a check that
+their code runs, not a measurement. Needs CUDA otherwise (prints why not).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -36,9 +48,12 @@ MS = [1, 16, 512, 2048, 8192]
 
 
 def timed(fn: Callable[..., object], *args: object, reps: int = 25, **kwargs: object) -> float:
-    """Median milliseconds of ``fn(*args, **kwargs)`` over ``reps`` runs after warm-up, CUDA events around each."""
+    """Median milliseconds of ``fn(*args, **kwargs)`` over ``reps`` runs after warm-up, CUDA events around each
+    (wall clock without CUDA: the ``--dry`` run)."""
     for _ in range(3):
         fn(*args, **kwargs)
+    if not torch.cuda.is_available():
+        return statistics.median(_wall_ms(fn, *args, **kwargs) for _ in range(reps))
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
@@ -49,6 +64,12 @@ def timed(fn: Callable[..., object], *args: object, reps: int = 25, **kwargs: ob
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def _wall_ms(fn: Callable[..., object], *args: object, **kwargs: object) -> float:
+    start = time.perf_counter()
+    fn(*args, **kwargs)
+    return (time.perf_counter() - start) * 1e3
 
 
 def table(header: list[str], rows: list[list[object]]) -> None:
@@ -221,32 +242,294 @@ def host_section() -> None:
     def cublas() -> None:
         torch._scaled_mm(x_q, w_t, scale_a=x_s, scale_b=w_s, out_dtype=torch.bfloat16)
 
+    # as a model calls them: no use_backend, the entry point resolves the device's backend itself
+    x_bf = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    wo_q, wo_s = kernels.dynamic_quantize(torch.randn(4096, 4096, device="cuda"), FP8Format.E4M3, per_token=True)
+    ge_q = wo_q.expand(8, -1, -1).contiguous()  # 8 experts' [4096, 4096] weights (the same bytes: host time only)
+    ge_s = wo_s.reshape(1, -1).expand(8, -1).contiguous()
+    ids = torch.tensor([[1, 6]], device="cuda")
+    routing = kernels.moe_route(ids, 8)
+    wo_s = wo_s.reshape(-1)
+
+    def weight_only() -> None:
+        kernels.fp8_weight_only_linear(x_bf, wo_q, wo_s, out_dtype=torch.bfloat16)
+
+    def grouped_weight_only() -> None:
+        kernels.fp8_grouped_weight_only_linear(x_bf, ge_q, ge_s, routing, out_dtype=torch.bfloat16)
+
+    rows = [["kernels.fp8_linear, default dispatch (no use_backend)", f"{_host_us(entry):.1f}"],
+            ["kernels.fp8_weight_only_linear M=1, default dispatch", f"{_host_us(weight_only):.1f}"],
+            ["kernels.moe_route, 1 token, top-2 of 8", f"{_host_us(lambda: kernels.moe_route(ids, 8)):.1f}"],
+            ["kernels.fp8_grouped_weight_only_linear, 1 token, top-2 of 8", f"{_host_us(grouped_weight_only):.1f}"]]
     with kernels.use_backend("triton"):
-        rows = [["kernels.fp8_linear (entry point)", f"{_host_us(entry):.1f}"],
-                ["kernels.triton.gemm.fp8_linear (wrapper)",
-                 f"{_host_us(lambda: gemm.fp8_linear(x_q, x_s, w_q, w_s, out_dtype=torch.bfloat16)):.1f}"],
-                ["Triton launch alone (JITFunction[grid])", f"{_host_us(launch_only):.1f}"],
-                ["torch._scaled_mm", f"{_host_us(cublas):.1f}"],
-                ["torch.empty (floor)", f"{_host_us(lambda: torch.empty(1, 4096, device='cuda')):.1f}"]]
-        table(["call", "µs"], rows)
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(300):
-            entry()
-        prof.disable()
+        rows += [["kernels.fp8_linear under use_backend('triton')", f"{_host_us(entry):.1f}"],
+                 ["kernels.triton.gemm.fp8_linear (wrapper)",
+                  f"{_host_us(lambda: gemm.fp8_linear(x_q, x_s, w_q, w_s, out_dtype=torch.bfloat16)):.1f}"],
+                 ["Triton launch alone (JITFunction[grid])", f"{_host_us(launch_only):.1f}"]]
+    rows += [["torch._scaled_mm", f"{_host_us(cublas):.1f}"],
+             ["torch.empty (floor)", f"{_host_us(lambda: torch.empty(1, 4096, device='cuda')):.1f}"]]
+    table(["call", "µs"], rows)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(300):
+        entry()
+    prof.disable()
     stream = io.StringIO()
     pstats.Stats(prof, stream=stream).sort_stats("tottime").print_stats(14)
-    print("profile of 300 entry-point calls, by own time:")
+    print("profile of 300 entry-point calls (default dispatch), by own time:")
     print("\n".join(line for line in stream.getvalue().splitlines()[4:] if line.strip()))
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where sections 5 and 6 run: CUDA and the compiled Triton kernels, or (``--dry``) the CPU, the Triton
+    interpreter and toy sizes."""
+
+    device: str
+    backend: str
+    dry: bool
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """An MoE layer: E experts, top_k per token, gate_up [E, 2·inter, hidden] (swiglu), down [E, hidden, inter]."""
+
+    name: str
+    experts: int
+    top_k: int
+    hidden: int
+    inter: int
+    tokens: tuple[int, ...]
+
+
+MIXTRAL = MoeShape("Mixtral-8x7B", 8, 2, 4096, 14336, (16, 4096))
+TOY_MOE = MoeShape("toy", 4, 2, 64, 96, (3, 24))
+
+
+def _bf16_experts_loop(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+                       w2: torch.Tensor) -> torch.Tensor:
+    """The bf16 baseline as transformers' eager experts run it: per expert hit, gather its tokens, gate_up,
+    silu(gate)·up, down, weighted index_add (a host sync per expert for the token lists)."""
+    out = torch.zeros_like(x)
+    inter = w2.shape[-1]
+    for e in range(w13.shape[0]):
+        token, slot = torch.where(ids == e)
+        if token.numel():
+            h = x[token] @ w13[e].t()
+            y = (nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ w2[e].t()
+            out.index_add_(0, token, y * weights[token, slot, None])
+    return out
+
+
+def _bf16_grouped_mm(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13_t: torch.Tensor,
+                     w2_t: torch.Tensor) -> torch.Tensor:
+    """bf16 experts on ``torch._grouped_mm`` (cuBLAS/CUTLASS grouped GEMM; w13_t [E, hidden, 2·inter] and w2_t
+    [E, inter, hidden] column-major views): rows sorted by expert, two grouped GEMMs, weighted index_add."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=w13_t.shape[0]), 0).to(torch.int32)
+    token = order // ids.shape[1]
+    h = torch._grouped_mm(x[token], w13_t, offs=offs)
+    inter = w2_t.shape[1]
+    y = torch._grouped_mm(nn.functional.silu(h[:, :inter]) * h[:, inter:], w2_t, offs=offs)
+    return torch.zeros_like(x).index_add_(0, token, y * weights.reshape(-1)[order, None])
+
+
+def _moe_weights(shape: MoeShape, device: str) -> dict[str, torch.Tensor]:
+    """bf16 expert weights (std 0.02) and their FP8 forms: per-channel E4M3 (W8A8 and W8A16) and MXFP8 codes,
+    quantized expert by expert on the device."""
+    from dbr_quant import kernels
+    from dbr_quant.formats import FP8Format
+
+    e, h, i = shape.experts, shape.hidden, shape.inter
+    out: dict[str, torch.Tensor] = {"w13": torch.empty(e, 2 * i, h, device=device, dtype=torch.bfloat16),
+                                    "w2": torch.empty(e, h, i, device=device, dtype=torch.bfloat16)}
+    for name in ("w13", "w2"):
+        w = out[name]
+        w.normal_(0, 0.02)
+        q, s = zip(*(kernels.dynamic_quantize(w[j], FP8Format.E4M3, per_token=True) for j in range(e)), strict=True)
+        out[f"{name}_q"], out[f"{name}_s"] = torch.stack(q), torch.stack(s).reshape(e, -1)
+        mq, codes = zip(*(kernels.mx_quantize(w[j]) for j in range(e)), strict=True)
+        out[f"{name}_mx"], out[f"{name}_codes"] = torch.stack(mq), torch.stack(codes)
+    return out
+
+
+def _moe_schemes(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, wts: dict[str, torch.Tensor],
+                 x_scale: torch.Tensor, h_scale: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """Each row of section 5: a call of one experts computation on (x, ids, weights)."""
+    from dbr_quant.formats import FP8Format
+    from dbr_quant.moe.compute import fp8_experts_compute
+
+    kw = {"bias13": None, "bias2": None, "activation": "swiglu", "fmt": FP8Format.E4M3, "per_token": False,
+          "out_dtype": torch.bfloat16}
+    fp8 = (wts["w13_q"], wts["w13_s"], wts["w2_q"], wts["w2_s"])
+    mx = (wts["w13_mx"], wts["w13_codes"], wts["w2_mx"], wts["w2_codes"])
+    w13_t, w2_t = wts["w13"].transpose(1, 2), wts["w2"].transpose(1, 2)
+    return {"bf16 per-expert loop": lambda: _bf16_experts_loop(x, ids, weights, wts["w13"], wts["w2"]),
+            "bf16 torch._grouped_mm": lambda: _bf16_grouped_mm(x, ids, weights, w13_t, w2_t),
+            "FP8 W8A8 static": lambda: fp8_experts_compute(x, ids, weights, *fp8, x_scale, h_scale, **kw),
+            "FP8 weight-only W8A16": lambda: fp8_experts_compute(x, ids, weights, *fp8, None, None, **kw,
+                                                                 weight_only=True),
+            "MXFP8": lambda: fp8_experts_compute(x, ids, weights, *mx, None, None, **kw, mx=True)}
+
+
+def moe_section(target: Target, shape: MoeShape) -> None:
+    """Section 5: one MoE layer's experts, each scheme as a converted model runs it (moe.compute's
+    ``fp8_experts_compute``: routing plan, quantize where the scheme does, gate_up, down + combine)."""
+    from dbr_quant import kernels
+
+    print(f"\n## 5. MoE experts, {shape.name} (E={shape.experts}, top_k={shape.top_k}, hidden {shape.hidden}, "
+          f"ffn {shape.inter}; swiglu; bf16 in and out)")
+    dev = target.device
+    with kernels.use_backend(target.backend):
+        wts = _moe_weights(shape, dev)
+    rows = []
+    for tokens in shape.tokens:
+        gen = torch.Generator().manual_seed(tokens)
+        x = torch.randn(tokens, shape.hidden, generator=gen).to(dev, torch.bfloat16)
+        ids = torch.stack([torch.randperm(shape.experts, generator=gen)[:shape.top_k] for _ in range(tokens)]).to(dev)
+        weights = torch.rand(tokens, shape.top_k, generator=gen).to(dev, torch.bfloat16)
+        # static per-tensor scales, as calibration gives them: x's amax, and the swiglu output's of the bf16 loop
+        x_scale = (x.abs().amax().float() / 448).reshape(())
+        h_first = x @ wts["w13"][0].t()
+        h_scale = ((nn.functional.silu(h_first[:, :shape.inter]) * h_first[:, shape.inter:]).abs().amax().float()
+                   / 448 * 2).reshape(())
+        flops = 6 * tokens * shape.top_k * shape.hidden * shape.inter
+        times: dict[str, float] = {}
+        for name, fn in _moe_schemes(x, ids, weights, wts, x_scale, h_scale).items():
+            if target.dry and "_grouped_mm" in name:
+                continue  # CUDA only
+            try:
+                with kernels.use_backend(target.backend), kernels.count_launches() as launches:
+                    fn()
+                with kernels.use_backend(target.backend):
+                    times[name] = timed(fn, reps=10 if tokens > 256 else 25)
+            except Exception as e:  # noqa: BLE001 - the other schemes' rows still print
+                print(f"{tokens} tokens, {name}: {type(e).__name__}: {e}")
+                continue
+            loop, grouped = times.get("bf16 per-expert loop"), times.get("bf16 torch._grouped_mm")
+            t = times[name]
+            rows.append([tokens, name, f"{t:.4f}", f"{flops / t / 1e9:.0f}", sum(launches.values()) or "",
+                         f"{loop / t:.2f}" if loop else "", f"{grouped / t:.2f}" if grouped else ""])
+    table(["tokens", "experts computation", "ms", "TFLOP/s", "our launches", "bf16 loop / this",
+           "bf16 grouped_mm / this"], rows)
+    print("launches: dbr_quant kernel launches per call (routing plan not counted); > 1 in the ratio columns: this "
+          "row is faster. The FP8 rows include quantizing the activations (W8A8: static per-tensor, MX: per 32).")
+
+
+def _cudagraph_skips() -> int:
+    """Inductor's count of graphs it ran without CUDA graphs (a reason is logged with each)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
+def graphs_section(target: Target) -> None:
+    """Section 6: one decode step's forward (M = 1 GEMMs) of a bf16 Llama with Llama-3-8B layers, eager and under
+    ``torch.compile(mode="reduce-overhead")`` (CUDA graphs: one replay per call, no per-op host cost), FP8 via
+    ``rewrite`` against the bf16 model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dbr_quant import kernels
+    from dbr_quant.fx_rewriter import rewrite
+
+    print("\n## 6. Decode step under CUDA graphs (torch.compile mode='reduce-overhead'), bf16 Llama, 1 token")
+    sizes = (dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+             if target.dry else dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                                     num_key_value_heads=8, vocab_size=32000))
+    with torch.device(target.device):  # initialised on the device: seconds, not a minute on the host
+        llama = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **sizes)).to(torch.bfloat16).eval()
+    ids = torch.randint(0, sizes["vocab_size"], (1, 1), device=target.device)
+    calib = {"input_ids": torch.randint(0, sizes["vocab_size"], (4, 64), device=target.device)}
+    with kernels.use_backend(target.backend):
+        conv = _convert(llama, calib)
+        gm = rewrite(conv, example_kwargs={"input_ids": ids})
+        skips = _cudagraph_skips()
+        variants = {"bf16 eager": llama, "FP8 eager": conv,
+                    "bf16 reduce-overhead": torch.compile(llama, mode="reduce-overhead"),
+                    "FP8 rewrite reduce-overhead": torch.compile(gm, mode="reduce-overhead", fullgraph=True)}
+        times = {}
+        with torch.no_grad():
+            for name, model in variants.items():
+                try:
+                    times[name] = timed(lambda m=model: m(input_ids=ids), reps=50)
+                except Exception as e:  # noqa: BLE001 - the other rows still print
+                    print(f"{name}: {type(e).__name__}: {e}")
+    rows = [[name, f"{t:.4f}", f"{times['bf16 eager'] / t:.2f}" if "bf16 eager" in times else ""]
+            for name, t in times.items()]
+    table(["model (1 token)", "ms", "bf16 eager / this"], rows)
+    ro = ("FP8 rewrite reduce-overhead", "bf16 reduce-overhead")
+    if all(name in times for name in ro):
+        print(f"FP8 vs bf16, both under CUDA graphs: {times[ro[1]] / times[ro[0]]:.2f}x (> 1: FP8 faster); "
+              f"graphs skipped by inductor while compiling: {_cudagraph_skips() - skips} (0: both ran as graphs)")
+
+
+# Section → the most wall-clock seconds it may take. Estimates: no GPU run has timed the sections yet (each now
+# prints its time); e2e and graphs compile with inductor from a cold cache. The default order runs what no GPU
+# has measured yet first, so a short budget cuts the tables that already are in the README.
+SECTION_LIMITS_S = {"moe": 90, "host": 45, "graphs": 150, "fused": 90, "e2e": 200, "gemm": 200}
+DEFAULT_ORDER = "moe,host,graphs,fused,e2e,gemm"
+
+
+class SectionTimeout(Exception):
+    """A section ran past its time limit (raised by SIGALRM between Python bytecodes)."""
+
+
+def _out_of_time(signum: int, frame: object) -> None:
+    raise SectionTimeout
+
+
+def run_sections(sections: dict[str, Callable[[], None]], order: list[str], budget_s: float) -> bool:
+    """Each section in ``order`` under min(its limit, what is left of ``budget_s``); a failure or a timeout prints
+    its traceback and the next one runs. Returns whether all ran to the end."""
+    ok = True
+    start = time.monotonic()
+    signal.signal(signal.SIGALRM, _out_of_time)
+    for name in order:
+        left = budget_s - (time.monotonic() - start)
+        limit = int(min(SECTION_LIMITS_S[name], left))
+        if limit < 10:
+            print(f"\n## section {name}: skipped, {left:.0f} s of the {budget_s:.0f} s budget left")
+            ok = False
+            continue
+        began = time.monotonic()
+        signal.alarm(limit)
+        try:
+            sections[name]()
+        except SectionTimeout:
+            ok = False
+            print(f"\n## section {name}: stopped at its limit of {limit} s")
+            traceback.print_exc(limit=4)
+        except Exception:  # noqa: BLE001 - one broken section must not hide the others' figures
+            ok = False
+            traceback.print_exc()
+        finally:
+            signal.alarm(0)
+        print(f"(section {name}: {time.monotonic() - began:.1f} s)", flush=True)
+    return ok
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer GEMM sizes")
-    parser.add_argument("--only", choices=["gemm", "fused", "e2e", "host"], help="one section")
+    parser.add_argument("--only", choices=list(SECTION_LIMITS_S), help="one section")
+    parser.add_argument("--order", default=DEFAULT_ORDER, help=f"sections to run, in order (default {DEFAULT_ORDER})")
+    parser.add_argument("--budget-s", type=float, default=540.0,
+                        help="wall-clock seconds for all sections (make gpu-check passes what its call has left)")
+    parser.add_argument("--dry", action="store_true",
+                        help="sections 5 and 6 on the CPU, toy sizes, Triton interpreter (checks that the code runs)")
     args = parser.parse_args()
+    order = [args.only] if args.only else [name.strip() for name in args.order.split(",") if name.strip()]
+    unknown = [name for name in order if name not in SECTION_LIMITS_S]
+    if unknown:
+        parser.error(f"unknown section(s) {unknown}; choose from {list(SECTION_LIMITS_S)}")
+    torch.manual_seed(0)
+    if args.dry:
+        target = Target("cpu", "triton-interpret", dry=True)
+        dry = {"moe": lambda: moe_section(target, TOY_MOE), "graphs": lambda: graphs_section(target)}
+        sys.exit(0 if run_sections(dry, [n for n in order if n in dry], args.budget_s) else 1)
     if not torch.cuda.is_available():
-        print("benchmarks/gpu.py: no CUDA device here; run it on a GPU machine (make gpu-check)")
+        print("benchmarks/gpu.py: no CUDA device here; run it on a GPU machine (make gpu-check), or --dry")
         return
     import triton
 
@@ -254,18 +537,12 @@ def main() -> None:
                             capture_output=True, text=True).stdout.strip() or "?"
     print(f"device {torch.cuda.get_device_name()}, driver {driver}, torch {torch.__version__}, "
           f"triton {triton.__version__}, CUDA {torch.version.cuda}, Python {sys.version.split()[0]}")
-    torch.manual_seed(0)
-    sections = {"gemm": lambda: gemm_section(args.quick), "fused": fused_section, "e2e": e2e_section,
-                "host": host_section}
-    failed = False
-    for name, run in sections.items():
-        if args.only in (None, name):
-            try:
-                run()
-            except Exception:  # noqa: BLE001 - one broken section must not hide the others' figures
-                failed = True
-                traceback.print_exc()
-    sys.exit(1 if failed else 0)
+    target = Target("cuda", "triton", dry=False)
+    sections: dict[str, Callable[[], None]] = {
+        "gemm": lambda: gemm_section(args.quick), "fused": fused_section, "e2e": e2e_section, "host": host_section,
+        "moe": lambda: moe_section(target, MIXTRAL), "graphs": lambda: graphs_section(target)}
+    print(f"sections in this order: {', '.join(order)}; budget {args.budget_s:.0f} s")
+    sys.exit(0 if run_sections(sections, order, args.budget_s) else 1)
 
 
 if __name__ == "__main__":

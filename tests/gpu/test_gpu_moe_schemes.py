@@ -199,8 +199,8 @@ def check_exact(scheme: str, s: Sizes, top_k: int, device: str, backend: str) ->
     exact = combined(per_expert(routing, True, s.hidden, device, lambda e, src: x[src] @ w[e].t()), routing, weights)
     for deterministic in (False, True) if scheme == "weight_only" else (False,):
         kw = {"deterministic": deterministic} if scheme == "weight_only" else {}
-        fast, ref, launches = run(scheme, backend, lambda: grouped(scheme, down, routing, x_sorted=True,
-                                                                   topk_weights=weights, **kw))
+        fast, ref, launches = run(scheme, backend, lambda kw=kw: grouped(scheme, down, routing, x_sorted=True,
+                                                                         topk_weights=weights, **kw))
         assert launches == _combine_launches(scheme, top_k, deterministic), launches
         assert torch.equal(ref.double(), exact)
         assert torch.equal(fast, ref), f"{scheme} down: max |diff| {float((fast - ref).abs().max())}"
@@ -281,6 +281,8 @@ def test_grouped_within_the_derived_bound(scheme, sizes, top_k):
 
 MODEL_SCHEMES = {"weight_only": (dq.QConfig.fp8_weight_only, ("fp8_grouped_weight_only_linear",)),
                  "mx": (dq.QConfig.mxfp8, ("fp8_grouped_mx_linear", "mx_quantize"))}
+# a floor well under the CPU's own cosine (measured on the CPU: weight-only 0.976, MX 0.952); parity is the check
+MIN_COS = {"weight_only": 0.95, "mx": 0.92}
 
 
 def check_mixtral_scheme(scheme: str, device: str, monkeypatch: pytest.MonkeyPatch) -> tuple[float, float]:
@@ -322,7 +324,7 @@ def test_mixtral_scheme_on_cuda_matches_the_cpu(scheme, monkeypatch):
     record(f"Mixtral {scheme}: cosine to bf16 on the CPU", cpu)
     # as test_gpu_models' Mixtral (W8A8): a token whose top-2 choice flips on one device moves the mean cosine by
     # ~0.003-0.01, so the GPU run is as accurate as the CPU's within 0.015
-    assert here >= 0.95 and abs(here - cpu) <= 0.015, (here, cpu)
+    assert here >= MIN_COS[scheme] and abs(here - cpu) <= 0.015, (here, cpu)
 
 
 # ---------------------------------------------------------------------------------------------------------------
