@@ -39,7 +39,6 @@ from dbr_quant.kernels.routing import MoeRouting
 from dbr_quant.kernels.triton import backend as triton_backend
 
 CUDA = torch.cuda.is_available()
-on_gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")]
 
 SCHEMES = ("weight_only", "block", "mx")
 OPS = {"weight_only": "fp8_grouped_weight_only_linear", "block": "fp8_grouped_block_linear",
@@ -331,6 +330,7 @@ def test_mixtral_scheme_on_cuda_matches_the_cpu(scheme, monkeypatch):
 # The checks above on the CPU, in the Triton interpreter, at toy sizes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_checks_run_in_the_interpreter(scheme):
     for top_k in (1, 3):
