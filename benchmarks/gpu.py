@@ -14,8 +14,8 @@
 4. Host time per decode-size call: entry point (as dispatched by default, and under ``use_backend``), Triton
    wrapper, Triton's launch, cuBLASLt, the weight-only and grouped weight-only entry points; a profile.
 5. MoE experts at Mixtral-8x7B shapes (E = 8, top_k = 2, hidden 4096, ffn 14336; 16 and 4096 tokens): the grouped
-   FP8 (W8A8, static scales), weight-only FP8 (W8A16) and MXFP8 expert computations vs a bf16 per-expert loop (as
-   transformers' eager experts) and bf16 ``torch._grouped_mm``.
+   FP8 (W8A8, static scales), weight-only FP8 (W8A16), MXFP8 and 128×128 block-scaled expert computations vs a
+   bf16 per-expert loop (as transformers' eager experts) and bf16 ``torch._grouped_mm``.
 6. Decode under CUDA graphs: a bf16 Llama (Llama-3-8B layer sizes, 2 layers) at one token, FP8 ``rewrite`` +
    ``torch.compile(mode="reduce-overhead")`` vs the bf16 model under the same mode, and both eager.
 Times are medians of CUDA-event runs after warm-up. Prints the device, driver, torch, triton and CUDA versions.
@@ -302,8 +302,9 @@ class MoeShape:
     tokens: tuple[int, ...]
 
 
+BLOCK = (128, 128)  # DeepSeek-V3's weight blocks (activations: dynamic 1×128 groups)
 MIXTRAL = MoeShape("Mixtral-8x7B", 8, 2, 4096, 14336, (16, 4096))
-TOY_MOE = MoeShape("toy", 4, 2, 64, 96, (3, 24))
+TOY_MOE = MoeShape("toy", 4, 2, 64, 128, (3, 24))
 
 
 def _bf16_experts_loop(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
@@ -336,8 +337,8 @@ def _bf16_grouped_mm(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
 
 
 def _moe_weights(shape: MoeShape, device: str) -> dict[str, torch.Tensor]:
-    """bf16 expert weights (std 0.02) and their FP8 forms: per-channel E4M3 (W8A8 and W8A16) and MXFP8 codes,
-    quantized expert by expert on the device."""
+    """bf16 expert weights (std 0.02) and their FP8 forms: per-channel E4M3 (W8A8 and W8A16), MXFP8 codes and
+    128×128 blocks, quantized expert by expert on the device."""
     from dbr_quant import kernels
     from dbr_quant.formats import FP8Format
 
@@ -351,6 +352,8 @@ def _moe_weights(shape: MoeShape, device: str) -> dict[str, torch.Tensor]:
         out[f"{name}_q"], out[f"{name}_s"] = torch.stack(q), torch.stack(s).reshape(e, -1)
         mq, codes = zip(*(kernels.mx_quantize(w[j]) for j in range(e)), strict=True)
         out[f"{name}_mx"], out[f"{name}_codes"] = torch.stack(mq), torch.stack(codes)
+        bq, bs = zip(*(kernels.block_quantize_weight(w[j], BLOCK) for j in range(e)), strict=True)
+        out[f"{name}_bq"], out[f"{name}_bs"] = torch.stack(bq), torch.stack(bs)
     return out
 
 
@@ -364,13 +367,51 @@ def _moe_schemes(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, wts:
           "out_dtype": torch.bfloat16}
     fp8 = (wts["w13_q"], wts["w13_s"], wts["w2_q"], wts["w2_s"])
     mx = (wts["w13_mx"], wts["w13_codes"], wts["w2_mx"], wts["w2_codes"])
+    blocked = (wts["w13_bq"], wts["w13_bs"], wts["w2_bq"], wts["w2_bs"])
     w13_t, w2_t = wts["w13"].transpose(1, 2), wts["w2"].transpose(1, 2)
     return {"bf16 per-expert loop": lambda: _bf16_experts_loop(x, ids, weights, wts["w13"], wts["w2"]),
             "bf16 torch._grouped_mm": lambda: _bf16_grouped_mm(x, ids, weights, w13_t, w2_t),
             "FP8 W8A8 static": lambda: fp8_experts_compute(x, ids, weights, *fp8, x_scale, h_scale, **kw),
             "FP8 weight-only W8A16": lambda: fp8_experts_compute(x, ids, weights, *fp8, None, None, **kw,
                                                                  weight_only=True),
-            "MXFP8": lambda: fp8_experts_compute(x, ids, weights, *mx, None, None, **kw, mx=True)}
+            "MXFP8": lambda: fp8_experts_compute(x, ids, weights, *mx, None, None, **kw, mx=True),
+            "FP8 blocks 128x128, dynamic groups": lambda: fp8_experts_compute(
+                x, ids, weights, *blocked, None, None, **kw, block=BLOCK, group=True)}
+
+
+def _moe_rows(target: Target, shape: MoeShape, wts: dict[str, torch.Tensor], tokens: int,
+              rows: list[list[object]]) -> None:
+    """Section 5's rows for ``tokens`` tokens, appended to ``rows`` as each is measured."""
+    from dbr_quant import kernels
+
+    gen = torch.Generator().manual_seed(tokens)
+    dev = target.device
+    x = torch.randn(tokens, shape.hidden, generator=gen).to(dev, torch.bfloat16)
+    ids = torch.stack([torch.randperm(shape.experts, generator=gen)[:shape.top_k] for _ in range(tokens)]).to(dev)
+    weights = torch.rand(tokens, shape.top_k, generator=gen).to(dev, torch.bfloat16)
+    # static per-tensor scales, as calibration gives them: x's amax, and twice the swiglu output's amax of expert 0
+    x_scale = (x.abs().amax().float() / 448).reshape(())
+    h_first = x @ wts["w13"][0].t()
+    h_scale = ((nn.functional.silu(h_first[:, :shape.inter]) * h_first[:, shape.inter:]).abs().amax().float()
+               / 448 * 2).reshape(())
+    flops = 6 * tokens * shape.top_k * shape.hidden * shape.inter
+    reps = 2 if target.dry else 10 if tokens > 256 else 25
+    times: dict[str, float] = {}
+    for name, fn in _moe_schemes(x, ids, weights, wts, x_scale, h_scale).items():
+        if target.dry and "_grouped_mm" in name:
+            continue  # CUDA only
+        try:
+            with kernels.use_backend(target.backend), kernels.count_launches() as launches:
+                fn()
+            with kernels.use_backend(target.backend):
+                times[name] = timed(fn, reps=reps)
+        except Exception as e:  # noqa: BLE001 - the other schemes' rows still print
+            print(f"{tokens} tokens, {name}: {type(e).__name__}: {e}")
+            continue
+        loop, grouped = times.get("bf16 per-expert loop"), times.get("bf16 torch._grouped_mm")
+        t = times[name]
+        rows.append([tokens, name, f"{t:.4f}", f"{flops / t / 1e9:.0f}", sum(launches.values()) or "",
+                     f"{loop / t:.2f}" if loop else "", f"{grouped / t:.2f}" if grouped else ""])
 
 
 def moe_section(target: Target, shape: MoeShape) -> None:
@@ -380,41 +421,18 @@ def moe_section(target: Target, shape: MoeShape) -> None:
 
     print(f"\n## 5. MoE experts, {shape.name} (E={shape.experts}, top_k={shape.top_k}, hidden {shape.hidden}, "
           f"ffn {shape.inter}; swiglu; bf16 in and out)")
-    dev = target.device
     with kernels.use_backend(target.backend):
-        wts = _moe_weights(shape, dev)
-    rows = []
-    for tokens in shape.tokens:
-        gen = torch.Generator().manual_seed(tokens)
-        x = torch.randn(tokens, shape.hidden, generator=gen).to(dev, torch.bfloat16)
-        ids = torch.stack([torch.randperm(shape.experts, generator=gen)[:shape.top_k] for _ in range(tokens)]).to(dev)
-        weights = torch.rand(tokens, shape.top_k, generator=gen).to(dev, torch.bfloat16)
-        # static per-tensor scales, as calibration gives them: x's amax, and the swiglu output's of the bf16 loop
-        x_scale = (x.abs().amax().float() / 448).reshape(())
-        h_first = x @ wts["w13"][0].t()
-        h_scale = ((nn.functional.silu(h_first[:, :shape.inter]) * h_first[:, shape.inter:]).abs().amax().float()
-                   / 448 * 2).reshape(())
-        flops = 6 * tokens * shape.top_k * shape.hidden * shape.inter
-        times: dict[str, float] = {}
-        for name, fn in _moe_schemes(x, ids, weights, wts, x_scale, h_scale).items():
-            if target.dry and "_grouped_mm" in name:
-                continue  # CUDA only
-            try:
-                with kernels.use_backend(target.backend), kernels.count_launches() as launches:
-                    fn()
-                with kernels.use_backend(target.backend):
-                    times[name] = timed(fn, reps=10 if tokens > 256 else 25)
-            except Exception as e:  # noqa: BLE001 - the other schemes' rows still print
-                print(f"{tokens} tokens, {name}: {type(e).__name__}: {e}")
-                continue
-            loop, grouped = times.get("bf16 per-expert loop"), times.get("bf16 torch._grouped_mm")
-            t = times[name]
-            rows.append([tokens, name, f"{t:.4f}", f"{flops / t / 1e9:.0f}", sum(launches.values()) or "",
-                         f"{loop / t:.2f}" if loop else "", f"{grouped / t:.2f}" if grouped else ""])
-    table(["tokens", "experts computation", "ms", "TFLOP/s", "our launches", "bf16 loop / this",
-           "bf16 grouped_mm / this"], rows)
+        wts = _moe_weights(shape, target.device)
+    rows: list[list[object]] = []
+    try:
+        for tokens in shape.tokens:
+            _moe_rows(target, shape, wts, tokens, rows)
+    finally:  # the rows measured so far, also when the section runs out of time
+        table(["tokens", "experts computation", "ms", "TFLOP/s", "our launches", "bf16 loop / this",
+               "bf16 grouped_mm / this"], rows)
     print("launches: dbr_quant kernel launches per call (routing plan not counted); > 1 in the ratio columns: this "
-          "row is faster. The FP8 rows include quantizing the activations (W8A8: static per-tensor, MX: per 32).")
+          "row is faster. The FP8 rows include quantizing the activations (W8A8: static per-tensor, MX: per 32, "
+          "blocks: per 128).")
 
 
 def _cudagraph_skips() -> int:
@@ -460,16 +478,18 @@ def graphs_section(target: Target) -> None:
             "bf16 reduce-overhead": (torch.compile(llama, mode="reduce-overhead"), plain),
             "FP8 rewrite reduce-overhead": (torch.compile(gm, mode="reduce-overhead", fullgraph=True),
                                             {"input_ids": ids})}
-        times = {}
-        with torch.no_grad():
-            for name, (model, kwargs) in variants.items():
-                try:
-                    times[name] = timed(model, reps=50, **kwargs)
-                except Exception as e:  # noqa: BLE001 - the other rows still print
-                    print(f"{name}: {type(e).__name__}: {e}")
-    rows = [[name, f"{t:.4f}", f"{times['bf16 eager'] / t:.2f}" if "bf16 eager" in times else ""]
-            for name, t in times.items()]
-    table(["model (1 token)", "ms", "bf16 eager / this"], rows)
+        times: dict[str, float] = {}
+        try:
+            with torch.no_grad():
+                for name, (model, kwargs) in variants.items():
+                    try:
+                        times[name] = timed(model, reps=5 if target.dry else 50, **kwargs)
+                    except Exception as e:  # noqa: BLE001 - the other rows still print
+                        print(f"{name}: {type(e).__name__}: {e}")
+        finally:  # the rows measured so far, also when the section runs out of time
+            rows = [[name, f"{t:.4f}", f"{times['bf16 eager'] / t:.2f}" if "bf16 eager" in times else ""]
+                    for name, t in times.items()]
+            table(["model (1 token)", "ms", "bf16 eager / this"], rows)
     ro = ("FP8 rewrite reduce-overhead", "bf16 reduce-overhead")
     if all(name in times for name in ro):
         print(f"FP8 vs bf16, both under CUDA graphs: {times[ro[1]] / times[ro[0]]:.2f}x (> 1: FP8 faster); "
