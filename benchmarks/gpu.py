@@ -21,6 +21,7 @@
 Times are medians of CUDA-event runs after warm-up. Prints the device, driver, torch, triton and CUDA versions.
 Sections run in the order of ``--order`` (the never-measured ones first), each under a time limit of its own and
 within ``--budget-s`` in all: a section that fails or runs out of time prints why, and the others still run.
+Sections 5 and 6 live in gpu_moe.py, the timing helpers in gpu_common.py.
 ``--dry`` runs sections 5 and 6 on the CPU at toy sizes (Triton interpreter, wall-clock timing): a check that
 their code runs, not a measurement. Needs CUDA otherwise (prints why not).
 """
@@ -28,56 +29,26 @@ their code runs, not a measurement. Needs CUDA otherwise (prints why not).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gpu_common import convert, table, timed  # noqa: E402
+from gpu_moe import MIXTRAL, TOY_MOE, Target, graphs_section, moe_section  # noqa: E402
 
 # (model, name, N, K) of Llama-3 linears: qkv, o, gate+up, down
 SHAPES = [("8B", "qkv", 6144, 4096), ("8B", "o", 4096, 4096), ("8B", "gate_up", 28672, 4096),
           ("8B", "down", 4096, 14336), ("70B", "qkv", 10240, 8192), ("70B", "o", 8192, 8192),
           ("70B", "gate_up", 57344, 8192), ("70B", "down", 8192, 28672), ("anchor", "#5461", 8192, 4096)]
 MS = [1, 16, 512, 2048, 8192]
-
-
-def timed(fn: Callable[..., object], *args: object, reps: int = 25, **kwargs: object) -> float:
-    """Median milliseconds of ``fn(*args, **kwargs)`` over ``reps`` runs after warm-up, CUDA events around each
-    (wall clock without CUDA: the ``--dry`` run)."""
-    for _ in range(3):
-        fn(*args, **kwargs)
-    if not torch.cuda.is_available():
-        return statistics.median(_wall_ms(fn, *args, **kwargs) for _ in range(reps))
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(*args, **kwargs)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def _wall_ms(fn: Callable[..., object], *args: object, **kwargs: object) -> float:
-    start = time.perf_counter()
-    fn(*args, **kwargs)
-    return (time.perf_counter() - start) * 1e3
-
-
-def table(header: list[str], rows: list[list[object]]) -> None:
-    widths = [max([len(str(h))] + [len(f"{r[i]}") for r in rows]) for i, h in enumerate(header)]
-    print("  ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)))
-    print("  ".join("-" * w for w in widths))
-    for r in rows:
-        print("  ".join(f"{c:>{w}}" for c, w in zip(r, widths, strict=True)), flush=True)
 
 
 def gemm_section(quick: bool) -> None:
@@ -111,14 +82,6 @@ def gemm_section(quick: bool) -> None:
           "TFLOP/s on 8192x8192x4096.")
 
 
-def _convert(model: nn.Module, example: dict[str, torch.Tensor], fuse: bool = True) -> nn.Module:
-    import dbr_quant as dq
-
-    prepared = dq.prepare(model, example_kwargs=example, qconfig=dq.QConfig(fuse=fuse))
-    dq.calibrate(prepared, [example], progress=False)
-    return dq.convert(prepared)
-
-
 class _Mlp(nn.Module):
     """Llama's MLP: down(silu(gate(x)) · up(x))."""
 
@@ -141,7 +104,7 @@ def fused_section() -> None:
     mlp = _Mlp(4096, 14336).to("cuda", torch.bfloat16).eval()
     for m in (16, 2048):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
-        fused, unfused = _convert(mlp, {"x": x}, True), _convert(mlp, {"x": x}, False)
+        fused, unfused = convert(mlp, {"x": x}, True), convert(mlp, {"x": x}, False)
         with torch.no_grad():
             t = [timed(mod, x) for mod in (mlp, unfused, fused)]
         rows.append(["Llama-3-8B MLP", f"M={m}", f"{t[0]:.4f}", f"{t[1]:.4f}", f"{t[2]:.4f}", f"{t[1] / t[2]:.2f}",
@@ -163,7 +126,7 @@ def fused_section() -> None:
 def _e2e_row(name: str, model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[object]:
     from dbr_quant.fx_rewriter import rewrite
 
-    conv = _convert(model, inputs)
+    conv = convert(model, inputs)
     gm = rewrite(conv, example_kwargs=inputs)
     bf16_c = torch.compile(model)
     fp8_c = torch.compile(gm, fullgraph=True)
@@ -280,225 +243,6 @@ def host_section() -> None:
     print("\n".join(line for line in stream.getvalue().splitlines()[4:] if line.strip()))
 
 
-@dataclass(frozen=True)
-class Target:
-    """Where sections 5 and 6 run: CUDA and the compiled Triton kernels, or (``--dry``) the CPU, the Triton
-    interpreter and toy sizes."""
-
-    device: str
-    backend: str
-    dry: bool
-
-
-@dataclass(frozen=True)
-class MoeShape:
-    """An MoE layer: E experts, top_k per token, gate_up [E, 2·inter, hidden] (swiglu), down [E, hidden, inter]."""
-
-    name: str
-    experts: int
-    top_k: int
-    hidden: int
-    inter: int
-    tokens: tuple[int, ...]
-
-
-BLOCK = (128, 128)  # DeepSeek-V3's weight blocks (activations: dynamic 1×128 groups)
-MIXTRAL = MoeShape("Mixtral-8x7B", 8, 2, 4096, 14336, (16, 4096))
-TOY_MOE = MoeShape("toy", 4, 2, 64, 128, (3, 24))
-
-
-def _bf16_experts_loop(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-                       w2: torch.Tensor) -> torch.Tensor:
-    """The bf16 baseline as transformers' eager experts run it: per expert hit, gather its tokens, gate_up,
-    silu(gate)·up, down, weighted index_add (a host sync per expert for the token lists)."""
-    out = torch.zeros_like(x)
-    inter = w2.shape[-1]
-    for e in range(w13.shape[0]):
-        token, slot = torch.where(ids == e)
-        if token.numel():
-            h = x[token] @ w13[e].t()
-            y = (nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ w2[e].t()
-            out.index_add_(0, token, y * weights[token, slot, None])
-    return out
-
-
-def _bf16_grouped_mm(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13_t: torch.Tensor,
-                     w2_t: torch.Tensor) -> torch.Tensor:
-    """bf16 experts on ``torch._grouped_mm`` (cuBLAS/CUTLASS grouped GEMM; w13_t [E, hidden, 2·inter] and w2_t
-    [E, inter, hidden] column-major views): rows sorted by expert, two grouped GEMMs, weighted index_add."""
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    offs = torch.cumsum(torch.bincount(flat, minlength=w13_t.shape[0]), 0).to(torch.int32)
-    token = order // ids.shape[1]
-    h = torch._grouped_mm(x[token], w13_t, offs=offs)
-    inter = w2_t.shape[1]
-    y = torch._grouped_mm(nn.functional.silu(h[:, :inter]) * h[:, inter:], w2_t, offs=offs)
-    return torch.zeros_like(x).index_add_(0, token, y * weights.reshape(-1)[order, None])
-
-
-def _moe_weights(shape: MoeShape, device: str) -> dict[str, torch.Tensor]:
-    """bf16 expert weights (std 0.02) and their FP8 forms: per-channel E4M3 (W8A8 and W8A16), MXFP8 codes and
-    128×128 blocks, quantized expert by expert on the device."""
-    from dbr_quant import kernels
-    from dbr_quant.formats import FP8Format
-
-    e, h, i = shape.experts, shape.hidden, shape.inter
-    out: dict[str, torch.Tensor] = {"w13": torch.empty(e, 2 * i, h, device=device, dtype=torch.bfloat16),
-                                    "w2": torch.empty(e, h, i, device=device, dtype=torch.bfloat16)}
-    for name in ("w13", "w2"):
-        w = out[name]
-        w.normal_(0, 0.02)
-        q, s = zip(*(kernels.dynamic_quantize(w[j], FP8Format.E4M3, per_token=True) for j in range(e)), strict=True)
-        out[f"{name}_q"], out[f"{name}_s"] = torch.stack(q), torch.stack(s).reshape(e, -1)
-        mq, codes = zip(*(kernels.mx_quantize(w[j]) for j in range(e)), strict=True)
-        out[f"{name}_mx"], out[f"{name}_codes"] = torch.stack(mq), torch.stack(codes)
-        bq, bs = zip(*(kernels.block_quantize_weight(w[j], BLOCK) for j in range(e)), strict=True)
-        out[f"{name}_bq"], out[f"{name}_bs"] = torch.stack(bq), torch.stack(bs)
-    return out
-
-
-def _moe_schemes(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, wts: dict[str, torch.Tensor],
-                 x_scale: torch.Tensor, h_scale: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """Each row of section 5: a call of one experts computation on (x, ids, weights)."""
-    from dbr_quant.formats import FP8Format
-    from dbr_quant.moe.compute import fp8_experts_compute
-
-    kw = {"bias13": None, "bias2": None, "activation": "swiglu", "fmt": FP8Format.E4M3, "per_token": False,
-          "out_dtype": torch.bfloat16}
-    fp8 = (wts["w13_q"], wts["w13_s"], wts["w2_q"], wts["w2_s"])
-    mx = (wts["w13_mx"], wts["w13_codes"], wts["w2_mx"], wts["w2_codes"])
-    blocked = (wts["w13_bq"], wts["w13_bs"], wts["w2_bq"], wts["w2_bs"])
-    w13_t, w2_t = wts["w13"].transpose(1, 2), wts["w2"].transpose(1, 2)
-    return {"bf16 per-expert loop": lambda: _bf16_experts_loop(x, ids, weights, wts["w13"], wts["w2"]),
-            "bf16 torch._grouped_mm": lambda: _bf16_grouped_mm(x, ids, weights, w13_t, w2_t),
-            "FP8 W8A8 static": lambda: fp8_experts_compute(x, ids, weights, *fp8, x_scale, h_scale, **kw),
-            "FP8 weight-only W8A16": lambda: fp8_experts_compute(x, ids, weights, *fp8, None, None, **kw,
-                                                                 weight_only=True),
-            "MXFP8": lambda: fp8_experts_compute(x, ids, weights, *mx, None, None, **kw, mx=True),
-            "FP8 blocks 128x128, dynamic groups": lambda: fp8_experts_compute(
-                x, ids, weights, *blocked, None, None, **kw, block=BLOCK, group=True)}
-
-
-def _moe_rows(target: Target, shape: MoeShape, wts: dict[str, torch.Tensor], tokens: int,
-              rows: list[list[object]]) -> None:
-    """Section 5's rows for ``tokens`` tokens, appended to ``rows`` as each is measured."""
-    from dbr_quant import kernels
-
-    gen = torch.Generator().manual_seed(tokens)
-    dev = target.device
-    x = torch.randn(tokens, shape.hidden, generator=gen).to(dev, torch.bfloat16)
-    ids = torch.stack([torch.randperm(shape.experts, generator=gen)[:shape.top_k] for _ in range(tokens)]).to(dev)
-    weights = torch.rand(tokens, shape.top_k, generator=gen).to(dev, torch.bfloat16)
-    # static per-tensor scales, as calibration gives them: x's amax, and twice the swiglu output's amax of expert 0
-    x_scale = (x.abs().amax().float() / 448).reshape(())
-    h_first = x @ wts["w13"][0].t()
-    h_scale = ((nn.functional.silu(h_first[:, :shape.inter]) * h_first[:, shape.inter:]).abs().amax().float()
-               / 448 * 2).reshape(())
-    flops = 6 * tokens * shape.top_k * shape.hidden * shape.inter
-    reps = 2 if target.dry else 10 if tokens > 256 else 25
-    times: dict[str, float] = {}
-    for name, fn in _moe_schemes(x, ids, weights, wts, x_scale, h_scale).items():
-        if target.dry and "_grouped_mm" in name:
-            continue  # CUDA only
-        try:
-            with kernels.use_backend(target.backend), kernels.count_launches() as launches:
-                fn()
-            with kernels.use_backend(target.backend):
-                times[name] = timed(fn, reps=reps)
-        except Exception as e:  # noqa: BLE001 - the other schemes' rows still print
-            print(f"{tokens} tokens, {name}: {type(e).__name__}: {e}")
-            continue
-        loop, grouped = times.get("bf16 per-expert loop"), times.get("bf16 torch._grouped_mm")
-        t = times[name]
-        rows.append([tokens, name, f"{t:.4f}", f"{flops / t / 1e9:.0f}", sum(launches.values()) or "",
-                     f"{loop / t:.2f}" if loop else "", f"{grouped / t:.2f}" if grouped else ""])
-
-
-def moe_section(target: Target, shape: MoeShape) -> None:
-    """Section 5: one MoE layer's experts, each scheme as a converted model runs it (moe.compute's
-    ``fp8_experts_compute``: routing plan, quantize where the scheme does, gate_up, down + combine)."""
-    from dbr_quant import kernels
-
-    print(f"\n## 5. MoE experts, {shape.name} (E={shape.experts}, top_k={shape.top_k}, hidden {shape.hidden}, "
-          f"ffn {shape.inter}; swiglu; bf16 in and out)")
-    with kernels.use_backend(target.backend):
-        wts = _moe_weights(shape, target.device)
-    rows: list[list[object]] = []
-    try:
-        for tokens in shape.tokens:
-            _moe_rows(target, shape, wts, tokens, rows)
-    finally:  # the rows measured so far, also when the section runs out of time
-        table(["tokens", "experts computation", "ms", "TFLOP/s", "our launches", "bf16 loop / this",
-               "bf16 grouped_mm / this"], rows)
-    print("launches: dbr_quant kernel launches per call (routing plan not counted); > 1 in the ratio columns: this "
-          "row is faster. The FP8 rows include quantizing the activations (W8A8: static per-tensor, MX: per 32, "
-          "blocks: per 128).")
-
-
-def _cudagraph_skips() -> int:
-    """Inductor's count of graphs it ran without CUDA graphs (a reason is logged with each)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["inductor"]["cudagraph_skips"])
-
-
-def graphs_section(target: Target) -> None:
-    """Section 6: one decode step's forward (M = 1 GEMMs) of a bf16 Llama with Llama-3-8B layers, eager and under
-    ``torch.compile(mode="reduce-overhead")`` (CUDA graphs: one replay per call, no per-op host cost), FP8 via
-    ``rewrite`` against the bf16 model."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from dbr_quant import kernels
-    from dbr_quant.fx_rewriter import rewrite
-
-    print("\n## 6. Decode step under CUDA graphs (torch.compile mode='reduce-overhead'), bf16 Llama, 1 token")
-    sizes = (dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
-             if target.dry else dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                                     num_key_value_heads=8, vocab_size=32000))
-    # eager attention: with sdpa, rewrite() of a one-token example fails in transformers' sdpa_attention_forward
-    # (its is_causal = q_len > 1 is a SymBool when export keeps the size-1 dims symbolic); at one token attention is
-    # a few µs either way, and the bf16 model runs the same attention
-    config = LlamaConfig(num_hidden_layers=2, attn_implementation="eager", **sizes)
-    with torch.device(target.device):  # initialised on the device: seconds, not a minute on the host
-        llama = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    ids = torch.randint(0, sizes["vocab_size"], (1, 1), device=target.device)
-    calib = {"input_ids": torch.randint(0, sizes["vocab_size"], (4, 64), device=target.device)}
-    with kernels.use_backend(target.backend):
-        conv = _convert(llama, calib)
-        try:
-            gm = rewrite(conv, example_kwargs={"input_ids": ids})
-        except Exception as e:  # noqa: BLE001 - a graph of a longer example may still take one token
-            print(f"rewrite of a one-token example: {type(e).__name__}: {e}; the graph of the 4x64 example instead")
-            gm = rewrite(conv, example_kwargs=calib)
-        skips = _cudagraph_skips()
-        # the graph runs without a KV cache (rewrite sets use_cache=False): so do the models
-        plain = {"input_ids": ids, "use_cache": False}
-        variants: dict[str, tuple[Callable[..., object], dict[str, object]]] = {
-            "bf16 eager": (llama, plain), "FP8 eager": (conv, plain),
-            "bf16 reduce-overhead": (torch.compile(llama, mode="reduce-overhead"), plain),
-            "FP8 rewrite reduce-overhead": (torch.compile(gm, mode="reduce-overhead", fullgraph=True),
-                                            {"input_ids": ids})}
-        times: dict[str, float] = {}
-        try:
-            with torch.no_grad():
-                for name, (model, kwargs) in variants.items():
-                    try:
-                        times[name] = timed(model, reps=5 if target.dry else 50, **kwargs)
-                    except Exception as e:  # noqa: BLE001 - the other rows still print
-                        print(f"{name}: {type(e).__name__}: {e}")
-        finally:  # the rows measured so far, also when the section runs out of time
-            rows = [[name, f"{t:.4f}", f"{times['bf16 eager'] / t:.2f}" if "bf16 eager" in times else ""]
-                    for name, t in times.items()]
-            table(["model (1 token)", "ms", "bf16 eager / this"], rows)
-    ro = ("FP8 rewrite reduce-overhead", "bf16 reduce-overhead")
-    if all(name in times for name in ro):
-        print(f"FP8 vs bf16, both under CUDA graphs: {times[ro[1]] / times[ro[0]]:.2f}x (> 1: FP8 faster); "
-              f"graphs skipped by inductor while compiling: {_cudagraph_skips() - skips} (0: both ran as graphs)")
-
-
-# Section → the most wall-clock seconds it may take. Estimates: no GPU run has timed the sections yet (each now
-# prints its time); e2e and graphs compile with inductor from a cold cache. The default order runs what no GPU
-# has measured yet first, so a short budget cuts the tables that already are in the README.
 SECTION_LIMITS_S = {"moe": 90, "host": 45, "graphs": 150, "fused": 90, "e2e": 200, "gemm": 200}
 DEFAULT_ORDER = "moe,host,graphs,fused,e2e,gemm"
 
