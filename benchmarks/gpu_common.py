@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -35,7 +35,7 @@ def _wall_ms(fn: Callable[..., object], *args: object, **kwargs: object) -> floa
     return (time.perf_counter() - start) * 1e3
 
 
-def table(header: list[str], rows: list[list[object]]) -> None:
+def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
     widths = [max([len(str(h))] + [len(f"{r[i]}") for r in rows]) for i, h in enumerate(header)]
     print("  ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)))
     print("  ".join("-" * w for w in widths))

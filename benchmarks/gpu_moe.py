@@ -191,17 +191,17 @@ def graphs_section(target: Target) -> None:
     from dbr_quant.fx_rewriter import rewrite
 
     print("\n## 6. Decode step under CUDA graphs (torch.compile mode='reduce-overhead'), bf16 Llama, 1 token")
-    sizes = (dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
-             if target.dry else dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                                     num_key_value_heads=8, vocab_size=32000))
+    hidden, inter, heads, kv_heads, vocab = (64, 128, 4, 2, 256) if target.dry else (4096, 14336, 32, 8, 32000)
     # eager attention: with sdpa, rewrite() of a one-token example fails in transformers' sdpa_attention_forward
     # (its is_causal = q_len > 1 is a SymBool when export keeps the size-1 dims symbolic); at one token attention is
     # a few µs either way, and the bf16 model runs the same attention
-    config = LlamaConfig(num_hidden_layers=2, attn_implementation="eager", **sizes)
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, vocab_size=vocab, num_hidden_layers=2,
+                         attn_implementation="eager")
     with torch.device(target.device):  # initialised on the device: seconds, not a minute on the host
         llama = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    ids = torch.randint(0, sizes["vocab_size"], (1, 1), device=target.device)
-    calib = {"input_ids": torch.randint(0, sizes["vocab_size"], (4, 64), device=target.device)}
+    ids = torch.randint(0, vocab, (1, 1), device=target.device)
+    calib = {"input_ids": torch.randint(0, vocab, (4, 64), device=target.device)}
     with kernels.use_backend(target.backend):
         conv = convert(llama, calib)
         try:

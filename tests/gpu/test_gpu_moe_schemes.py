@@ -112,7 +112,8 @@ def projection(scheme: str, rows: int, experts: int, n_w: int, k: int, *, exact:
             xs, ws = _codes((rows, -(-k // MX)), exact, gen), _codes((experts, n_w, -(-k // MX)), exact, gen)
     b = (torch.randint(-8, 9, (experts, n_w), generator=gen).float() if exact else
          torch.randn(experts, n_w, generator=gen)) if bias else None
-    return Projection(*(None if t is None else t.to(device) for t in (x, xs, w_q, ws, b)))
+    return Projection(x.to(device), None if xs is None else xs.to(device), w_q.to(device), ws.to(device),
+                      None if b is None else b.to(device))
 
 
 def grouped(scheme: str, p: Projection, routing: MoeRouting, **kw) -> torch.Tensor:
