@@ -55,7 +55,8 @@ bench: $(VENV_STAMP)
 	$(PY) benchmarks/run.py --threads 1 --rounds 7
 
 # On a CUDA machine as it is (no venv, no installs: its own python3 with torch >= 2.11, triton >= 3.6):
-# tests/gpu + benchmarks/gpu.py into one report file. GPU_PYTEST_ARGS / GPU_BENCH_ARGS pass options on.
+# tests/gpu + benchmarks/gpu.py into one report file. GPU_PYTEST_ARGS / GPU_BENCH_ARGS pass options on;
+# GPU_CHECK_BUDGET (s, default 540: one 600 s device call) and GPU_TEST_TIMEOUT (default 300) bound the time.
 GPU_PY ?= python3
 GPU_REPORT ?= gpu-report.txt
 gpu-check:

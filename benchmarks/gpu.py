@@ -11,52 +11,44 @@
 3. End to end: a MiniLM-shaped BERT (random weights: the real checkpoint is not on the GPU image) and a bf16
    Llama (Llama-3-8B layer sizes, 2 layers), FP8 eager and ``rewrite`` + ``torch.compile`` vs the bf16 model
    eager and compiled.
-4. Host time per decode-size call: entry point, Triton wrapper, Triton's launch, cuBLASLt; a profile.
+4. Host time per decode-size call: entry point (as dispatched by default, and under ``use_backend``), Triton
+   wrapper, Triton's launch, cuBLASLt, the weight-only and grouped weight-only entry points; a profile.
+5. MoE experts at Mixtral-8x7B shapes (E = 8, top_k = 2, hidden 4096, ffn 14336; 16 and 4096 tokens): the grouped
+   FP8 (W8A8, static scales), weight-only FP8 (W8A16), MXFP8 and 128×128 block-scaled expert computations vs a
+   bf16 per-expert loop (as transformers' eager experts) and bf16 ``torch._grouped_mm``.
+6. Decode under CUDA graphs: a bf16 Llama (Llama-3-8B layer sizes, 2 layers) at one token, FP8 ``rewrite`` +
+   ``torch.compile(mode="reduce-overhead")`` vs the bf16 model under the same mode, and both eager.
 Times are medians of CUDA-event runs after warm-up. Prints the device, driver, torch, triton and CUDA versions.
-Needs CUDA (prints why not, else).
+Sections run in the order of ``--order`` (the never-measured ones first), each under a time limit of its own and
+within ``--budget-s`` in all: a section that fails or runs out of time prints why, and the others still run.
+Sections 5 and 6 live in gpu_moe.py, the timing helpers in gpu_common.py.
+``--dry`` runs sections 5 and 6 on the CPU at toy sizes (Triton interpreter, wall-clock timing): a check that
+their code runs, not a measurement. Needs CUDA otherwise (prints why not).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import os
+import signal
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+sys.path.insert(0, os.path.dirname(__file__))
+from gpu_common import convert, table, timed  # noqa: E402
+from gpu_moe import MIXTRAL, TOY_MOE, Target, graphs_section, moe_section  # noqa: E402
+
 # (model, name, N, K) of Llama-3 linears: qkv, o, gate+up, down
 SHAPES = [("8B", "qkv", 6144, 4096), ("8B", "o", 4096, 4096), ("8B", "gate_up", 28672, 4096),
           ("8B", "down", 4096, 14336), ("70B", "qkv", 10240, 8192), ("70B", "o", 8192, 8192),
           ("70B", "gate_up", 57344, 8192), ("70B", "down", 8192, 28672), ("anchor", "#5461", 8192, 4096)]
 MS = [1, 16, 512, 2048, 8192]
-
-
-def timed(fn: Callable[..., object], *args: object, reps: int = 25, **kwargs: object) -> float:
-    """Median milliseconds of ``fn(*args, **kwargs)`` over ``reps`` runs after warm-up, CUDA events around each."""
-    for _ in range(3):
-        fn(*args, **kwargs)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(*args, **kwargs)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def table(header: list[str], rows: list[list[object]]) -> None:
-    widths = [max([len(str(h))] + [len(f"{r[i]}") for r in rows]) for i, h in enumerate(header)]
-    print("  ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)))
-    print("  ".join("-" * w for w in widths))
-    for r in rows:
-        print("  ".join(f"{c:>{w}}" for c, w in zip(r, widths, strict=True)), flush=True)
 
 
 def gemm_section(quick: bool) -> None:
@@ -90,14 +82,6 @@ def gemm_section(quick: bool) -> None:
           "TFLOP/s on 8192x8192x4096.")
 
 
-def _convert(model: nn.Module, example: dict[str, torch.Tensor], fuse: bool = True) -> nn.Module:
-    import dbr_quant as dq
-
-    prepared = dq.prepare(model, example_kwargs=example, qconfig=dq.QConfig(fuse=fuse))
-    dq.calibrate(prepared, [example], progress=False)
-    return dq.convert(prepared)
-
-
 class _Mlp(nn.Module):
     """Llama's MLP: down(silu(gate(x)) · up(x))."""
 
@@ -120,7 +104,7 @@ def fused_section() -> None:
     mlp = _Mlp(4096, 14336).to("cuda", torch.bfloat16).eval()
     for m in (16, 2048):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
-        fused, unfused = _convert(mlp, {"x": x}, True), _convert(mlp, {"x": x}, False)
+        fused, unfused = convert(mlp, {"x": x}, True), convert(mlp, {"x": x}, False)
         with torch.no_grad():
             t = [timed(mod, x) for mod in (mlp, unfused, fused)]
         rows.append(["Llama-3-8B MLP", f"M={m}", f"{t[0]:.4f}", f"{t[1]:.4f}", f"{t[2]:.4f}", f"{t[1] / t[2]:.2f}",
@@ -142,7 +126,7 @@ def fused_section() -> None:
 def _e2e_row(name: str, model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[object]:
     from dbr_quant.fx_rewriter import rewrite
 
-    conv = _convert(model, inputs)
+    conv = convert(model, inputs)
     gm = rewrite(conv, example_kwargs=inputs)
     bf16_c = torch.compile(model)
     fp8_c = torch.compile(gm, fullgraph=True)
@@ -221,32 +205,112 @@ def host_section() -> None:
     def cublas() -> None:
         torch._scaled_mm(x_q, w_t, scale_a=x_s, scale_b=w_s, out_dtype=torch.bfloat16)
 
+    # as a model calls them: no use_backend, the entry point resolves the device's backend itself
+    x_bf = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    wo_q, wo_s = kernels.dynamic_quantize(torch.randn(4096, 4096, device="cuda"), FP8Format.E4M3, per_token=True)
+    ge_q = wo_q.expand(8, -1, -1).contiguous()  # 8 experts' [4096, 4096] weights (the same bytes: host time only)
+    ge_s = wo_s.reshape(1, -1).expand(8, -1).contiguous()
+    ids = torch.tensor([[1, 6]], device="cuda")
+    routing = kernels.moe_route(ids, 8)
+    wo_s = wo_s.reshape(-1)
+
+    def weight_only() -> None:
+        kernels.fp8_weight_only_linear(x_bf, wo_q, wo_s, out_dtype=torch.bfloat16)
+
+    def grouped_weight_only() -> None:
+        kernels.fp8_grouped_weight_only_linear(x_bf, ge_q, ge_s, routing, out_dtype=torch.bfloat16)
+
+    rows = [["kernels.fp8_linear, default dispatch (no use_backend)", f"{_host_us(entry):.1f}"],
+            ["kernels.fp8_weight_only_linear M=1, default dispatch", f"{_host_us(weight_only):.1f}"],
+            ["kernels.moe_route, 1 token, top-2 of 8", f"{_host_us(lambda: kernels.moe_route(ids, 8)):.1f}"],
+            ["kernels.fp8_grouped_weight_only_linear, 1 token, top-2 of 8", f"{_host_us(grouped_weight_only):.1f}"]]
     with kernels.use_backend("triton"):
-        rows = [["kernels.fp8_linear (entry point)", f"{_host_us(entry):.1f}"],
-                ["kernels.triton.gemm.fp8_linear (wrapper)",
-                 f"{_host_us(lambda: gemm.fp8_linear(x_q, x_s, w_q, w_s, out_dtype=torch.bfloat16)):.1f}"],
-                ["Triton launch alone (JITFunction[grid])", f"{_host_us(launch_only):.1f}"],
-                ["torch._scaled_mm", f"{_host_us(cublas):.1f}"],
-                ["torch.empty (floor)", f"{_host_us(lambda: torch.empty(1, 4096, device='cuda')):.1f}"]]
-        table(["call", "µs"], rows)
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(300):
-            entry()
-        prof.disable()
+        rows += [["kernels.fp8_linear under use_backend('triton')", f"{_host_us(entry):.1f}"],
+                 ["kernels.triton.gemm.fp8_linear (wrapper)",
+                  f"{_host_us(lambda: gemm.fp8_linear(x_q, x_s, w_q, w_s, out_dtype=torch.bfloat16)):.1f}"],
+                 ["Triton launch alone (JITFunction[grid])", f"{_host_us(launch_only):.1f}"]]
+    rows += [["torch._scaled_mm", f"{_host_us(cublas):.1f}"],
+             ["torch.empty (floor)", f"{_host_us(lambda: torch.empty(1, 4096, device='cuda')):.1f}"]]
+    table(["call", "µs"], rows)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(300):
+        entry()
+    prof.disable()
     stream = io.StringIO()
     pstats.Stats(prof, stream=stream).sort_stats("tottime").print_stats(14)
-    print("profile of 300 entry-point calls, by own time:")
+    print("profile of 300 entry-point calls (default dispatch), by own time:")
     print("\n".join(line for line in stream.getvalue().splitlines()[4:] if line.strip()))
+
+
+# Section → the most wall-clock seconds it may take. Estimates: no GPU run has timed the sections yet (each now
+# prints its time); e2e and graphs compile with inductor from a cold cache. The default order runs what no GPU
+# has measured yet first (the GEMM table's TMA column: the 128x128x128 tile), so a short budget cuts the tables
+# that already are in the README (fused, e2e).
+SECTION_LIMITS_S = {"moe": 90, "host": 45, "graphs": 150, "gemm": 200, "fused": 90, "e2e": 200}
+DEFAULT_ORDER = "moe,host,graphs,gemm,fused,e2e"
+
+
+class SectionTimeout(BaseException):
+    """A section ran past its time limit (raised by SIGALRM between Python bytecodes). Not an Exception, so the
+    sections' own ``except Exception`` (one table row failing) cannot swallow it and run on past the limit."""
+
+
+def _out_of_time(signum: int, frame: object) -> None:
+    raise SectionTimeout
+
+
+def run_sections(sections: dict[str, Callable[[], None]], order: list[str], budget_s: float) -> bool:
+    """Each section in ``order`` under min(its limit, what is left of ``budget_s``); a failure or a timeout prints
+    its traceback and the next one runs. Returns whether all ran to the end."""
+    ok = True
+    start = time.monotonic()
+    signal.signal(signal.SIGALRM, _out_of_time)
+    for name in order:
+        left = budget_s - (time.monotonic() - start)
+        limit = int(min(SECTION_LIMITS_S[name], left))
+        if left < 10:
+            print(f"\n## section {name}: skipped, {left:.0f} s of the {budget_s:.0f} s budget left")
+            ok = False
+            continue
+        began = time.monotonic()
+        signal.alarm(limit)
+        try:
+            sections[name]()
+        except SectionTimeout:
+            ok = False
+            print(f"\n## section {name}: stopped at its limit of {limit} s")
+            traceback.print_exc(limit=4)
+        except Exception:  # noqa: BLE001 - one broken section must not hide the others' figures
+            ok = False
+            traceback.print_exc()
+        finally:
+            signal.alarm(0)
+        print(f"(section {name}: {time.monotonic() - began:.1f} s)", flush=True)
+    return ok
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer GEMM sizes")
-    parser.add_argument("--only", choices=["gemm", "fused", "e2e", "host"], help="one section")
+    parser.add_argument("--only", choices=list(SECTION_LIMITS_S), help="one section")
+    parser.add_argument("--order", default=DEFAULT_ORDER, help=f"sections to run, in order (default {DEFAULT_ORDER})")
+    parser.add_argument("--budget-s", type=float, default=540.0,
+                        help="wall-clock seconds for all sections (make gpu-check passes what its call has left)")
+    parser.add_argument("--dry", action="store_true",
+                        help="sections 5 and 6 on the CPU, toy sizes, Triton interpreter (checks that the code runs)")
     args = parser.parse_args()
+    order = [args.only] if args.only else [name.strip() for name in args.order.split(",") if name.strip()]
+    unknown = [name for name in order if name not in SECTION_LIMITS_S]
+    if unknown:
+        parser.error(f"unknown section(s) {unknown}; choose from {list(SECTION_LIMITS_S)}")
+    torch.manual_seed(0)
+    if args.dry:
+        target = Target("cpu", "triton-interpret", dry=True)
+        dry = {"moe": lambda: moe_section(target, TOY_MOE), "graphs": lambda: graphs_section(target)}
+        sys.exit(0 if run_sections(dry, [n for n in order if n in dry], args.budget_s) else 1)
     if not torch.cuda.is_available():
-        print("benchmarks/gpu.py: no CUDA device here; run it on a GPU machine (make gpu-check)")
+        print("benchmarks/gpu.py: no CUDA device here; run it on a GPU machine (make gpu-check), or --dry")
         return
     import triton
 
@@ -254,18 +318,12 @@ def main() -> None:
                             capture_output=True, text=True).stdout.strip() or "?"
     print(f"device {torch.cuda.get_device_name()}, driver {driver}, torch {torch.__version__}, "
           f"triton {triton.__version__}, CUDA {torch.version.cuda}, Python {sys.version.split()[0]}")
-    torch.manual_seed(0)
-    sections = {"gemm": lambda: gemm_section(args.quick), "fused": fused_section, "e2e": e2e_section,
-                "host": host_section}
-    failed = False
-    for name, run in sections.items():
-        if args.only in (None, name):
-            try:
-                run()
-            except Exception:  # noqa: BLE001 - one broken section must not hide the others' figures
-                failed = True
-                traceback.print_exc()
-    sys.exit(1 if failed else 0)
+    target = Target("cuda", "triton", dry=False)
+    sections: dict[str, Callable[[], None]] = {
+        "gemm": lambda: gemm_section(args.quick), "fused": fused_section, "e2e": e2e_section, "host": host_section,
+        "moe": lambda: moe_section(target, MIXTRAL), "graphs": lambda: graphs_section(target)}
+    print(f"sections in this order: {', '.join(order)}; budget {args.budget_s:.0f} s")
+    sys.exit(0 if run_sections(sections, order, args.budget_s) else 1)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,14 @@ def gemm_bound(x_q, x_scale, w_q, w_scale) -> torch.Tensor:
     return magnitudes(x_q, x_scale, w_q, w_scale) * (x_q.shape[-1] * 2.0 ** -24 + GEMM_ERROR) + 1e-30
 
 
+def gemm_error(k: int, fp8_mma: bool = True) -> float:
+    """The per-Σ|products| difference of a K-long GEMM from the reference's fp32 sum: FP8 MMA as
+    :func:`gemm_bound`; bf16/fp16 MMA (the weight-only kernels: products exact in fp32) adds in fp32 with at
+    most a truncated ulp per addition (K·2⁻²³; tensor cores align to the largest exponent and truncate), the
+    reference's cuBLAS fp32 GEMM K·2⁻²⁴ more, and the scale on the accumulator 2⁻²²."""
+    return k * 2.0**-24 + GEMM_ERROR if fp8_mma else k * (2.0**-23 + 2.0**-24) + 2.0**-22
+
+
 def dequantized_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """:func:`gemm_bound` from dequantized operands (any scale layout: per block, MX)."""
     return x.float().abs() @ w.float().abs().t() * (x.shape[-1] * 2.0 ** -24 + GEMM_ERROR) + 1e-30

@@ -51,20 +51,21 @@ def _mixtral() -> nn.Module:
                                             tie_word_embeddings=False))
 
 
-def _ids(batch: int, seq: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed)).cuda()
+def _ids(batch: int, seq: int, seed: int, device: str = "cuda") -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 def _main(out) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
-def _converted(build, dtype: torch.dtype, qconfig: dq.QConfig | None = None) -> tuple[nn.Module, nn.Module]:
-    """(high-precision model on cuda, its converted copy), calibrated on 4 batches of token ids."""
+def _converted(build, dtype: torch.dtype, qconfig: dq.QConfig | None = None,
+               device: str = "cuda") -> tuple[nn.Module, nn.Module]:
+    """(high-precision model on ``device``, its converted copy), calibrated on 4 batches of token ids."""
     torch.manual_seed(0)
-    model = build().to("cuda", dtype).eval()
-    prepared = dq.prepare(model, example_kwargs={"input_ids": _ids(2, 16, 0)}, qconfig=qconfig)
-    dq.calibrate(prepared, [{"input_ids": _ids(4, 32, s)} for s in range(1, 5)], progress=False)
+    model = build().to(device, dtype).eval()
+    prepared = dq.prepare(model, example_kwargs={"input_ids": _ids(2, 16, 0, device)}, qconfig=qconfig)
+    dq.calibrate(prepared, [{"input_ids": _ids(4, 32, s, device)} for s in range(1, 5)], progress=False)
     return model, dq.convert(prepared)
 
 
