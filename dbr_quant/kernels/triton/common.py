@@ -118,8 +118,15 @@ AotEntry = tuple[str, str, Kernel, dict[str, str], dict[str, object]]
 
 
 def check_device(*tensors: torch.Tensor | None) -> None:
-    """The interpreter runs on CPU tensors, the compiled kernels on CUDA ones."""
-    want = "cpu" if on_interpreter() else "cuda"
+    """The interpreter runs on CPU tensors, the compiled kernels on CUDA ones. (``is_cpu``/``is_cuda`` rather
+    than ``t.device.type``: a ``torch.device`` object per tensor per launch is host time.)"""
+    interpreted = on_interpreter()
     for t in tensors:
-        if t is not None and t.device.type != want:
+        if t is not None and not (t.is_cpu if interpreted else t.is_cuda):
+            want = "cpu" if interpreted else "cuda"
             raise RuntimeError(f"backend {current_backend()!r} needs {want} tensors, got one on {t.device}")
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints: ``triton.cdiv`` is a constexpr function, which costs microseconds per host call."""
+    return -(-a // b)
