@@ -163,7 +163,7 @@ def fp8_linear(
     else:
         ws = ws.reshape(-1)
         stride_ws = ws.stride(0)
-    b = None if bias is None else core.fp32(bias).reshape(n_w)
+    b = None if bias is None else core.fp32_vector(bias, n_w)
     ep = core.epilogue_operands(lead, m, n, residual, out_dtype, out_scale, out_fmt, a.device)
     if tma_gemm.use_tma("fp8_linear", kernel, a, w_q, m, config is not None):
         tma_gemm.launch_linear(a, w_q, ep, xs, ws, b, n, activation, stride_xs=stride_xs, stride_ws=stride_ws,

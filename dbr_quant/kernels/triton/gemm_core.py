@@ -310,6 +310,12 @@ def fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 and not t.requires_grad else t.detach().float()
 
 
+def fp32_vector(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t.detach().float().reshape(n)`` (a bias of n values), ``t`` itself when it already is that vector."""
+    t = fp32(t)
+    return t if t.dim() == 1 and t.shape[0] == n else t.reshape(n)
+
+
 class EpilogueOperands(NamedTuple):
     """What :func:`linear_epilogue` reads and writes, as the host prepares them (a NamedTuple: built on every
     launch, and a frozen dataclass takes microseconds to construct)."""
@@ -374,7 +380,7 @@ def epilogue_operands(lead: torch.Size, m: int, n: int, residual: torch.Tensor |
         res = unit_stride(torch.broadcast_to(residual, (*lead, n)).reshape(m, n), 1)
         if res.dtype not in OUT_KINDS:
             res = res.float()
-        res_strides = res.stride()
+        res_strides = (res.stride(0), res.stride(1))
     if out_scale is not None:
         fmt_o = FP8Format.parse(out_fmt)
         if out_scale.numel() != 1:
