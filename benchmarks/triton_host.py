@@ -40,6 +40,7 @@ def cases() -> dict[str, Callable[[], object]]:
 
     gen = torch.Generator().manual_seed(0)
     x_q = torch.randn(M, K, generator=gen).to(torch.float8_e4m3fn)
+    x_q3 = x_q.reshape(1, M, K)  # (batch, sequence, hidden): what a converted model passes
     w_q = torch.randn(N, K, generator=gen).to(torch.float8_e4m3fn)
     w13_q = torch.randn(2 * N, K, generator=gen).to(torch.float8_e4m3fn)
     sx, sw = torch.tensor(0.02), torch.tensor(0.01)
@@ -58,6 +59,7 @@ def cases() -> dict[str, Callable[[], object]]:
                                                                                         out_dtype=bf16),
         "dynamic_quantize per-token, bf16 x": lambda: quantize.dynamic_quantize(x_bf16, FP8Format.E4M3, True),
         "kernels.fp8_linear (entry point), per-tensor": lambda: kernels.fp8_linear(x_q, sx, w_q, sw, out_dtype=bf16),
+        "kernels.fp8_linear, x (1, 1, K) as in a model": lambda: kernels.fp8_linear(x_q3, sx, w_q, sw, out_dtype=bf16),
         "kernels.dynamic_quantize (entry point)": lambda: kernels.dynamic_quantize(x_bf16, FP8Format.E4M3, True),
     }
 
@@ -140,9 +142,10 @@ def main() -> None:
             got[tree].append(json.loads(done.stdout.strip().splitlines()[-1]))
     import torch
     import triton
-    print(f"Triton wrappers' host Python at M={M}, K={K}, N={N} (CPU tensors, launch stubbed; torch {torch.__version__},"
-          f" triton {triton.__version__}); µs per call, CPU time of the thread: best / median over {args.processes} "
-          f"processes per tree (each the best of {args.rounds} rounds × {args.calls} calls), trees interleaved")
+    print(f"Triton wrappers' host Python at M={M}, K={K}, N={N} (CPU tensors, launch stubbed; torch "
+          f"{torch.__version__}, triton {triton.__version__}); µs per call, CPU time of the thread: best / median "
+          f"over {args.processes} processes per tree (each the best of {args.rounds} rounds × {args.calls} calls), "
+          "trees interleaved")
     print("floor: the stubbed launch alone with the same arguments; ops: aten ops per call (all / allocating)")
     rows = list(got[trees[0]][0])
     for tree in trees:

@@ -151,7 +151,15 @@ def fp8_linear(
     if gated and n_w % 2:
         raise ValueError(f"gated activation {activation!r} needs W stacked as [gate; up], got {n_w} rows")
     n = n_w // 2 if gated else n_w
-    a, w_q, m = core.linear_rows(x_q, w_q, k, residual)
+    if x_q.dim() > 2 and k and x_q.is_contiguous():
+        # the rows of a contiguous (batch, seq, K) x read in place, k apart: no 2-D view (a tensor op per call)
+        a, m = x_q, x_q.numel() // k
+        w_q = core.unit_stride(w_q, 1)
+        core.check_size(a, w_q, residual)
+        stride_am, stride_ak = k, 1
+    else:
+        a, w_q, m = core.linear_rows(x_q, w_q, k, residual)
+        stride_am, stride_ak = a.stride()
     xs, stride_xs = row_scale(x_scale, lead, m)
     ws = core.fp32(w_scale)
     if ws.numel() == 1:
@@ -165,10 +173,12 @@ def fp8_linear(
         stride_ws = ws.stride(0)
     b = None if bias is None else core.fp32_vector(bias, n_w)
     ep = core.epilogue_operands(lead, m, n, residual, out_dtype, out_scale, out_fmt, a.device)
-    if tma_gemm.use_tma("fp8_linear", kernel, a, w_q, m, config is not None):
-        tma_gemm.launch_linear(a, w_q, ep, xs, ws, b, n, activation, stride_xs=stride_xs, stride_ws=stride_ws,
-                               config=config)
-        return ep.out
+    if tma_gemm.may_use_tma(kernel):
+        a = a.reshape(m, k)
+        if tma_gemm.use_tma("fp8_linear", kernel, a, w_q, m, config is not None):
+            tma_gemm.launch_linear(a, w_q, ep, xs, ws, b, n, activation, stride_xs=stride_xs, stride_ws=stride_ws,
+                                   config=config)
+            return ep.out
     cfg = config or pick_config(m)
     if gated and config is None:
         cfg = core.gated_config(cfg)
@@ -176,7 +186,7 @@ def fp8_linear(
         LINEAR_KERNEL[(cdiv(m, cfg.BLOCK_M) * cdiv(n, cfg.BLOCK_N),)](
             a, w_q, ep.out_view, xs, ws, *ep.pointers(b, xs),
             m, n, k,
-            *a.stride(), *w_q.stride(), *ep.strides(), stride_xs, stride_ws,
+            stride_am, stride_ak, *w_q.stride(), *ep.strides(), stride_xs, stride_ws,
             **ep.launch_options(cfg, activation, b is not None),
         )
     return ep.out

@@ -320,7 +320,7 @@ class EpilogueOperands(NamedTuple):
     """What :func:`linear_epilogue` reads and writes, as the host prepares them (a NamedTuple: built on every
     launch, and a frozen dataclass takes microseconds to construct)."""
 
-    residual: torch.Tensor | None  # m × n with unit stride along N
+    residual: torch.Tensor | None  # m × n rows (``out_strides`` [2:] apart) with unit stride along N
     out: torch.Tensor  # the result, shaped (*lead, n): m × n rows, contiguous
     out_view: torch.Tensor  # the view of ``out`` the kernel stores through (uint8 for FP8, uint16 for bf16)
     kind: str  # the OUT_KIND constexpr
@@ -377,10 +377,13 @@ def epilogue_operands(lead: torch.Size, m: int, n: int, residual: torch.Tensor |
     res = None
     res_strides = (0, 0)
     if residual is not None:
-        res = unit_stride(torch.broadcast_to(residual, (*lead, n)).reshape(m, n), 1)
-        if res.dtype not in OUT_KINDS:
-            res = res.float()
-        res_strides = (res.stride(0), res.stride(1))
+        if residual.is_contiguous() and residual.shape == (*lead, n):  # its rows in place, n apart
+            res, res_strides = residual if residual.dtype in OUT_KINDS else residual.float(), (n, 1)
+        else:
+            res = unit_stride(torch.broadcast_to(residual, (*lead, n)).reshape(m, n), 1)
+            if res.dtype not in OUT_KINDS:
+                res = res.float()
+            res_strides = (res.stride(0), res.stride(1))
     if out_scale is not None:
         fmt_o = FP8Format.parse(out_fmt)
         if out_scale.numel() != 1:

@@ -43,7 +43,7 @@ from dbr_quant.kernels.triton import gemm_core as core
 from dbr_quant.kernels.triton.common import AotEntry, Kernel, cdiv, device_function, on_interpreter
 
 __all__ = ["AOT_CONFIGS", "KERNEL_CHOICES", "TMA_CONFIGS", "TMA_MIN_ROWS", "aot_attrs", "aot_options",
-           "forced_kernel", "launch_linear", "use_tma"]
+           "forced_kernel", "launch_linear", "may_use_tma", "use_tma"]
 
 @dataclasses.dataclass(frozen=True)
 class TmaConfig(core.GemmConfig):
@@ -112,6 +112,12 @@ def _tma_ready(t: torch.Tensor) -> bool:
     """A 2-D operand TMA can read: unit stride along K, 16-byte aligned base and row stride."""
     return (t.stride(1) == 1 and t.data_ptr() % TMA_ALIGN == 0
             and (t.stride(0) * t.element_size()) % TMA_ALIGN == 0)
+
+
+def may_use_tma(kernel: str | None) -> bool:
+    """False when :func:`use_tma` is False whatever the operands: automatic choice (no ``kernel``, none forced)
+    while AUTO_TMA is off. Lets a wrapper skip preparing what only the TMA kernel needs."""
+    return kernel is not None or AUTO_TMA or _forced.get() is not None
 
 
 def use_tma(op: str, kernel: str | None, a: torch.Tensor, w: torch.Tensor, m: int, config_given: bool,
