@@ -161,16 +161,9 @@ def fp8_linear(
         a, w_q, m = core.linear_rows(x_q, w_q, k, residual)
         stride_am, stride_ak = a.stride()
     xs, stride_xs = row_scale(x_scale, lead, m)
-    ws = core.fp32(w_scale)
-    if ws.numel() == 1:
-        stride_ws = 0
-    elif ws.numel() != n_w:
+    ws, stride_ws = core.scale_values(w_scale)
+    if ws.numel() not in (1, n_w):
         raise ValueError(f"w_scale must be a scalar or have {n_w} values, got {tuple(w_scale.shape)}")
-    elif ws.is_contiguous():  # its n_w values one apart, whatever its shape: the kernel reads only the storage
-        stride_ws = 1
-    else:
-        ws = ws.reshape(-1)
-        stride_ws = ws.stride(0)
     b = None if bias is None else core.fp32_vector(bias, n_w)
     ep = core.epilogue_operands(lead, m, n, residual, out_dtype, out_scale, out_fmt, a.device)
     if tma_gemm.may_use_tma(kernel):

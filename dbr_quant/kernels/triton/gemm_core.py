@@ -310,6 +310,18 @@ def fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 and not t.requires_grad else t.detach().float()
 
 
+def scale_values(scale: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A per-tensor or per-channel scale as a kernel reads it: fp32 values and the stride between them (0 for one
+    value; a contiguous one is read in place whatever its shape, others through a flattened view)."""
+    s = fp32(scale)
+    if s.numel() == 1:
+        return s, 0
+    if s.is_contiguous():
+        return s, 1
+    s = s.reshape(-1)
+    return s, s.stride(0)
+
+
 def fp32_vector(t: torch.Tensor, n: int) -> torch.Tensor:
     """``t.detach().float().reshape(n)`` (a bias of n values), ``t`` itself when it already is that vector."""
     t = fp32(t)

@@ -176,17 +176,10 @@ def fp8_weight_only_linear(
     w_bytes = core.unit_stride(w_q, 1).view(torch.uint8)
     core.check_size(a, w_bytes, residual)
     m = a.shape[0]
-    ws = core.fp32(w_scale)
     if (path or pick_path(m)) == "decode_once":
-        return _decode_once_linear(a, w_q, ws.reshape(-1), lead, n, bias, activation, residual, out_dtype, out_scale,
-                                   FP8Format.parse(out_fmt))
-    if ws.numel() == 1:
-        stride_ws = 0
-    elif ws.is_contiguous():  # its values one apart whatever its shape: the kernel reads only the storage
-        stride_ws = 1
-    else:
-        ws = ws.reshape(-1)
-        stride_ws = ws.stride(0)
+        return _decode_once_linear(a, w_q, core.fp32(w_scale).reshape(-1), lead, n, bias, activation, residual,
+                                   out_dtype, out_scale, FP8Format.parse(out_fmt))
+    ws, stride_ws = core.scale_values(w_scale)
     one = _one(a.device)
     b = None if bias is None else core.fp32_vector(bias, n_w)
     ep = core.epilogue_operands(lead, m, n, residual, out_dtype, out_scale, out_fmt, a.device)
