@@ -58,6 +58,7 @@ def _linear_cases(gen: torch.Generator) -> list[tuple[str, dict]]:
         ("x with K not contiguous", {**base, "x_q": x_kt}),
         ("3-D x, (M, 1) row scale broadcast", {**base, "x_q": x[None], "x_scale": row}),
         ("3-D x, (1, M, 1) row scale", {**base, "x_q": x[None], "x_scale": row[None], "w_scale": channel[:, None]}),
+        ("x rows 2K apart", {**base, "x_q": torch.cat([x, x], 1)[:, :K], "x_scale": row}),
         ("3-D x, 3-D bf16 residual", {**base, "x_q": x[None], "residual": res[None].bfloat16()}),
         ("3-D x not contiguous, residual broadcast", {**base, "x_q": torch.stack([x, x], 1)[:, :1],
                                                       "x_scale": row[:, None], "residual": res[0]}),
@@ -144,6 +145,9 @@ def test_weight_only_variants_back_to_back_match_the_reference():
         ("fp32 x, strided channel scale, bias", x, w, _strided(channel), {"bias": _ints(gen, N)}),
         ("3-D bf16 x, (N, 1) scale, FP8 out", x.bfloat16()[None], w, channel[:, None],
          {"out_scale": torch.tensor(4.0)}),
+        ("3-D fp16 x not contiguous", torch.stack([x, x], 1)[:, :1].half(), w, channel, {}),
+        ("bf16 x rows 2K apart, residual", torch.cat([x, x], 1)[:, :K].bfloat16(), w, channel,
+         {"residual": _ints(gen, M, N)}),
         ("gated", x.bfloat16(), w13, _pow2(gen, 2 * N), {"activation": "swiglu"}),
         ("bf16 x, per-channel, again", x.bfloat16(), w, channel, {"out_dtype": torch.bfloat16}),
     ]

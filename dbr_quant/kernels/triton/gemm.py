@@ -151,15 +151,9 @@ def fp8_linear(
     if gated and n_w % 2:
         raise ValueError(f"gated activation {activation!r} needs W stacked as [gate; up], got {n_w} rows")
     n = n_w // 2 if gated else n_w
-    if x_q.dim() > 2 and k and x_q.is_contiguous():
-        # the rows of a contiguous (batch, seq, K) x read in place, k apart: no 2-D view (a tensor op per call)
-        a, m = x_q, x_q.numel() // k
-        w_q = core.unit_stride(w_q, 1)
-        core.check_size(a, w_q, residual)
-        stride_am, stride_ak = k, 1
-    else:
-        a, w_q, m = core.linear_rows(x_q, w_q, k, residual)
-        stride_am, stride_ak = a.stride()
+    a, m, stride_am, stride_ak = core.row_operand(x_q, k)
+    w_q = core.unit_stride(w_q, 1)
+    core.check_size(a, w_q, residual)
     xs, stride_xs = row_scale(x_scale, lead, m)
     ws, stride_ws = core.scale_values(w_scale)
     if ws.numel() not in (1, n_w):

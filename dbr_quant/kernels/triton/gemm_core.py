@@ -298,10 +298,25 @@ def check_linear(op: str, x_q: torch.Tensor, w_q: torch.Tensor, activation: str 
 def linear_rows(x_q: torch.Tensor, w_q: torch.Tensor, k: int,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(A: x_q as rows × K, W, rows), both with unit stride along K, sizes checked for 32-bit offsets."""
-    a = unit_stride(x_q if x_q.dim() == 2 and k else x_q.reshape(-1, k), 1)  # a 2-D x_q needs no view
+    a = rows_2d(x_q, k)
     w_q = unit_stride(w_q, 1)
     check_size(a, w_q, residual)
     return a, w_q, a.shape[0]
+
+
+def row_operand(x: torch.Tensor, k: int) -> tuple[torch.Tensor, int, int, int]:
+    """x (…×K) as a linear's A operand: (tensor, rows, row stride, K stride), with unit stride along K. A contiguous
+    x of any rank, or a 2-D one with unit stride along K, is read in place (a view per call is host time on a GPU);
+    others through a 2-D view, copied when K is strided."""
+    if k and x.is_contiguous():
+        return x, x.numel() // k, k, 1
+    a = rows_2d(x, k)
+    return a, a.shape[0], a.stride(0), a.stride(1)
+
+
+def rows_2d(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x (…×K) as rows × K with unit stride along K: a 2-D x itself (no view) when it has that stride."""
+    return unit_stride(x if x.dim() == 2 and k else x.reshape(-1, k), 1)
 
 
 def fp32(t: torch.Tensor) -> torch.Tensor:

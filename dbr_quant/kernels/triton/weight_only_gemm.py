@@ -172,13 +172,12 @@ def fp8_weight_only_linear(
                          f"got {n_w} rows")
     n = n_w // 2 if gated else n_w
     x_mma = x if x.dtype in MMA_DTYPES else x.to(torch.bfloat16)  # torch's cast rounds to nearest even
-    a = core.unit_stride(x_mma if x_mma.dim() == 2 and k else x_mma.reshape(-1, k), 1)  # 2-D: no view needed
+    a, m, stride_am, stride_ak = core.row_operand(x_mma, k)
     w_bytes = core.unit_stride(w_q, 1).view(torch.uint8)
     core.check_size(a, w_bytes, residual)
-    m = a.shape[0]
     if (path or pick_path(m)) == "decode_once":
-        return _decode_once_linear(a, w_q, core.fp32(w_scale).reshape(-1), lead, n, bias, activation, residual,
-                                   out_dtype, out_scale, FP8Format.parse(out_fmt))
+        return _decode_once_linear(a.reshape(m, k), w_q, core.fp32(w_scale).reshape(-1), lead, n, bias, activation,
+                                   residual, out_dtype, out_scale, FP8Format.parse(out_fmt))
     ws, stride_ws = core.scale_values(w_scale)
     one = _one(a.device)
     b = None if bias is None else core.fp32_vector(bias, n_w)
@@ -190,7 +189,7 @@ def fp8_weight_only_linear(
         WEIGHT_ONLY_KERNEL[(cdiv(m, cfg.BLOCK_M) * cdiv(n, cfg.BLOCK_N),)](
             a, w_bytes, ep.out_view, ws, one, *ep.pointers(b, one),
             m, n, k,
-            *a.stride(), *w_bytes.stride(), *ep.strides(), stride_ws,
+            stride_am, stride_ak, *w_bytes.stride(), *ep.strides(), stride_ws,
             **ep.launch_options(cfg, activation, b is not None),
             DOT_FP32=on_interpreter() and a.dtype == torch.bfloat16,
         )
