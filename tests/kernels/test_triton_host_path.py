@@ -66,6 +66,7 @@ def _linear_cases(gen: torch.Generator) -> list[tuple[str, dict]]:
         ("FP8 out e4m3", {**base, "w_scale": channel, "out_scale": torch.tensor(2.0)}),
         ("FP8 out e5m2", {**base, "w_scale": channel, "out_scale": torch.tensor(0.5), "out_fmt": FP8Format.E5M2}),
         ("bias and fp32 residual, fp16 out", {**base, "bias": bias, "residual": res, "out_dtype": torch.float16}),
+        ("strided bias (the kernel indexes it by column)", {**base, "bias": _strided(bias)}),
         ("bf16 residual, relu", {**base, "residual": res.bfloat16(), "activation": "relu"}),
         ("gated, FP8 out", {**base, "w_q": w13, "w_scale": channel13, "activation": "swiglu",
                             "out_scale": torch.tensor(0.25)}),
@@ -142,7 +143,7 @@ def test_weight_only_variants_back_to_back_match_the_reference():
     cases = [
         ("bf16 x, per-channel, bf16 out", x.bfloat16(), w, channel, {"out_dtype": torch.bfloat16}),
         ("fp16 x, per-tensor", x.half(), w, torch.tensor(0.5), {}),
-        ("fp32 x, strided channel scale, bias", x, w, _strided(channel), {"bias": _ints(gen, N)}),
+        ("fp32 x, strided channel scale and bias", x, w, _strided(channel), {"bias": _strided(_ints(gen, N))}),
         ("3-D bf16 x, (N, 1) scale, FP8 out", x.bfloat16()[None], w, channel[:, None],
          {"out_scale": torch.tensor(4.0)}),
         ("3-D fp16 x not contiguous", torch.stack([x, x], 1)[:, :1].half(), w, channel, {}),

@@ -338,9 +338,10 @@ def scale_values(scale: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def fp32_vector(t: torch.Tensor, n: int) -> torch.Tensor:
-    """``t.detach().float().reshape(n)`` (a bias of n values), ``t`` itself when it already is that vector."""
+    """A bias of n values as the kernels read it (fp32, contiguous: they index ``bias_ptr + column``); ``t`` itself
+    when it already is that vector."""
     t = fp32(t)
-    return t if t.dim() == 1 and t.shape[0] == n else t.reshape(n)
+    return t if t.dim() == 1 and t.shape[0] == n and t.stride(0) == 1 else t.reshape(n).contiguous()
 
 
 class EpilogueOperands(NamedTuple):
