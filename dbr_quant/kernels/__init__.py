@@ -74,7 +74,8 @@ def _impl(t: torch.Tensor, ref: ModuleType = reference, fp8_mma: bool = True) ->
         return cpu_backend
     if backend == "reference":
         return ref
-    if resolve_backend(t.device, fp8_mma) == "cpu":  # auto on CUDA without FP8 tensor cores (or without triton)
+    # auto on CUDA: cpu without FP8 tensor cores (or without triton); a forced Triton backend needs no device
+    if backend == "auto" and resolve_backend(t.device, fp8_mma) == "cpu":
         return cpu_backend
     return triton_backend
 

@@ -72,7 +72,14 @@ def current_backend() -> str:
 
 def fp8_tensor_cores(device: torch.device) -> bool:
     """CUDA devices of compute capability 8.9 (Ada) or newer have FP8 tensor cores."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and _capability(device) >= (8, 9)
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability, asked once per device: the automatic backend choice runs on every
+    kernel call, and ``torch.cuda.get_device_capability`` reads the device's properties each time."""
+    return torch.cuda.get_device_capability(device)
 
 
 @functools.cache

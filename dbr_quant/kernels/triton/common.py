@@ -9,7 +9,8 @@ The result matches ``torch.Tensor.to(torch.float8_e4m3fn / e5m2)`` after clampin
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 import torch
 import triton
@@ -76,11 +77,16 @@ def fp8_bits(v, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, EXP_BIAS:
     return (code.to(tl.uint32) | sign).to(tl.uint8)
 
 
-def fp8_constants(fmt: FP8Format) -> dict[str, float | int]:
-    """The constexpr arguments of :func:`round_to_fp8` / :func:`fp8_bits` for a format."""
-    if fmt is FP8Format.E4M3:
-        return {"FP8_MAX": 448.0, "MANTISSA_BITS": 3, "MIN_NORMAL": 2.0**-6, "EXP_BIAS": 7}
-    return {"FP8_MAX": 57344.0, "MANTISSA_BITS": 2, "MIN_NORMAL": 2.0**-14, "EXP_BIAS": 15}
+_FP8_CONSTANTS: dict[FP8Format, Mapping[str, float | int]] = {
+    FP8Format.E4M3: MappingProxyType({"FP8_MAX": 448.0, "MANTISSA_BITS": 3, "MIN_NORMAL": 2.0**-6, "EXP_BIAS": 7}),
+    FP8Format.E5M2: MappingProxyType({"FP8_MAX": 57344.0, "MANTISSA_BITS": 2, "MIN_NORMAL": 2.0**-14, "EXP_BIAS": 15}),
+}
+
+
+def fp8_constants(fmt: FP8Format) -> Mapping[str, float | int]:
+    """The constexpr arguments of :func:`round_to_fp8` / :func:`fp8_bits` for a format (read-only: shared by
+    every launch)."""
+    return _FP8_CONSTANTS[FP8Format.E4M3] if fmt is FP8Format.E4M3 else _FP8_CONSTANTS[FP8Format.E5M2]
 
 
 def on_interpreter() -> bool:
@@ -118,8 +124,15 @@ AotEntry = tuple[str, str, Kernel, dict[str, str], dict[str, object]]
 
 
 def check_device(*tensors: torch.Tensor | None) -> None:
-    """The interpreter runs on CPU tensors, the compiled kernels on CUDA ones."""
-    want = "cpu" if on_interpreter() else "cuda"
+    """The interpreter runs on CPU tensors, the compiled kernels on CUDA ones. (``is_cpu``/``is_cuda`` rather
+    than ``t.device.type``: a ``torch.device`` object per tensor per launch is host time.)"""
+    interpreted = on_interpreter()
     for t in tensors:
-        if t is not None and t.device.type != want:
+        if t is not None and not (t.is_cpu if interpreted else t.is_cuda):
+            want = "cpu" if interpreted else "cuda"
             raise RuntimeError(f"backend {current_backend()!r} needs {want} tensors, got one on {t.device}")
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints: ``triton.cdiv`` is a constexpr function, which costs microseconds per host call."""
+    return -(-a // b)

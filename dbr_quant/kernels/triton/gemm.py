@@ -20,14 +20,13 @@ from __future__ import annotations
 import itertools
 
 import torch
-import triton
 import triton.language as tl
 
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
 from dbr_quant.kernels.triton import gemm_core as core
 from dbr_quant.kernels.triton import tma_gemm
-from dbr_quant.kernels.triton.common import AotEntry, Kernel
+from dbr_quant.kernels.triton.common import AotEntry, Kernel, cdiv
 from dbr_quant.kernels.triton.gemm_core import GemmConfig
 
 __all__ = [
@@ -144,40 +143,52 @@ def fp8_linear(
     M (:func:`tma_gemm.use_tma`, which :func:`tma_gemm.forced_kernel` can override).
     """
     gated = core.check_linear("fp8_linear", x_q, w_q, activation, x_scale, w_scale, bias, residual, out_scale)
-    lead, k = x_q.shape[:-1], x_q.shape[-1]
+    shape = x_q.shape
+    lead, k = shape[:-1], shape[-1]
     n_w = w_q.shape[0]
     if w_q.dim() != 2 or w_q.shape[1] != k:
         raise ValueError(f"w_q must be N×K with K = {k}, got {tuple(w_q.shape)}")
     if gated and n_w % 2:
         raise ValueError(f"gated activation {activation!r} needs W stacked as [gate; up], got {n_w} rows")
     n = n_w // 2 if gated else n_w
-    a, w_q, m = core.linear_rows(x_q, w_q, k, residual)
-    dev = a.device
-    xs = x_scale.detach().float()
-    xs = xs.reshape(1) if xs.numel() == 1 else torch.broadcast_to(xs, (*lead, 1)).reshape(m)
-    ws = w_scale.detach().float().reshape(-1)
+    a, m, stride_am, stride_ak = core.row_operand(x_q, k)
+    w_q = core.unit_stride(w_q, 1)
+    core.check_size(a, w_q, residual)
+    xs, stride_xs = row_scale(x_scale, lead, m)
+    ws, stride_ws = core.scale_values(w_scale)
     if ws.numel() not in (1, n_w):
         raise ValueError(f"w_scale must be a scalar or have {n_w} values, got {tuple(w_scale.shape)}")
-    b = None if bias is None else bias.detach().float().reshape(n_w)
-    ep = core.epilogue_operands(lead, m, n, residual, out_dtype, out_scale, out_fmt, dev)
-    stride_xs, stride_ws = 0 if xs.numel() == 1 else xs.stride(0), 0 if ws.numel() == 1 else ws.stride(0)
-    if tma_gemm.use_tma("fp8_linear", kernel, a, w_q, m, config is not None):
-        tma_gemm.launch_linear(a, w_q, ep, xs, ws, b, n, activation, stride_xs=stride_xs, stride_ws=stride_ws,
-                               config=config)
-        return ep.out.reshape(*lead, n)
+    b = None if bias is None else core.fp32_vector(bias, n_w)
+    ep = core.epilogue_operands(lead, m, n, residual, out_dtype, out_scale, out_fmt, a.device)
+    if tma_gemm.may_use_tma(kernel):
+        a = a.reshape(m, k)
+        if tma_gemm.use_tma("fp8_linear", kernel, a, w_q, m, config is not None):
+            tma_gemm.launch_linear(a, w_q, ep, xs, ws, b, n, activation, stride_xs=stride_xs, stride_ws=stride_ws,
+                                   config=config)
+            return ep.out
     cfg = config or pick_config(m)
     if gated and config is None:
-        cfg = cfg.gated()
-    grid = (triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N),)
+        cfg = core.gated_config(cfg)
     if m and n:
-        LINEAR_KERNEL[grid](
+        LINEAR_KERNEL[(cdiv(m, cfg.BLOCK_M) * cdiv(n, cfg.BLOCK_N),)](
             a, w_q, ep.out_view, xs, ws, *ep.pointers(b, xs),
             m, n, k,
-            a.stride(0), a.stride(1), w_q.stride(0), w_q.stride(1), *ep.strides(), stride_xs, stride_ws,
-            **cfg.constexprs(), **ep.constexprs(activation, b is not None),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            stride_am, stride_ak, *w_q.stride(), *ep.strides(), stride_xs, stride_ws,
+            **ep.launch_options(cfg, activation, b is not None),
         )
-    return ep.out.reshape(*lead, n)
+    return ep.out
+
+
+def row_scale(x_scale: torch.Tensor, lead: torch.Size, m: int) -> tuple[torch.Tensor, int]:
+    """x's scale as the kernels read it (fp32, one value or one per row of the m = prod(lead) rows) and its
+    stride: 0 for one value; a contiguous (*lead, 1) scale is read in place, others are broadcast to it."""
+    xs = core.fp32(x_scale)
+    if xs.numel() == 1:
+        return xs, 0
+    if xs.is_contiguous() and xs.shape == (*lead, 1):
+        return xs, 1
+    xs = torch.broadcast_to(xs, (*lead, 1)).reshape(m)
+    return xs, xs.stride(0)
 
 
 def fp8_matmul(
@@ -213,7 +224,7 @@ def fp8_matmul(
     if b1 > _MAX_GRID_Z:
         raise ValueError(f"the innermost batch dim ({b1}) exceeds the CUDA grid limit {_MAX_GRID_Z}")
     cfg = config or pick_config(m)
-    tiles = triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N)
+    tiles = cdiv(m, cfg.BLOCK_M) * cdiv(n, cfg.BLOCK_N)
     step = _MAX_GRID_Z // b1  # grid axis 2 holds at most 65535 batches: launch in chunks of z0
     for z in range(0, b0 if m and n else 0, step):
         a_z, b_z, c_z, sa_z, sb_z = (t[z:z + step] for t in (a, b, c, sa, sb))

@@ -17,8 +17,11 @@ fp32→bf16 cast does not round to nearest-even (it disagrees with torch on ~hal
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
+from typing import NamedTuple
 
 import torch
 import triton.language as tl
@@ -275,6 +278,9 @@ def check_size(*tensors: torch.Tensor | None) -> None:
         raise ValueError("tensor too large for 32-bit offsets")
 
 
+_ACTIVATION_NAMES = frozenset(ACTIVATIONS + GATED)
+
+
 def check_linear(op: str, x_q: torch.Tensor, w_q: torch.Tensor, activation: str | None,
                  *others: torch.Tensor | None) -> bool:
     """The checks every GEMM wrapper starts with (device, FP8 operands, activation name); whether the
@@ -282,7 +288,9 @@ def check_linear(op: str, x_q: torch.Tensor, w_q: torch.Tensor, activation: str 
     check_device(x_q, w_q, *others)
     fp8_format(x_q, "x_q")
     fp8_format(w_q, "w_q")
-    if activation is not None and activation not in ACTIVATIONS + GATED:
+    if activation is None:
+        return False
+    if activation not in _ACTIVATION_NAMES:
         raise ValueError(f"{op}: unknown activation {activation!r}; use one of {ACTIVATIONS + GATED}")
     return activation in GATED
 
@@ -290,59 +298,133 @@ def check_linear(op: str, x_q: torch.Tensor, w_q: torch.Tensor, activation: str 
 def linear_rows(x_q: torch.Tensor, w_q: torch.Tensor, k: int,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(A: x_q as rows × K, W, rows), both with unit stride along K, sizes checked for 32-bit offsets."""
-    a = unit_stride(x_q.reshape(-1, k), 1)
+    a = rows_2d(x_q, k)
     w_q = unit_stride(w_q, 1)
     check_size(a, w_q, residual)
     return a, w_q, a.shape[0]
 
 
-@dataclasses.dataclass(frozen=True)
-class EpilogueOperands:
-    """What :func:`linear_epilogue` reads and writes, as the host prepares them."""
+def row_operand(x: torch.Tensor, k: int) -> tuple[torch.Tensor, int, int, int]:
+    """x (…×K) as a linear's A operand: (tensor, rows, row stride, K stride), with unit stride along K. A contiguous
+    x of any rank, or a 2-D one with unit stride along K, is read in place (a view per call is host time on a GPU);
+    others through a 2-D view, copied when K is strided."""
+    if k and x.is_contiguous():
+        return x, x.numel() // k, k, 1
+    a = rows_2d(x, k)
+    return a, a.shape[0], a.stride(0), a.stride(1)
 
-    residual: torch.Tensor | None  # m × n with unit stride along N
-    out: torch.Tensor  # the result, m × n
+
+def rows_2d(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x (…×K) as rows × K with unit stride along K: a 2-D x itself (no view) when it has that stride."""
+    return unit_stride(x if x.dim() == 2 and k else x.reshape(-1, k), 1)
+
+
+def fp32(t: torch.Tensor) -> torch.Tensor:
+    """``t.detach().float()`` without the two new tensors when ``t`` is already a plain fp32 tensor: the kernels read
+    only its storage (per launch, on a GPU, each tensor op is host time)."""
+    return t if t.dtype == torch.float32 and not t.requires_grad else t.detach().float()
+
+
+def scale_values(scale: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A per-tensor or per-channel scale as a kernel reads it: fp32 values and the stride between them (0 for one
+    value; a contiguous one is read in place whatever its shape, others through a flattened view)."""
+    s = fp32(scale)
+    if s.numel() == 1:
+        return s, 0
+    if s.is_contiguous():
+        return s, 1
+    s = s.reshape(-1)
+    return s, s.stride(0)
+
+
+def fp32_vector(t: torch.Tensor, n: int) -> torch.Tensor:
+    """A bias of n values as the kernels read it (fp32, contiguous: they index ``bias_ptr + column``); ``t`` itself
+    when it already is that vector."""
+    t = fp32(t)
+    return t if t.dim() == 1 and t.shape[0] == n and t.stride(0) == 1 else t.reshape(n).contiguous()
+
+
+class EpilogueOperands(NamedTuple):
+    """What :func:`linear_epilogue` reads and writes, as the host prepares them (a NamedTuple: built on every
+    launch, and a frozen dataclass takes microseconds to construct)."""
+
+    residual: torch.Tensor | None  # m × n rows (``out_strides`` [2:] apart) with unit stride along N
+    out: torch.Tensor  # the result, shaped (*lead, n): m × n rows, contiguous
     out_view: torch.Tensor  # the view of ``out`` the kernel stores through (uint8 for FP8, uint16 for bf16)
     kind: str  # the OUT_KIND constexpr
     fmt: FP8Format  # the FP8 format of an FP8 output (E4M3 otherwise: its constants are then unused)
     inv_out_scale: torch.Tensor | None  # 1/out_scale as computed by reference.quantize, for an FP8 output
+    out_strides: tuple[int, int, int, int]  # what :meth:`strides` returns
 
     def pointers(self, bias: torch.Tensor | None, any_fp32: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The kernel's ``bias_ptr, res_ptr, inv_out_scale_ptr``; ``any_fp32`` stands in for those not read."""
-        return tuple(any_fp32 if t is None else t for t in (bias, self.residual, self.inv_out_scale))
+        res, inv = self.residual, self.inv_out_scale
+        return (any_fp32 if bias is None else bias, any_fp32 if res is None else res, any_fp32 if inv is None else inv)
 
     def strides(self) -> tuple[int, int, int, int]:
-        """The kernel's ``stride_om, stride_on, stride_rm, stride_rn``."""
-        res = self.residual
-        return (self.out.stride(0), self.out.stride(1), 0 if res is None else res.stride(0),
-                0 if res is None else res.stride(1))
+        """The kernel's ``stride_om, stride_on, stride_rm, stride_rn`` (``out`` as m × n rows)."""
+        return self.out_strides
 
-    def constexprs(self, activation: str | None, has_bias: bool) -> dict[str, object]:
-        out = self.fmt if self.kind == "fp8" else self.kind
-        return {**epilogue_constexprs(activation, has_bias, out), "HAS_RESIDUAL": self.residual is not None}
+    def constexprs(self, activation: str | None, has_bias: bool) -> Mapping[str, object]:
+        return _epilogue_launch_constexprs(activation, has_bias, self.fmt if self.kind == "fp8" else self.kind,
+                                           self.residual is not None)
+
+    def launch_options(self, cfg: GemmConfig, activation: str | None, has_bias: bool) -> Mapping[str, object]:
+        """All keyword arguments of a linear launch: ``cfg``'s constexprs and launch options, the epilogue's
+        constexprs (one mapping per variant, built on its first launch)."""
+        return linear_launch_options(cfg, activation, has_bias, self.fmt if self.kind == "fp8" else self.kind,
+                                     self.residual is not None)
+
+
+@functools.cache
+def _epilogue_launch_constexprs(activation: str | None, has_bias: bool, out: str | FP8Format,
+                                has_residual: bool) -> Mapping[str, object]:
+    return MappingProxyType({**epilogue_constexprs(activation, has_bias, out), "HAS_RESIDUAL": has_residual})
+
+
+@functools.cache
+def linear_launch_options(cfg: GemmConfig, activation: str | None, has_bias: bool, out: str | FP8Format,
+                          has_residual: bool) -> Mapping[str, object]:
+    """``cfg.constexprs()``, the epilogue's constexprs and ``num_warps``/``num_stages``: the keyword arguments of
+    a linear kernel's launch, built once per variant (a read-only mapping: every launch of it shares it)."""
+    return MappingProxyType({**cfg.constexprs(), **_epilogue_launch_constexprs(activation, has_bias, out, has_residual),
+                             "num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+
+
+@functools.cache
+def gated_config(cfg: GemmConfig) -> GemmConfig:
+    """``cfg.gated()``, built once per config."""
+    return cfg.gated()
 
 
 def epilogue_operands(lead: torch.Size, m: int, n: int, residual: torch.Tensor | None, out_dtype: torch.dtype,
                       out_scale: torch.Tensor | None, out_fmt: FP8Format | str,
                       device: torch.device) -> EpilogueOperands:
-    """The epilogue's operands for an output of ``m`` rows (``lead`` flattened) × ``n``."""
+    """The epilogue's operands for an output of ``m`` rows (``lead`` flattened) × ``n``. The output is allocated
+    in its final shape ``(*lead, n)`` (contiguous, so its rows are ``n`` apart): no reshape after the launch."""
     res = None
+    res_strides = (0, 0)
     if residual is not None:
-        res = unit_stride(torch.broadcast_to(residual, (*lead, n)).reshape(m, n), 1)
-        if res.dtype not in OUT_KINDS:
-            res = res.float()
+        if residual.is_contiguous() and residual.shape == (*lead, n):  # its rows in place, n apart
+            res, res_strides = residual if residual.dtype in OUT_KINDS else residual.float(), (n, 1)
+        else:
+            res = unit_stride(torch.broadcast_to(residual, (*lead, n)).reshape(m, n), 1)
+            if res.dtype not in OUT_KINDS:
+                res = res.float()
+            res_strides = (res.stride(0), res.stride(1))
     if out_scale is not None:
         fmt_o = FP8Format.parse(out_fmt)
         if out_scale.numel() != 1:
             raise ValueError("out_scale must be a single (0-d) scale: the next op's per-tensor input scale")
-        inv = torch.reciprocal(out_scale.detach().float()).reshape(1)  # same reciprocal as reference.quantize
-        out = torch.empty((m, n), dtype=fmt_o.dtype, device=device)
-        return EpilogueOperands(res, out, out.view(torch.uint8), "fp8", fmt_o, inv)
-    if out_dtype not in OUT_KINDS:
+        inv = torch.reciprocal(fp32(out_scale))  # same reciprocal as reference.quantize
+        out = torch.empty((*lead, n), dtype=fmt_o.dtype, device=device)
+        return EpilogueOperands(res, out, out.view(torch.uint8), "fp8", fmt_o, inv, (n, 1, *res_strides))
+    kind = OUT_KINDS.get(out_dtype)
+    if kind is None:
         raise TypeError(f"out_dtype must be one of {list(OUT_KINDS)} (or pass out_scale for FP8)")
-    out = torch.empty((m, n), dtype=out_dtype, device=device)
-    kind = OUT_KINDS[out_dtype]
-    return EpilogueOperands(res, out, out.view(torch.uint16) if kind == "bf16" else out, kind, FP8Format.E4M3, None)
+    out = torch.empty((*lead, n), dtype=out_dtype, device=device)
+    return EpilogueOperands(res, out, out.view(torch.uint16) if kind == "bf16" else out, kind, FP8Format.E4M3, None,
+                            (n, 1, *res_strides))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -19,12 +19,21 @@ Non-contiguous inputs are made contiguous (the reference's ``x.float()`` copies 
 
 from __future__ import annotations
 
+import functools
+
 import torch
-import triton
 import triton.language as tl
 
 from dbr_quant.formats import FP8Format
-from dbr_quant.kernels.triton.common import Kernel, check_device, device_function, fp8_bits, fp8_constants, round_to_fp8
+from dbr_quant.kernels.triton.common import (
+    Kernel,
+    cdiv,
+    check_device,
+    device_function,
+    fp8_bits,
+    fp8_constants,
+    round_to_fp8,
+)
 
 QUANT_BLOCK = 1024  # elements per program of the elementwise kernels
 AMAX_BLOCK = 4096  # elements per program (and per atomic) of the per-tensor amax kernel
@@ -149,6 +158,7 @@ TOKEN_QUANTIZE = Kernel(_token_quantize_kernel)
 # host wrappers
 
 
+@functools.cache
 def pick_block(n: int, choices: tuple[int, ...]) -> int:
     """The smallest block holding ``n`` elements, else the largest (the kernel then loops)."""
     return next((b for b in choices if b >= n), choices[-1])
@@ -165,21 +175,23 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tens
     """``reference.quantize`` on the device: scale is one value (any shape of numel 1) or one per row,
     shaped (..., 1) and broadcasting against x's leading dims. The result has x's shape."""
     check_device(x, scale)
-    if torch.broadcast_shapes(x.shape, scale.shape) != x.shape:
-        raise ValueError(f"scale of shape {tuple(scale.shape)} does not broadcast to x's {tuple(x.shape)}")
+    shape = x.shape
     per_row = scale.numel() != 1
+    # one value of no more dims than x broadcasts to x's shape (torch.broadcast_shapes costs microseconds)
+    if (per_row or scale.dim() > x.dim()) and torch.broadcast_shapes(shape, scale.shape) != shape:
+        raise ValueError(f"scale of shape {tuple(scale.shape)} does not broadcast to x's {tuple(shape)}")
     if per_row and scale.shape[-1] != 1:
         raise ValueError("the Triton quantize takes a per-tensor or per-row (…, 1) scale, not per-column")
     x_c = loadable(x)
-    q = torch.empty(x.shape, dtype=fmt.dtype, device=x.device)
-    if x.numel() == 0:
+    q = torch.empty(shape, dtype=fmt.dtype, device=x.device)
+    numel = x.numel()
+    if numel == 0:
         return q
-    inv = torch.reciprocal(scale.float())  # the reference's own reciprocal bits
-    inv = inv.expand(*x.shape[:-1], 1).contiguous() if per_row else inv.reshape(1)
-    n = x.shape[-1] if x.dim() else 1
-    grid = (triton.cdiv(x.numel(), QUANT_BLOCK),)
-    QUANTIZE[grid](x_c, inv, q.view(torch.uint8), x.numel(), n, BLOCK=QUANT_BLOCK, PER_ROW=per_row,
-                   **fp8_constants(fmt))
+    inv = torch.reciprocal(scale if scale.dtype == torch.float32 else scale.float())  # the reference's own bits
+    if per_row:  # one per row of x, contiguous (the kernel reads inv[offset // N]); one value: read in place
+        inv = inv.expand(*shape[:-1], 1).contiguous()
+    QUANTIZE[(cdiv(numel, QUANT_BLOCK),)](x_c, inv, q.view(torch.uint8), numel, shape[-1] if shape else 1,
+                                          BLOCK=QUANT_BLOCK, PER_ROW=per_row, **fp8_constants(fmt))
     return q
 
 
@@ -187,24 +199,25 @@ def dynamic_quantize(x: torch.Tensor, fmt: FP8Format, per_token: bool) -> tuple[
     """``(q, scale)`` with scale == reference.dynamic_scale(x, fmt, per_token) and q == reference.quantize(x,
     scale, fmt), bit for bit. Per token: one launch; per tensor: amax launch + quantize launch."""
     check_device(x)
-    if x.numel() == 0:
+    numel = x.numel()
+    if numel == 0:
         raise ValueError("dynamic quantization needs a non-empty tensor (its amax is undefined)")
     x_c = loadable(x)
-    q = torch.empty(x.shape, dtype=fmt.dtype, device=x.device)
+    shape, device = x.shape, x.device
+    q = torch.empty(shape, dtype=fmt.dtype, device=device)
     consts = fp8_constants(fmt)
     if per_token:
-        if x.dim() == 0:
+        if not shape:
             raise ValueError("per-token scales need at least one dimension")
-        n = x.shape[-1]
-        scale = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
-        TOKEN_QUANTIZE[(x.numel() // n,)](x_c, q.view(torch.uint8), scale, n,
-                                          BLOCK=pick_block(n, TOKEN_BLOCKS), **consts)
+        n = shape[-1]
+        scale = torch.empty((*shape[:-1], 1), dtype=torch.float32, device=device)
+        TOKEN_QUANTIZE[(numel // n,)](x_c, q.view(torch.uint8), scale, n, BLOCK=pick_block(n, TOKEN_BLOCKS), **consts)
         return q, scale
-    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-    scale = torch.empty((), dtype=torch.float32, device=x.device)
-    AMAX[(triton.cdiv(x.numel(), AMAX_BLOCK),)](x_c, amax, x.numel(), BLOCK=AMAX_BLOCK)
-    AMAX_QUANTIZE[(triton.cdiv(x.numel(), QUANT_BLOCK),)](x_c, amax, q.view(torch.uint8), scale, x.numel(),
-                                                         BLOCK=QUANT_BLOCK, **consts)
+    amax = torch.zeros(1, dtype=torch.float32, device=device)
+    scale = torch.empty((), dtype=torch.float32, device=device)
+    AMAX[(cdiv(numel, AMAX_BLOCK),)](x_c, amax, numel, BLOCK=AMAX_BLOCK)
+    AMAX_QUANTIZE[(cdiv(numel, QUANT_BLOCK),)](x_c, amax, q.view(torch.uint8), scale, numel, BLOCK=QUANT_BLOCK,
+                                               **consts)
     return q, scale
 
 

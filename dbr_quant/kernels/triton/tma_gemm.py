@@ -34,17 +34,16 @@ import functools
 from collections.abc import Iterator
 
 import torch
-import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.dense import GATED
 from dbr_quant.kernels.triton import gemm_core as core
-from dbr_quant.kernels.triton.common import AotEntry, Kernel, device_function, on_interpreter
+from dbr_quant.kernels.triton.common import AotEntry, Kernel, cdiv, device_function, on_interpreter
 
 __all__ = ["AOT_CONFIGS", "KERNEL_CHOICES", "TMA_CONFIGS", "TMA_MIN_ROWS", "aot_attrs", "aot_options",
-           "forced_kernel", "launch_linear", "tma_config", "use_tma"]
+           "forced_kernel", "launch_linear", "may_use_tma", "tma_config", "use_tma"]
 
 @dataclasses.dataclass(frozen=True)
 class TmaConfig(core.GemmConfig):
@@ -135,6 +134,12 @@ def _tma_ready(t: torch.Tensor) -> bool:
             and (t.stride(0) * t.element_size()) % TMA_ALIGN == 0)
 
 
+def may_use_tma(kernel: str | None) -> bool:
+    """False when :func:`use_tma` is False whatever the operands: automatic choice (no ``kernel``, none forced)
+    while AUTO_TMA is off. Lets a wrapper skip preparing what only the TMA kernel needs."""
+    return kernel is not None or AUTO_TMA or _forced.get() is not None
+
+
 def use_tma(op: str, kernel: str | None, a: torch.Tensor, w: torch.Tensor, m: int, config_given: bool,
             block_k: int = 0) -> bool:
     """Whether ``op`` launches the TMA kernel for A = ``a`` (m × K) and W = ``w``.
@@ -145,6 +150,8 @@ def use_tma(op: str, kernel: str | None, a: torch.Tensor, w: torch.Tensor, m: in
     given and (block-scaled) the scale block's K is a multiple of the TMA tile's BLOCK_K. A forced "tma"
     that cannot run raises instead of silently timing the other kernel."""
     kernel = kernel if kernel is not None else _forced.get()
+    if kernel is None and not AUTO_TMA:  # decided without looking at the operands (this runs on every launch)
+        return False
     if kernel is not None and kernel not in KERNEL_CHOICES:
         raise ValueError(f"{op}: unknown kernel {kernel!r}; use one of {KERNEL_CHOICES} or None")
     if kernel == "classic":
@@ -274,7 +281,7 @@ def launch_linear(a: torch.Tensor, w_q: torch.Tensor, ep: core.EpilogueOperands,
         raise ValueError(f"TMA linear: BLOCK_K={cfg.BLOCK_K} must divide the scale block's K ({block[1]})")
     if not (m and n):
         return
-    programs = min(triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N), _num_programs(a.device))
+    programs = min(cdiv(m, cfg.BLOCK_M) * cdiv(n, cfg.BLOCK_N), _num_programs(a.device))
     a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [cfg.BLOCK_M, cfg.BLOCK_K])
     w_desc = TensorDescriptor(w_q, [w_q.shape[0], k], [w_q.stride(0), 1], [cfg.BLOCK_N, cfg.BLOCK_K])
     TMA_LINEAR_KERNEL[(programs,)](

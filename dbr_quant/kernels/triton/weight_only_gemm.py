@@ -36,14 +36,13 @@ import itertools
 from typing import Literal
 
 import torch
-import triton
 import triton.language as tl
 
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED, linear_epilogue
 from dbr_quant.kernels.reference.weight_only import check_weight_only
 from dbr_quant.kernels.triton import gemm_core as core
-from dbr_quant.kernels.triton.common import AotEntry, Kernel, device_function, on_interpreter
+from dbr_quant.kernels.triton.common import AotEntry, Kernel, cdiv, device_function, on_interpreter
 from dbr_quant.kernels.triton.weight_decode import decode_e4m3, decode_weight
 
 __all__ = ["AOT_CONFIGS", "CONFIGS", "DECODE_ONCE_ABOVE_M", "aot_attrs", "aot_options", "decode_e4m3",
@@ -166,38 +165,50 @@ def fp8_weight_only_linear(
     if activation is not None and activation not in ACTIVATIONS + GATED:
         raise ValueError(f"fp8_weight_only_linear: unknown activation {activation!r}; use one of {ACTIVATIONS + GATED}")
     gated = activation in GATED
-    lead, k, n_w = x.shape[:-1], x.shape[-1], w_q.shape[0]
+    shape = x.shape
+    lead, k, n_w = shape[:-1], shape[-1], w_q.shape[0]
     if gated and n_w % 2:
         raise ValueError(f"fp8_weight_only_linear: gated activation {activation!r} needs W stacked as [gate; up], "
                          f"got {n_w} rows")
     n = n_w // 2 if gated else n_w
     x_mma = x if x.dtype in MMA_DTYPES else x.to(torch.bfloat16)  # torch's cast rounds to nearest even
-    a = core.unit_stride(x_mma.reshape(-1, k), 1)
+    a, m, stride_am, stride_ak = core.row_operand(x_mma, k)
     w_bytes = core.unit_stride(w_q, 1).view(torch.uint8)
     core.check_size(a, w_bytes, residual)
-    m = a.shape[0]
-    ws = w_scale.detach().float().reshape(-1)
     if (path or pick_path(m)) == "decode_once":
-        return _decode_once_linear(a, w_q, ws, lead, n, bias, activation, residual, out_dtype, out_scale,
-                                   FP8Format.parse(out_fmt))
-    one = torch.ones(1, dtype=torch.float32, device=a.device)
-    b = None if bias is None else bias.detach().float().reshape(n_w)
+        return _decode_once_linear(a.reshape(m, k), w_q, core.fp32(w_scale).reshape(-1), lead, n, bias, activation,
+                                   residual, out_dtype, out_scale, FP8Format.parse(out_fmt))
+    ws, stride_ws = core.scale_values(w_scale)
+    one = _one(a.device)
+    b = None if bias is None else core.fp32_vector(bias, n_w)
     ep = core.epilogue_operands(lead, m, n, residual, out_dtype, out_scale, out_fmt, a.device)
     cfg = config or pick_config(m)
     if gated and config is None:
-        cfg = cfg.gated()
-    grid = (triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N),)
+        cfg = core.gated_config(cfg)
     if m and n:
-        WEIGHT_ONLY_KERNEL[grid](
+        WEIGHT_ONLY_KERNEL[(cdiv(m, cfg.BLOCK_M) * cdiv(n, cfg.BLOCK_N),)](
             a, w_bytes, ep.out_view, ws, one, *ep.pointers(b, one),
             m, n, k,
-            a.stride(0), a.stride(1), w_bytes.stride(0), w_bytes.stride(1), *ep.strides(),
-            0 if ws.numel() == 1 else ws.stride(0),
-            **cfg.constexprs(), **ep.constexprs(activation, b is not None),
+            stride_am, stride_ak, *w_bytes.stride(), *ep.strides(), stride_ws,
+            **ep.launch_options(cfg, activation, b is not None),
             DOT_FP32=on_interpreter() and a.dtype == torch.bfloat16,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-    return ep.out.reshape(*lead, n)
+    return ep.out
+
+
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    """A 1.0 in fp32 on ``device`` (the activation scale the kernel's shared epilogue multiplies by), made once
+    per device: the kernels only read it. One made while a CUDA graph is being captured is not kept (its
+    memory belongs to the graph's pool and is not ours after the graph is freed)."""
+    one = _ONES.get(device)
+    if one is None:
+        one = torch.ones(1, dtype=torch.float32, device=device)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _ONES[device] = one
+    return one
 
 
 def _decode_once_linear(a: torch.Tensor, w_q: torch.Tensor, ws: torch.Tensor, lead: torch.Size, n: int,
