@@ -15,10 +15,14 @@ import torch
 
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels import use_backend
+from dbr_quant.kernels.reference import block as RB
 from dbr_quant.kernels.reference import dense as R
+from dbr_quant.kernels.reference import mx as RM
 from dbr_quant.kernels.reference import weight_only as RW
+from dbr_quant.kernels.triton import block_gemm as TB
 from dbr_quant.kernels.triton import gemm as G
 from dbr_quant.kernels.triton import gemm_core as core
+from dbr_quant.kernels.triton import mx_gemm as TM
 from dbr_quant.kernels.triton import quantize as TQ
 from dbr_quant.kernels.triton import weight_only_gemm as TW
 
@@ -177,3 +181,24 @@ def test_quantize_variants_back_to_back_match_the_reference(fmt):
                     assert torch.equal(TQ.quantize(x_in, scale, fmt).view(torch.uint8), want)
         with pytest.raises(ValueError, match="does not broadcast"):
             TQ.quantize(x[0], torch.ones(1, 1, 1), fmt)  # one value, but more dims than x
+
+
+@pytest.mark.parametrize("kind", ["block", "mx"])
+def test_block_and_mx_linears_read_a_strided_bias(kind):
+    """The block-scaled and MX linears' kernels index the bias by column, as the dense one's: a strided 1-D bias is
+    made contiguous first (it was passed as the strided view, read at the wrong elements)."""
+    gen = torch.Generator().manual_seed(4)
+    k, n = 64, N
+    x_q, w_q = _ints(gen, M, k).to(torch.float8_e4m3fn), _ints(gen, n, k).to(torch.float8_e4m3fn)
+    bias = _strided(_ints(gen, n))
+    with use_backend("triton-interpret"):
+        if kind == "block":
+            x_s, w_s = _pow2(gen, M, 2), _pow2(gen, 2, 2)  # (16, 32) blocks: N 24 → 2 row blocks, K 64 → 2
+            got = TB.fp8_block_linear(x_q, x_s, w_q, w_s, block=(16, 32), bias=bias)
+            want = RB.fp8_block_linear(x_q, x_s, w_q, w_s, block=(16, 32), bias=bias.contiguous())
+        else:
+            codes = lambda *shape: torch.randint(125, 129, shape, generator=gen, dtype=torch.uint8)  # noqa: E731
+            x_s, w_s = codes(M, k // 32), codes(n, k // 32)  # E8M0: 2**-2 … 2**1
+            got = TM.fp8_mx_linear(x_q, x_s, w_q, w_s, bias=bias)
+            want = RM.fp8_mx_linear(x_q, x_s, w_q, w_s, bias=bias.contiguous())
+    assert torch.equal(got, want), float((got - want).abs().max())

@@ -119,7 +119,7 @@ def fp8_block_linear(
     kb = math.ceil(k / bk)
     xs = x_scale.detach().float().reshape(m, kb).contiguous()
     ws = w_scale.detach().float().contiguous()
-    b = None if bias is None else bias.detach().float().reshape(w_q.shape[0])
+    b = None if bias is None else core.fp32_vector(bias, w_q.shape[0])  # the kernel indexes it by column
     ep = core.epilogue_operands(lead, m, n, residual, out_dtype, out_scale, out_fmt, a.device)
     if tma_gemm.use_tma("fp8_block_linear", kernel, a, w_q, m, config is not None, block_k=bk):
         tma_gemm.launch_linear(a, w_q, ep, xs, ws, b, n, activation, stride_xs=kb, stride_ws=kb, block=(bn, bk),

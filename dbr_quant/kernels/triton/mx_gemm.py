@@ -173,7 +173,7 @@ def fp8_mx_linear(
     kb = math.ceil(k / MX_BLOCK)
     xs = x_scale.reshape(m, kb).contiguous()
     ws = w_scale.contiguous()
-    b = None if bias is None else bias.detach().float().reshape(w_q.shape[0])
+    b = None if bias is None else core.fp32_vector(bias, w_q.shape[0])  # the kernel indexes it by column
     ep = core.epilogue_operands(lead, m, n, residual, out_dtype, out_scale, out_fmt, a.device)
     unused = torch.empty(1, dtype=torch.float32, device=a.device)  # stands in for the pointers not read
     cfg = config or pick_mx_config(m)
