@@ -14,6 +14,7 @@ import contextlib
 import copy
 import inspect
 import re
+import warnings
 from typing import Any
 
 import torch
@@ -122,11 +123,10 @@ def rewrite(converted: nn.Module, example_inputs: Any = None, *,
     # example inputs that require grad ask for a graph with the eager model's straight-through gradients
     # (straight_through.py: each FP8 op's high-precision reference is captured beside it); else inference
     trainable = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten((args, kwargs))[0])
-    with torch.set_grad_enabled(trainable), capture_with(GraphOps), \
-            _no_size_one_specialization(args, kwargs):
+    dynamic_shapes = {**_named(converted, dyn_args), **dyn_kwargs}
+    with torch.set_grad_enabled(trainable), capture_with(GraphOps):
         try:
-            exported = torch.export.export(converted, args, kwargs, strict=False,
-                                           dynamic_shapes={**_named(converted, dyn_args), **dyn_kwargs})
+            exported = _export(converted, args, kwargs, dynamic_shapes)
         except GuardOnDataDependentSymNode as e:
             raise RewriteError(_data_dependent_message(e)) from e
         except RuntimeError as e:
@@ -147,6 +147,27 @@ def rewrite(converted: nn.Module, example_inputs: Any = None, *,
     if implied:
         _drop_constant_inputs(gm, implied, args, {k: v for k, v in kwargs.items() if k in given})
     return gm
+
+
+def _export(converted: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: dict) -> torch.export.ExportedProgram:
+    """torch.export with size-1 dimensions kept symbolic (:func:`_no_size_one_specialization`). A model that hands
+    a comparison of such a size to an op taking a Python bool (transformers' SDPA: ``is_causal = q_length > 1 and
+    …``, then ``scaled_dot_product_attention(is_causal=<SymBool>)``, refused by torch's argument parser before any
+    tracing hook sees it) cannot be captured that way: it is captured again with those dimensions fixed at the
+    example's size, and a warning says how to get a graph that takes other sizes."""
+    keep_size_one = _no_size_one_specialization(args, kwargs)
+    try:
+        with keep_size_one:
+            return torch.export.export(converted, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+    except TypeError as e:
+        if "SymBool" not in str(e) or isinstance(keep_size_one, contextlib.nullcontext):
+            raise
+        warnings.warn(f"rewrite(): {type(converted).__name__} passes a comparison of an input size of 1 to an op that "
+                      f"needs a Python bool ({e}; e.g. transformers' SDPA attention, which computes is_causal from "
+                      "the query length). The graph is captured with the example's dimensions of size 1 fixed at 1: "
+                      "it takes only inputs with those sizes (a one-token decode step, say). For a graph of other "
+                      "lengths, rewrite with an example of 2 tokens or more.", stacklevel=3)
+    return torch.export.export(converted, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
 
 
 def _data_dependent_message(e: Exception) -> str:

@@ -67,3 +67,26 @@ def test_size_one_branch_is_guarded():
         assert torch.equal(gm(x), converted(x))
     with pytest.raises(AssertionError, match="Guard failed"):  # not the batch-1 path run silently on 3 rows
         gm(torch.randn(3, 8))
+
+
+def test_one_token_example_of_a_transformers_sdpa_model_gives_a_decode_graph():
+    """transformers' SDPA attention computes ``is_causal = q_length > 1 and …`` and passes it to
+    scaled_dot_product_attention, whose argument parser refuses the SymBool a size-1 sequence kept symbolic gives.
+    rewrite() captures such a model again with the size-1 dimensions fixed (a decode graph) and says so."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=100, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 100, (2, 8))
+    prepared = dq.prepare(model, example_kwargs={"input_ids": ids})
+    dq.calibrate(prepared, [{"input_ids": ids}], progress=False)
+    converted = dq.convert(prepared)
+    one = ids[:1, :1]
+    with pytest.warns(UserWarning, match="is_causal.*2 tokens or more"):
+        gm = rewrite(converted, example_kwargs={"input_ids": one})
+    with torch.no_grad():
+        want = converted(input_ids=one).logits
+    assert torch.equal(gm(input_ids=one).logits, want)
+    with pytest.raises(Exception, match="size"):  # the graph's guard: one token only
+        gm(input_ids=ids[:1, :2])
