@@ -31,12 +31,11 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 import triton.language as tl
 
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.dense import head_view
-from dbr_quant.kernels.triton.common import Kernel, check_device, fp8_constants, on_interpreter, round_to_fp8
+from dbr_quant.kernels.triton.common import Kernel, cdiv, check_device, fp8_constants, on_interpreter, round_to_fp8
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr global, so kernels may read it
 HEAD_DIMS = (16, 32, 64, 128)
@@ -250,7 +249,7 @@ def fp8_attention(
         mask_strides = mask.stride()
 
     block_m, block_n, warps = _launch_config(Lq, D, q_q.device)
-    grid = (triton.cdiv(Lq, block_m), B * Hq)
+    grid = (cdiv(Lq, block_m), B * Hq)
     extra = {} if on_interpreter() else {"num_warps": warps, "num_stages": NUM_STAGES}
     ATTN_FWD[grid](
         q_q, k_q, v_q, out, qs, ks, scalars, mask,

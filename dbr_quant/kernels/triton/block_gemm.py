@@ -20,14 +20,13 @@ import dataclasses
 import math
 
 import torch
-import triton
 import triton.language as tl
 
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.block import DEFAULT_BLOCK, check_block, check_block_linear_operands
 from dbr_quant.kernels.triton import gemm_core as core
 from dbr_quant.kernels.triton import tma_gemm
-from dbr_quant.kernels.triton.common import AotEntry, Kernel
+from dbr_quant.kernels.triton.common import AotEntry, Kernel, cdiv
 
 __all__ = ["AOT_CONFIGS", "BLOCK_CONFIGS", "aot_attrs", "aot_options", "fp8_block_linear", "pick_block_config"]
 
@@ -117,8 +116,8 @@ def fp8_block_linear(
     lead = x_q.shape[:-1]
     a, w_q, m = core.linear_rows(x_q, w_q, k, residual)
     kb = math.ceil(k / bk)
-    xs = x_scale.detach().float().reshape(m, kb).contiguous()
-    ws = w_scale.detach().float().contiguous()
+    xs = core.fp32(x_scale).reshape(m, kb).contiguous()
+    ws = core.fp32(w_scale).contiguous()
     b = None if bias is None else core.fp32_vector(bias, w_q.shape[0])  # the kernel indexes it by column
     ep = core.epilogue_operands(lead, m, n, residual, out_dtype, out_scale, out_fmt, a.device)
     if tma_gemm.use_tma("fp8_block_linear", kernel, a, w_q, m, config is not None, block_k=bk):
@@ -129,7 +128,7 @@ def fp8_block_linear(
     if gated and config is None:
         cfg = cfg.gated()
     cfg = _tile_for_block(cfg, bk, explicit=config is not None)
-    grid = (triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N),)
+    grid = (cdiv(m, cfg.BLOCK_M) * cdiv(n, cfg.BLOCK_N),)
     if m and n:
         BLOCK_LINEAR_KERNEL[grid](
             a, w_q, ep.out_view, xs, ws, *ep.pointers(b, xs),

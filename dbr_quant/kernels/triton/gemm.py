@@ -218,7 +218,7 @@ def fp8_matmul(
     a_q = core.unit_stride(a_q, -1)
     b_q = b_q if b_q.stride(-2) == 1 else core.unit_stride(b_q, -1)
     a, b, c = as_4d(a_q, m, k), as_4d(b_q, k, n), as_4d(out, m, n)
-    sa, sb = as_4d(a_scale.detach().float(), m, 1), as_4d(b_scale.detach().float(), 1, n)
+    sa, sb = as_4d(core.fp32(a_scale), m, 1), as_4d(core.fp32(b_scale), 1, n)
     core.check_size(a[0, 0], b[0, 0], c[0, 0])
     b0, b1 = c.shape[0], c.shape[1]
     if b1 > _MAX_GRID_Z:

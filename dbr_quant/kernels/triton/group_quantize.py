@@ -26,7 +26,7 @@ import triton.language as tl
 
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.block import DEFAULT_GROUP, check_group
-from dbr_quant.kernels.triton.common import Kernel, check_device, device_function, fp8_constants
+from dbr_quant.kernels.triton.common import Kernel, cdiv, check_device, device_function, fp8_constants
 from dbr_quant.kernels.triton.norm import NORM_BLOCKS, affine_params, normalize, row_stats
 from dbr_quant.kernels.triton.quantize import (
     FORMATS,
@@ -120,7 +120,7 @@ def group_quantize(x: torch.Tensor, group: int = DEFAULT_GROUP,
         scale.fill_(1.0)  # an empty group's amax is 0: scale 1, as safe_scale
         return q, scale
     rows, pad = _tile(group)
-    GROUP_QUANTIZE[(triton.cdiv(m, rows), g)](loadable(x), q.view(torch.uint8), scale, m, k, g, BLOCK_ROWS=rows,
+    GROUP_QUANTIZE[(cdiv(m, rows), g)](loadable(x), q.view(torch.uint8), scale, m, k, g, BLOCK_ROWS=rows,
                                               GROUP=group, GROUP_PAD=pad, **fp8_constants(fmt))
     return q, scale
 

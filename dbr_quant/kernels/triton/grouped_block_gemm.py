@@ -21,7 +21,6 @@ import itertools
 import math
 
 import torch
-import triton
 import triton.language as tl
 
 from dbr_quant.formats import FP8Format
@@ -33,7 +32,7 @@ from dbr_quant.kernels.routing import MoeRouting
 from dbr_quant.kernels.triton import gemm_core as core
 from dbr_quant.kernels.triton import grouped_gemm as grouped
 from dbr_quant.kernels.triton.block_gemm import BLOCK_CONFIGS, MIN_BLOCK_K
-from dbr_quant.kernels.triton.common import AotEntry, Kernel
+from dbr_quant.kernels.triton.common import AotEntry, Kernel, cdiv
 
 __all__ = ["AOT_CONFIGS", "aot_attrs", "aot_options", "fp8_grouped_block_linear", "fp8_grouped_mx_linear"]
 
@@ -128,15 +127,15 @@ def fp8_grouped_block_linear(
     core.check_size(a, w[0])
     rows, dev = routing.num_rows, x_q.device
     kb = math.ceil(k / bk)
-    xs = x_scale.detach().float().contiguous()
-    ws = w_scale.detach().float().contiguous()
+    xs = core.fp32(x_scale).contiguous()
+    ws = core.fp32(w_scale).contiguous()
     b = grouped.expert_bias(bias, num_e, n_w, op)
     route_w = grouped.slot_weights(routing, topk_weights, op)
     out, out_view, kind_o = grouped.grouped_output(routing, n, out_dtype, topk_weights is not None, False, dev, op)
-    cfg = config or _config(triton.cdiv(rows, num_e), gated, bk)
-    max_tiles = triton.cdiv(rows, cfg.BLOCK_M) + min(num_e, rows)
+    cfg = config or _config(cdiv(rows, num_e), gated, bk)
+    max_tiles = cdiv(rows, cfg.BLOCK_M) + min(num_e, rows)
     if rows and n:
-        GROUPED_BLOCK_KERNEL[(max_tiles * triton.cdiv(n, cfg.BLOCK_N),)](
+        GROUPED_BLOCK_KERNEL[(max_tiles * cdiv(n, cfg.BLOCK_N),)](
             a, w, out_view, xs, ws, xs if b is None else b, routing.slots, xs if route_w is None else route_w,
             routing.expert_offsets,
             n, k, kb, up_row, num_e, routing.top_k, max_tiles,

@@ -34,7 +34,6 @@ from __future__ import annotations
 import itertools
 
 import torch
-import triton
 import triton.language as tl
 
 from dbr_quant.formats import FP8Format
@@ -42,7 +41,7 @@ from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
 from dbr_quant.kernels.reference.grouped import check_grouped_args
 from dbr_quant.kernels.routing import MoeRouting, expert_out_scale, expert_weight_scale, input_scale_kind
 from dbr_quant.kernels.triton import gemm_core as core
-from dbr_quant.kernels.triton.common import AotEntry, Kernel, check_device, device_function, fp8_constants
+from dbr_quant.kernels.triton.common import AotEntry, Kernel, cdiv, check_device, device_function, fp8_constants
 from dbr_quant.kernels.triton.gemm import CONFIGS, pick_config
 from dbr_quant.kernels.triton.quantize import LOADED_DTYPES, block_max, block_sum, quantize_bits
 
@@ -173,7 +172,7 @@ MOE_QUANTIZE_KERNEL = Kernel(_moe_quantize_kernel, ("num_experts", "top_k"))
 
 def pick_grouped_config(rows: int, num_experts: int) -> core.GemmConfig:
     """The dense GEMM's config for the average rows per expert (no autotuning: must run interpreted)."""
-    return pick_config(triton.cdiv(rows, num_experts))
+    return pick_config(cdiv(rows, num_experts))
 
 
 def fp8_grouped_linear(
@@ -210,7 +209,7 @@ def fp8_grouped_linear(
     if max(rows, routing.num_tokens) * n >= 2**31:
         raise ValueError(f"{op}: output too large for 32-bit offsets ({rows} rows × {n})")
 
-    xs = x_scale.detach().float()
+    xs = core.fp32(x_scale)
     kind = input_scale_kind(xs, num_e, a.shape[0], op)
     xs = xs.reshape(-1)
     stride_xe, stride_xr = {"tensor": (0, 0), "expert": (1, 0), "row": (0, 1)}[kind]
@@ -232,9 +231,9 @@ def fp8_grouped_linear(
     cfg = config or pick_grouped_config(rows, num_e)
     if gated and config is None:
         cfg = cfg.gated()
-    max_tiles = triton.cdiv(rows, cfg.BLOCK_M) + min(num_e, rows)
+    max_tiles = cdiv(rows, cfg.BLOCK_M) + min(num_e, rows)
     if rows and n:
-        GROUPED_KERNEL[(max_tiles * triton.cdiv(n, cfg.BLOCK_N),)](
+        GROUPED_KERNEL[(max_tiles * cdiv(n, cfg.BLOCK_N),)](
             a, w_q, out_view, xs, ws, xs if b is None else b, inv, routing.slots,
             xs if route_w is None else route_w, routing.expert_offsets,
             n, k, num_e, routing.top_k, max_tiles,
@@ -253,7 +252,7 @@ def expert_bias(bias: torch.Tensor | None, num_e: int, n_w: int, op: str) -> tor
         return None
     if tuple(bias.shape) != (num_e, n_w):
         raise ValueError(f"{op}: bias must be [E, N] = [{num_e}, {n_w}], got {tuple(bias.shape)}")
-    return bias.detach().float().contiguous()
+    return core.fp32(bias).contiguous()
 
 
 def slot_weights(routing: MoeRouting, topk_weights: torch.Tensor | None, op: str) -> torch.Tensor | None:
@@ -263,7 +262,7 @@ def slot_weights(routing: MoeRouting, topk_weights: torch.Tensor | None, op: str
     if tuple(topk_weights.shape) != (routing.num_tokens, routing.top_k):
         raise ValueError(f"{op}: topk_weights must be [{routing.num_tokens}, {routing.top_k}] like the "
                          f"routing's topk_ids, got {tuple(topk_weights.shape)}")
-    return topk_weights.detach().float().contiguous().reshape(-1)
+    return core.fp32(topk_weights).contiguous().reshape(-1)
 
 
 def grouped_output(routing: MoeRouting, n: int, out_dtype: torch.dtype, combine: bool, deterministic: bool,

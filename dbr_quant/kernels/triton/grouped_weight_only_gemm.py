@@ -20,14 +20,13 @@ import functools
 import itertools
 
 import torch
-import triton
 import triton.language as tl
 
 from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
 from dbr_quant.kernels.reference.grouped import check_grouped_args
 from dbr_quant.kernels.routing import MoeRouting, expert_weight_scale
 from dbr_quant.kernels.triton import gemm_core as core
-from dbr_quant.kernels.triton.common import AotEntry, Kernel, on_interpreter
+from dbr_quant.kernels.triton.common import AotEntry, Kernel, cdiv, on_interpreter
 from dbr_quant.kernels.triton.grouped_gemm import (
     EXPERT_CHUNK,
     expert_bias,
@@ -124,12 +123,12 @@ def fp8_grouped_weight_only_linear(
     route_w = slot_weights(routing, topk_weights, op)
     out, out_view, kind_o = grouped_output(routing, n, out_dtype, topk_weights is not None, deterministic, dev, op)
     one = torch.ones(1, dtype=torch.float32, device=dev)
-    cfg = config or pick_config(triton.cdiv(rows, num_e))  # the average rows per expert
+    cfg = config or pick_config(cdiv(rows, num_e))  # the average rows per expert
     if activation in GATED and config is None:
         cfg = cfg.gated()
-    max_tiles = triton.cdiv(rows, cfg.BLOCK_M) + min(num_e, rows)
+    max_tiles = cdiv(rows, cfg.BLOCK_M) + min(num_e, rows)
     if rows and n:
-        GROUPED_WEIGHT_ONLY_KERNEL[(max_tiles * triton.cdiv(n, cfg.BLOCK_N),)](
+        GROUPED_WEIGHT_ONLY_KERNEL[(max_tiles * cdiv(n, cfg.BLOCK_N),)](
             a, w_bytes, out_view, ws.reshape(-1), one, one if b is None else b, routing.slots,
             one if route_w is None else route_w, routing.expert_offsets,
             n, k, num_e, routing.top_k, max_tiles,

@@ -25,7 +25,6 @@ import math
 from typing import Literal
 
 import torch
-import triton
 import triton.language as tl
 
 from dbr_quant.formats import FP8Format
@@ -34,7 +33,7 @@ from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
 from dbr_quant.kernels.reference.mx import MX_BLOCK, MX_WEIGHT_BLOCK, check_e8m0, e8m0_to_float
 from dbr_quant.kernels.triton import block_gemm
 from dbr_quant.kernels.triton import gemm_core as core
-from dbr_quant.kernels.triton.common import AotEntry, Kernel, device_function, on_interpreter
+from dbr_quant.kernels.triton.common import AotEntry, Kernel, cdiv, device_function, on_interpreter
 
 __all__ = ["AOT_CONFIGS", "MX_CONFIGS", "aot_attrs", "aot_options", "fp8_mx_linear"]
 
@@ -181,7 +180,7 @@ def fp8_mx_linear(
         cfg = cfg.gated()
     if cfg.BLOCK_K % MX_BLOCK:
         raise ValueError(f"fp8_mx_linear: BLOCK_K must be a multiple of {MX_BLOCK}, got {cfg.BLOCK_K}")
-    grid = (triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N),)
+    grid = (cdiv(m, cfg.BLOCK_M) * cdiv(n, cfg.BLOCK_N),)
     if m and n:
         MX_LINEAR_KERNEL[grid](
             a, w_q, ep.out_view, xs, ws, *ep.pointers(b, unused),

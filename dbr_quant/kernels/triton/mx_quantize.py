@@ -23,12 +23,11 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 import triton.language as tl
 
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.mx import E8M0_BIAS, MX_BLOCK, element_emax
-from dbr_quant.kernels.triton.common import AotEntry, Kernel, check_device, device_function, fp8_constants
+from dbr_quant.kernels.triton.common import AotEntry, Kernel, cdiv, check_device, device_function, fp8_constants
 from dbr_quant.kernels.triton.quantize import FORMATS, TRITON_DTYPES, aot_signature, finite_abs, loadable, quantize_bits
 
 BLOCK_ROWS = 16  # rows per program
@@ -95,7 +94,7 @@ def mx_quantize(x: torch.Tensor, fmt: FP8Format = FP8Format.E4M3,
                          "blocks run); reshape a scalar to [1]")
     k = x.shape[-1]
     kb = math.ceil(k / MX_BLOCK)
-    k_tiles = triton.cdiv(kb, BLOCKS)
+    k_tiles = cdiv(kb, BLOCKS)
     if k_tiles > MAX_GRID_Y:
         raise ValueError(f"mx_quantize: a last dimension of {k} needs {k_tiles} programs along K, more than the CUDA "
                          f"grid's {MAX_GRID_Y}; split the tensor along its last dimension")
@@ -105,7 +104,7 @@ def mx_quantize(x: torch.Tensor, fmt: FP8Format = FP8Format.E4M3,
         code.fill_(E8M0_BIAS)  # an empty block's amax is 0: scale 1, as the reference
         return q, code
     m = x.numel() // k
-    MX_QUANTIZE[(triton.cdiv(m, BLOCK_ROWS), k_tiles)](
+    MX_QUANTIZE[(cdiv(m, BLOCK_ROWS), k_tiles)](
         loadable(x), q.view(torch.uint8), code, m, k, kb,
         BLOCK_ROWS=BLOCK_ROWS, BLOCKS=BLOCKS, **format_constexprs(fmt, round_up))
     return q, code

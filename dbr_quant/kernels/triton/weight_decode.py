@@ -17,10 +17,9 @@ bf16/fp16, bit for bit:
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
-from dbr_quant.kernels.triton.common import AotEntry, Kernel, check_device, device_function
+from dbr_quant.kernels.triton.common import AotEntry, Kernel, cdiv, check_device, device_function
 from dbr_quant.kernels.triton.quantize import aot_signature
 
 __all__ = ["AOT_CONFIGS", "decode_e4m3", "decode_weight"]
@@ -89,12 +88,12 @@ def decode_weight(w_q: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype) 
         raise ValueError(f"decode_weight: w_scale must be one value or one per row ({n}), got {tuple(w_scale.shape)}")
     w_bytes = (w_q if w_q.stride(1) == 1 else w_q.contiguous()).view(torch.uint8)
     out = torch.empty(n, k, dtype=dtype, device=w_q.device)
-    k_tiles = triton.cdiv(k, BLOCK_K)
+    k_tiles = cdiv(k, BLOCK_K)
     if k_tiles > MAX_GRID_Y:
         raise ValueError(f"decode_weight: K = {k} needs {k_tiles} programs along K, more than the CUDA grid's "
                          f"{MAX_GRID_Y}")
     if n and k:
-        DECODE_WEIGHT[(triton.cdiv(n, BLOCK_N), k_tiles)](
+        DECODE_WEIGHT[(cdiv(n, BLOCK_N), k_tiles)](
             w_bytes, scale, out, n, k, w_bytes.stride(0), out.stride(0), 0 if scale.numel() == 1 else 1,
             BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, OUT_BF16=dtype == torch.bfloat16, num_warps=NUM_WARPS)
     return out
