@@ -258,22 +258,17 @@ def _fp32_reference(monkeypatch):
 CASES = [(GPU, 1), (GPU, 2), (GPU, 3), (DECODE, 2)]
 
 
+@pytest.mark.parametrize("check", [check_exact, check_within_bound], ids=["exact_on_integer_operands",
+                                                                          "within_the_derived_bound"])
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("sizes,top_k", CASES, ids=[f"{s.tokens}tok-top{k}" for s, k in CASES])
 @pytest.mark.usefixtures("_fp32_reference")
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_grouped_exact_on_integer_operands(scheme, sizes, top_k):
-    check_exact(scheme, sizes, top_k, "cuda", "triton")
-
-
-@pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("sizes,top_k", CASES, ids=[f"{s.tokens}tok-top{k}" for s, k in CASES])
-@pytest.mark.usefixtures("_fp32_reference")
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_grouped_within_the_derived_bound(scheme, sizes, top_k):
-    check_within_bound(scheme, sizes, top_k, "cuda", "triton")
+def test_grouped_on_the_device(check, scheme, sizes, top_k):
+    """check_exact (integer operands: the reference's bits) and check_within_bound (random operands: the derived
+    bound), each scheme and routing case, on the Triton backend on the device."""
+    check(scheme, sizes, top_k, "cuda", "triton")
 
 
 # ---------------------------------------------------------------------------------------------------------------
