@@ -1,10 +1,12 @@
 # Two commands set everything up on a fresh machine: `make demo` and `make test`.
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
-# More Tritons for the AOT compile checks, one small venv each: requirements-triton-<name>.txt makes
-# .venv-triton-<name> (torch + that triton, nothing else). Only the AOT tool runs there, from
-# tests/kernels/test_aot.py, which finds them the same way. "next": the newest release, what an unpinned
-# install gets; "3.6": the GPU image's. Adding a Triton = adding its requirements file.
+# More Tritons for the AOT compile checks: requirements-triton-<name>.txt makes .venv-triton-<name>, which
+# holds that triton alone (~0.6-1 GB) and reads torch, numpy and tqdm from .venv through a .pth line (its own
+# site-packages comes first, so its triton wins over .venv's). A full venv per Triton was 1.6-2 GB more each,
+# and CI's disk ran out on the second. Only the AOT tool runs there, from tests/kernels/test_aot.py, which
+# finds them the same way. "next": the newest release, what an unpinned install gets; "3.6": the GPU image's.
+# Adding a Triton = adding its requirements file.
 EXTRA_TRITONS := $(patsubst requirements-triton-%.txt,%,$(wildcard requirements-triton-*.txt))
 EXTRA_STAMPS := $(foreach t,$(EXTRA_TRITONS),.venv-triton-$(t)/.installed)
 
@@ -17,9 +19,11 @@ $(VENV_STAMP): requirements-dev.txt setup.cfg
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(VENV_STAMP)
 
-.venv-triton-%/.installed: requirements-triton-%.txt
+.venv-triton-%/.installed: requirements-triton-%.txt $(VENV_STAMP)
 	test -x .venv-triton-$*/bin/python || python3 -m venv .venv-triton-$*
-	.venv-triton-$*/bin/python -m pip install -q -r $<
+	.venv-triton-$*/bin/python -m pip install -q --no-deps --no-cache-dir -r $<
+	$(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > \
+	  "$$(.venv-triton-$*/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/dbr-dev-venv.pth"
 	touch $@
 
 venv: $(VENV_STAMP)

@@ -11,10 +11,12 @@ WORK=build/wheel-check
 TORCH=$(grep -E '^torch==' requirements-dev.txt)  # the torch CI tests with (a CPU build from the local wheels)
 start=$SECONDS
 rm -rf "$WORK" && mkdir -p "$WORK"
+# The venv holds a torch (~1.5 GB): gone on every exit, so repeated runs and CI clones do not fill the disk.
+trap 'rm -rf "$WORK/venv"' EXIT
 # --no-build-isolation: the dev venv already has setuptools; isolation would fetch it again every run.
 "$BUILD_PY" -m pip wheel -q --no-deps --no-build-isolation . -w "$WORK/dist"
 python3 -m venv "$WORK/venv"
-PIP=("$WORK/venv/bin/python" -m pip install -q)
+PIP=("$WORK/venv/bin/python" -m pip install -q --no-cache-dir)
 "${PIP[@]}" "$TORCH"
 "${PIP[@]}" "$TORCH" "$WORK"/dist/dbr_quant-*.whl  # with its dependencies; torch stays the one above
 # Run from outside the repository so `import dbr_quant` finds the installed wheel, not ./dbr_quant.

@@ -22,6 +22,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -100,6 +101,7 @@ def measure(variant: str) -> dict:
     after = _status("VmRSS")
     logits = converted(**example).logits  # it works
     assert torch.isfinite(logits).all()
+    shutil.rmtree(tmp, ignore_errors=True)  # the disk-offload folder
     return {"variant": variant, "fp32": fp32, "largest": largest, "base": base, "before": before, "peak": peak,
             "after": after, "seconds": seconds, "cpu_seconds": cpu}
 

@@ -60,7 +60,9 @@ first_and_last_block:
       tensors: [input, weight]
       stats: [underflow_pct, saturated_pct, sqnr_db]
 """
-config_path = pathlib.Path(tempfile.mkdtemp()) / "inspect.yaml"
+# (a scratch folder that goes away when the notebook ends: see the last cell)
+workdir = tempfile.TemporaryDirectory(prefix="dbr_quant_nb_")
+config_path = pathlib.Path(workdir.name) / "inspect.yaml"
 config_path.write_text(CONFIG)
 
 with dqi.session(prepared, config_path) as s:
@@ -304,3 +306,9 @@ print(res.curve_table())
 
 # %%
 print(f"notebook ran in {time.perf_counter() - t_start:.1f} s")
+
+# %% [markdown]
+# Remove the scratch folder (keep it instead to look at the files: skip this cell).
+
+# %%
+workdir.cleanup()

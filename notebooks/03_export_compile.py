@@ -103,7 +103,9 @@ print("embedding cosine vs fp32 (mean): " + ", ".join(
 # The exported program is a self-contained file: custom ops are registered when `dbr_quant` is imported.
 
 # %%
-path = pathlib.Path(tempfile.mkdtemp()) / "minilm_fp8.pt2"
+# (a scratch folder that goes away when the notebook ends: see the last cell)
+workdir = tempfile.TemporaryDirectory(prefix="dbr_quant_nb_")
+path = pathlib.Path(workdir.name) / "minilm_fp8.pt2"
 exported = torch.export.export(graph, (), evaluation)
 torch.export.save(exported, path)
 loaded = torch.export.load(path)
@@ -144,3 +146,9 @@ for name, ts in times.items():
     med = statistics.median(ts)
     print(f"{name:<26}{1000 * med:>10.1f}{med / base:>8.2f}x")
 print(f"notebook ran in {time.perf_counter() - t_start:.1f} s")
+
+# %% [markdown]
+# Remove the scratch folder (keep it instead to look at the files: skip this cell).
+
+# %%
+workdir.cleanup()

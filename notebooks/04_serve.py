@@ -59,7 +59,9 @@ converted = dq.convert(prepared)
 # model the sentence-transformers pooling files, so serving engines pool like sentence-transformers.
 
 # %%
-folder = pathlib.Path(tempfile.mkdtemp()) / "all-MiniLM-L6-v2-fp8"
+# (a scratch folder, ~225 MB by the end, that goes away when the notebook ends: see the last cell)
+workdir = tempfile.TemporaryDirectory(prefix="dbr_quant_nb_")
+folder = pathlib.Path(workdir.name) / "all-MiniLM-L6-v2-fp8"
 dq.save_pretrained(converted, folder)
 tokenizer.save_pretrained(folder)
 for extra in ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "1_Pooling"):
@@ -285,3 +287,9 @@ print(f"saved: inputs {static_inputs['strategy']}, dynamic={static_inputs['dynam
 print(f"KEY static_saved_dynamic={static_inputs['dynamic']}")
 print(f"KEY static_transformers_vs_dbr_min_cosine={(emb_static_tf * emb_static).sum(-1).min():.5f}")
 print(f"notebook ran in {time.perf_counter() - t_start:.1f} s")
+
+# %% [markdown]
+# Remove the scratch folder (keep it instead to look at the files: skip this cell).
+
+# %%
+workdir.cleanup()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 import re
+import tempfile
 
 import pytest
 
@@ -32,8 +33,12 @@ def _run(name: str) -> tuple[str, int]:
     for c in nb.cells:
         if c.cell_type == "code":
             c.outputs = []
+    scratch = pathlib.Path(tempfile.gettempdir())
+    before = set(scratch.glob("dbr_quant_nb_*"))
     nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name="python3",
                             resources={"metadata": {"path": str(ROOT)}}).execute()
+    # A notebook's files (04 writes ~225 MB of checkpoints) go with it: each run left them in /tmp before.
+    assert set(scratch.glob("dbr_quant_nb_*")) <= before, "the notebook left its scratch folder behind"
     text, images = [], 0
     for c in nb.cells:
         for o in c.get("outputs", []):

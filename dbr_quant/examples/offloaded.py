@@ -37,4 +37,8 @@ def main(offload_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp())
+    if len(sys.argv) > 1:
+        main(sys.argv[1])
+    else:  # a scratch offload folder, removed afterwards
+        with tempfile.TemporaryDirectory(prefix="dbr_quant_offload_") as scratch:
+            main(scratch)
