@@ -27,6 +27,7 @@ from dbr_quant.formats import FP8Format
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 E4M3 = FP8Format.E4M3
+E5M2 = FP8Format.E5M2
 ACTIVATIONS = [None, "relu", "gelu", "gelu_tanh", "silu", "swiglu"]
 
 
@@ -62,6 +63,21 @@ def test_quantize_is_bit_equal(shape):
     assert torch.equal(fast.view(torch.uint8), ref.view(torch.uint8)) and launches["quantize"] == 1
     assert torch.equal(ref.view(torch.uint8), (x * (1 / scale)).clamp(-448, 448).to(torch.float8_e4m3fn).view(
         torch.uint8))
+
+
+def test_in_kernel_reciprocal_is_torch_reciprocal():
+    """Static scales are inverted inside the kernels (common.reciprocal_rn, PTX div.rn.f32) where the reference
+    calls torch.reciprocal: the same bits on the device, per-row scales over the whole normal range."""
+    raw = torch.randint(2**23, 2**31 - 2**23, (4096,), dtype=torch.int64).to(torch.int32).view(torch.float32)
+    scale = torch.cat([raw, torch.rand(4096) * 10]).cuda()[:, None]
+    x = torch.randn(scale.shape[0], 64, device="cuda") * scale  # every row near its own scale
+    fast, ref, _ = both(lambda: kernels.quantize(x, scale, E4M3))
+    assert torch.equal(fast.view(torch.uint8), ref.view(torch.uint8))
+    ones = torch.ones_like(scale)  # 1 · (1/s) for each s: FP8 of the reciprocal itself, on CPU too
+    with kernels.use_backend("triton"):
+        q = kernels.quantize(ones, scale, E5M2)
+    assert torch.equal(q.view(torch.uint8).cpu(), torch.reciprocal(scale.cpu()).clamp(-E5M2.max, E5M2.max).to(
+        torch.float8_e5m2).view(torch.uint8))
 
 
 @pytest.mark.parametrize("per_token", [False, True])

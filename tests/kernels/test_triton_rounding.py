@@ -9,7 +9,7 @@ from triton.backends.compiler import GPUTarget
 
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels import use_backend
-from dbr_quant.kernels.triton.common import Kernel, fp8_bits, fp8_constants, round_to_fp8
+from dbr_quant.kernels.triton.common import Kernel, fp8_bits, fp8_constants, reciprocal_rn, round_to_fp8
 
 
 def _quantize_kernel(x_ptr, y_ptr, N, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr,
@@ -52,3 +52,33 @@ def test_rounding_kernel_compiles_for_hopper_and_ada(arch):
                                     constexprs={"BLOCK": 1024, **fp8_constants(FP8Format.E4M3)})
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32))
     assert f".target sm_{arch}" in compiled.asm["ptx"]
+
+
+def _reciprocal_kernel(s_ptr, y_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    tl.store(y_ptr + offs, reciprocal_rn(tl.load(s_ptr + offs, mask=mask, other=1.0)), mask=mask)
+
+
+RECIPROCAL = Kernel(_reciprocal_kernel)
+
+
+def test_reciprocal_rn_is_torch_reciprocal_bit_for_bit():
+    """The kernels multiply by reciprocal_rn(scale) where the reference multiplies by torch.reciprocal(scale)."""
+    torch.manual_seed(0)
+    # raw bit patterns over the positive normal range, plus scales as observers make them
+    raw = torch.randint(2**23, 2**31 - 2**23, (16384,), dtype=torch.int64).to(torch.int32).view(torch.float32)
+    s = torch.cat([raw, torch.rand(4096) * 10, torch.tensor([1.0, 3.0, 448.0, 1 / 448, 2.0**-126, 2.0**126])])
+    y = torch.empty_like(s)
+    with use_backend("triton-interpret"):
+        RECIPROCAL[(triton.cdiv(s.numel(), 1024),)](s, y, s.numel(), BLOCK=1024)
+    assert torch.equal(y.view(torch.int32), torch.reciprocal(s).view(torch.int32))
+
+
+def test_reciprocal_rn_compiles_to_ieee_division():
+    """On the GPU the same bits need IEEE division: PTX div.rn.f32, not the approximate div.full.f32 that
+    Triton emits for ``/`` (tests/gpu checks the bits on a device)."""
+    src = triton.compiler.ASTSource(fn=RECIPROCAL.jit, signature={"s_ptr": "*fp32", "y_ptr": "*fp32", "N": "i32",
+                                                                  "BLOCK": "constexpr"}, constexprs={"BLOCK": 1024})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx

@@ -52,7 +52,7 @@ def pick_block_config(m: int) -> core.GemmConfig:
 
 
 def _fp8_block_linear_kernel(
-    a_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, inv_out_scale_ptr,
+    a_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, out_scale_ptr,
     M, N, K, KB, UP_SCALE_ROW,
     stride_am, stride_ak, stride_wn, stride_wk, stride_om, stride_on, stride_rm, stride_rn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -67,7 +67,7 @@ def _fp8_block_linear_kernel(
     acc, acc_up = core.main_loop(a_ptr, w_ptr, x_scale_ptr, w_scale_ptr, rm, rn, mask_m, mask_n, N, K, UP_SCALE_ROW,
                                  stride_am, stride_ak, stride_wn, stride_wk, KB, KB,
                                  BLOCK_M, BLOCK_N, BLOCK_K, GATED, SCALE_N, SCALE_K)
-    core.linear_epilogue(acc, acc_up, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr, inv_out_scale_ptr,
+    core.linear_epilogue(acc, acc_up, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr, out_scale_ptr,
                          rm, rn, mask_m, mask_n, N,
                          KB, KB, stride_rm, stride_rn, stride_om, stride_on,
                          SCALE_K, ACTIVATION, GATED, HAS_BIAS, HAS_RESIDUAL, OUT_KIND,

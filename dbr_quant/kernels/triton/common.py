@@ -34,6 +34,14 @@ class device_function(triton.runtime.JITFunction):  # noqa: N801 - used as a dec
 
 
 @device_function
+def reciprocal_rn(scale):
+    """``1 / scale`` rounded to nearest (IEEE ``div.rn``; a GPU's fp32 ``/`` is the approximate ``div.full``):
+    torch.reciprocal's bits, the factor reference.quantize multiplies by. Computed in the kernel from the
+    scale itself, so a wrapper launches no reciprocal of its own per call."""
+    return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@device_function
 def round_to_fp8(x, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr):
     """fp32 ``x`` → the nearest FP8 value (ties to even), saturated to ±FP8_MAX, still as fp32.
 

@@ -59,7 +59,7 @@ def pick_config(m: int) -> GemmConfig:
 
 
 def _fp8_linear_kernel(
-    a_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, inv_out_scale_ptr,
+    a_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, out_scale_ptr,
     M, N, K,
     stride_am, stride_ak, stride_wn, stride_wk, stride_om, stride_on, stride_rm, stride_rn, stride_xs, stride_ws,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -75,7 +75,7 @@ def _fp8_linear_kernel(
     acc, acc_up = core.main_loop(a_ptr, w_ptr, x_scale_ptr, w_scale_ptr, rm, rn, mask_m, mask_n, N, K, N,
                                  stride_am, stride_ak, stride_wn, stride_wk, stride_xs, stride_ws,
                                  BLOCK_M, BLOCK_N, BLOCK_K, GATED, 1, 0)
-    core.linear_epilogue(acc, acc_up, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr, inv_out_scale_ptr,
+    core.linear_epilogue(acc, acc_up, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr, out_scale_ptr,
                          rm, rn, mask_m, mask_n, N,
                          stride_xs, stride_ws, stride_rm, stride_rn, stride_om, stride_on,
                          0, ACTIVATION, GATED, HAS_BIAS, HAS_RESIDUAL, OUT_KIND,
@@ -136,7 +136,7 @@ def fp8_linear(
     """``act(x·Wᵀ·sx·sw + bias) + residual`` in one kernel (see reference.fp8_linear).
 
     With ``out_scale`` (0-d: the next op's input scale) the result is stored as FP8 in ``out_fmt``,
-    quantized exactly like ``reference.quantize`` (× a reciprocal computed by torch, RNE, saturating), so
+    quantized exactly like ``reference.quantize`` (× the reciprocal torch.reciprocal gives, RNE, saturating), so
     fc1 → act → fc2 chains pass FP8 without a high-precision round trip; ``out_dtype`` is then ignored.
     ``config`` overrides the block config picked by M (tests use small tiles to get many ragged edges).
     ``kernel``: "tma" (:mod:`tma_gemm`, sm_90), "classic" (this module's) or None: TMA on sm_90 for large

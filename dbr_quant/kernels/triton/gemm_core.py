@@ -35,6 +35,7 @@ from dbr_quant.kernels.triton.common import (
     device_function,
     fp8_bits,
     fp8_constants,
+    reciprocal_rn,
     round_to_fp8,
 )
 
@@ -212,13 +213,13 @@ def scale_bias_activation(acc, acc_up, a_scale_ptr, w_scale_ptr, bias_ptr, a_row
 
 
 @device_function
-def store_tile(y, out_ptrs, inv_out_scale_ptr, mask,
+def store_tile(y, out_ptrs, out_scale_ptr, mask,
                OUT_KIND: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr,
                MIN_NORMAL: tl.constexpr, EXP_BIAS: tl.constexpr):
-    """Store the fp32 tile as OUT_KIND: "fp8" (× the torch-computed 1/scale, exact RNE onto the grid in fp32,
+    """Store the fp32 tile as OUT_KIND: "fp8" (× 1/out_scale as torch computes it, exact RNE onto the grid in fp32,
     stored as bytes through a uint8 view), "bf16" (integer RNE, through a uint16 view) or the pointer's dtype."""
     if OUT_KIND == "fp8":
-        q = round_to_fp8(y * tl.load(inv_out_scale_ptr), FP8_MAX, MANTISSA_BITS, MIN_NORMAL)
+        q = round_to_fp8(y * reciprocal_rn(tl.load(out_scale_ptr)), FP8_MAX, MANTISSA_BITS, MIN_NORMAL)
         tl.store(out_ptrs, fp8_bits(q, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS), mask=mask)
     elif OUT_KIND == "bf16":
         tl.store(out_ptrs, bf16_bits(y), mask=mask)
@@ -227,7 +228,7 @@ def store_tile(y, out_ptrs, inv_out_scale_ptr, mask,
 
 
 @device_function
-def linear_epilogue(acc, acc_up, a_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr, inv_out_scale_ptr,
+def linear_epilogue(acc, acc_up, a_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr, out_scale_ptr,
                     rm, rn, mask_m, mask_n,
                     N,
                     stride_sa, stride_sw, stride_rm, stride_rn, stride_om, stride_on,
@@ -243,7 +244,7 @@ def linear_epilogue(acc, acc_up, a_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, ou
         res = tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :] * stride_rn, mask=mask, other=0.0)
         y += res.to(tl.float32)
     out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on
-    store_tile(y, out_ptrs, inv_out_scale_ptr, mask, OUT_KIND, FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
+    store_tile(y, out_ptrs, out_scale_ptr, mask, OUT_KIND, FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -353,12 +354,12 @@ class EpilogueOperands(NamedTuple):
     out_view: torch.Tensor  # the view of ``out`` the kernel stores through (uint8 for FP8, uint16 for bf16)
     kind: str  # the OUT_KIND constexpr
     fmt: FP8Format  # the FP8 format of an FP8 output (E4M3 otherwise: its constants are then unused)
-    inv_out_scale: torch.Tensor | None  # 1/out_scale as computed by reference.quantize, for an FP8 output
+    out_scale: torch.Tensor | None  # an FP8 output's scale (fp32, one value); the kernel takes its reciprocal
     out_strides: tuple[int, int, int, int]  # what :meth:`strides` returns
 
     def pointers(self, bias: torch.Tensor | None, any_fp32: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The kernel's ``bias_ptr, res_ptr, inv_out_scale_ptr``; ``any_fp32`` stands in for those not read."""
-        res, inv = self.residual, self.inv_out_scale
+        """The kernel's ``bias_ptr, res_ptr, out_scale_ptr``; ``any_fp32`` stands in for those not read."""
+        res, inv = self.residual, self.out_scale
         return (any_fp32 if bias is None else bias, any_fp32 if res is None else res, any_fp32 if inv is None else inv)
 
     def strides(self) -> tuple[int, int, int, int]:
@@ -416,9 +417,8 @@ def epilogue_operands(lead: torch.Size, m: int, n: int, residual: torch.Tensor |
         fmt_o = FP8Format.parse(out_fmt)
         if out_scale.numel() != 1:
             raise ValueError("out_scale must be a single (0-d) scale: the next op's per-tensor input scale")
-        inv = torch.reciprocal(fp32(out_scale))  # same reciprocal as reference.quantize
         out = torch.empty((*lead, n), dtype=fmt_o.dtype, device=device)
-        return EpilogueOperands(res, out, out.view(torch.uint8), "fp8", fmt_o, inv, (n, 1, *res_strides))
+        return EpilogueOperands(res, out, out.view(torch.uint8), "fp8", fmt_o, fp32(out_scale), (n, 1, *res_strides))
     kind = OUT_KINDS.get(out_dtype)
     if kind is None:
         raise TypeError(f"out_dtype must be one of {list(OUT_KINDS)} (or pass out_scale for FP8)")
@@ -478,7 +478,7 @@ def linear_aot_entry(kernel_name: str, kernel: Kernel, cfg: GemmConfig, fmt_a: F
     cfg = cfg.gated() if epilogue["GATED"] else cfg
     ptrs = {"a_ptr": PTR[fmt_a], "w_ptr": PTR[fmt_w], "out_ptr": OUT_PTR[str(epilogue["OUT_KIND"])],
             "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "res_ptr": "*" + (res_dtype or "fp32"),
-            "inv_out_scale_ptr": "*fp32"}
+            "out_scale_ptr": "*fp32"}
     units = ("stride_ak", "stride_wk", "stride_on") + (("stride_rn",) if res_dtype else ())
     sig, consts = signature(kernel, ptrs, units)
     consts.update(cfg.constexprs(), **scales, **epilogue, HAS_RESIDUAL=res_dtype is not None)

@@ -41,7 +41,15 @@ from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
 from dbr_quant.kernels.reference.grouped import check_grouped_args
 from dbr_quant.kernels.routing import MoeRouting, expert_out_scale, expert_weight_scale, input_scale_kind
 from dbr_quant.kernels.triton import gemm_core as core
-from dbr_quant.kernels.triton.common import AotEntry, Kernel, cdiv, check_device, device_function, fp8_constants
+from dbr_quant.kernels.triton.common import (
+    AotEntry,
+    Kernel,
+    cdiv,
+    check_device,
+    device_function,
+    fp8_constants,
+    reciprocal_rn,
+)
 from dbr_quant.kernels.triton.gemm import CONFIGS, pick_config
 from dbr_quant.kernels.triton.quantize import LOADED_DTYPES, block_max, block_sum, quantize_bits
 
@@ -95,7 +103,7 @@ def expert_tile(expert_offsets_ptr, slots_ptr, num_experts, top_k, max_tiles, N,
 
 
 def _fp8_grouped_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, inv_out_scale_ptr, slots_ptr, route_w_ptr,
+    a_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, out_scale_ptr, slots_ptr, route_w_ptr,
     expert_offsets_ptr,
     N, K, num_experts, top_k, max_tiles,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
@@ -123,12 +131,12 @@ def _fp8_grouped_gemm_kernel(
                                    bias_ptr + e * stride_be, a_row, rn, mask_m, mask_n, N, stride_xr, stride_sn,
                                    ACTIVATION, GATED, HAS_BIAS, 0)
     # an FP8 output takes the next projection's input scale, per expert or shared
-    store_rows(y, out_ptr, inv_out_scale_ptr + e * stride_ie, route_w_ptr, slot, rm, rn, mask_m, mask_n, top_k,
+    store_rows(y, out_ptr, out_scale_ptr + e * stride_ie, route_w_ptr, slot, rm, rn, mask_m, mask_n, top_k,
                stride_om, stride_on, OUT_KIND, FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
 
 
 @device_function
-def store_rows(y, out_ptr, inv_out_scale_ptr, route_w_ptr, slot, rows, cols, mask_m, mask_n, top_k,
+def store_rows(y, out_ptr, out_scale_ptr, route_w_ptr, slot, rows, cols, mask_m, mask_n, top_k,
                stride_om, stride_on, OUT_KIND: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr,
                MIN_NORMAL: tl.constexpr, EXP_BIAS: tl.constexpr):
     """A grouped GEMM's fp32 tile of sorted ``rows``: weighted by each row's routing weight and atomically added
@@ -145,16 +153,16 @@ def store_rows(y, out_ptr, inv_out_scale_ptr, route_w_ptr, slot, rows, cols, mas
             tl.store(out_ptrs, y, mask=mask)
     else:
         out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
-        core.store_tile(y, out_ptrs, inv_out_scale_ptr, mask, OUT_KIND, FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
+        core.store_tile(y, out_ptrs, out_scale_ptr, mask, OUT_KIND, FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
 
 
-def _moe_quantize_kernel(x_ptr, slots_ptr, expert_offsets_ptr, inv_ptr, q_ptr, K, num_experts, top_k,
+def _moe_quantize_kernel(x_ptr, slots_ptr, expert_offsets_ptr, scale_ptr, q_ptr, K, num_experts, top_k,
                          stride_xm, BLOCK: tl.constexpr, CHUNK: tl.constexpr, FP8_MAX: tl.constexpr,
                          MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, EXP_BIAS: tl.constexpr):
     """Sorted row r = its token's activations quantized with its expert's scale (one program per row)."""
     r = tl.program_id(0)
     e, _, _, _ = tile_of(r, expert_offsets_ptr, num_experts, 1, CHUNK)
-    inv = tl.load(inv_ptr + e)
+    inv = reciprocal_rn(tl.load(scale_ptr + e))
     x_row = x_ptr + (tl.load(slots_ptr + r) // top_k).to(tl.int64) * stride_xm
     q_row = q_ptr + r.to(tl.int64) * K
     cols = tl.arange(0, BLOCK)
@@ -217,11 +225,11 @@ def fp8_grouped_linear(
     stride_se, stride_sn = (0, 0) if ws.dim() == 0 else (ws.stride(0), 0 if ws.shape[1] == 1 else 1)
     b = expert_bias(bias, num_e, n_w, op)
     route_w = slot_weights(routing, topk_weights, op)
-    inv, stride_ie, fmt_o = xs, 0, FP8Format.E4M3
+    o_scale, stride_ie, fmt_o = xs, 0, FP8Format.E4M3  # xs: a stand-in, not read without an FP8 output
     if out_scale is not None and topk_weights is None:
         fmt_o, kind_o = FP8Format.parse(out_fmt), "fp8"
-        inv = torch.reciprocal(expert_out_scale(out_scale, num_e, op)).reshape(-1)  # reference.quantize's bits
-        stride_ie = 0 if inv.numel() == 1 else 1
+        o_scale = expert_out_scale(out_scale, num_e, op).reshape(-1)  # the kernel takes its reciprocal
+        stride_ie = 0 if o_scale.numel() == 1 else 1
         out = torch.empty((rows, n), dtype=fmt_o.dtype, device=dev)
         out_view = out.view(torch.uint8)
     else:
@@ -234,7 +242,7 @@ def fp8_grouped_linear(
     max_tiles = cdiv(rows, cfg.BLOCK_M) + min(num_e, rows)
     if rows and n:
         GROUPED_KERNEL[(max_tiles * cdiv(n, cfg.BLOCK_N),)](
-            a, w_q, out_view, xs, ws, xs if b is None else b, inv, routing.slots,
+            a, w_q, out_view, xs, ws, xs if b is None else b, o_scale, routing.slots,
             xs if route_w is None else route_w, routing.expert_offsets,
             n, k, num_e, routing.top_k, max_tiles,
             a.stride(0), a.stride(1), w_q.stride(0), w_q.stride(1), w_q.stride(2), out.stride(0), out.stride(1),
@@ -304,10 +312,10 @@ def moe_quantize(x: torch.Tensor, x_scale: torch.Tensor, routing: MoeRouting, fm
     x_c = core.unit_stride(x if x.dtype in LOADED_DTYPES else x.float(), 1)
     q = torch.empty((routing.num_rows, x.shape[1]), dtype=fmt.dtype, device=x.device)
     if q.numel():
-        inv = torch.reciprocal(x_scale.float()).contiguous()  # reference.quantize's own reciprocal bits
         MOE_QUANTIZE_KERNEL[(routing.num_rows,)](
-            x_c, routing.slots, routing.expert_offsets, inv, q.view(torch.uint8), x.shape[1], routing.num_experts,
-            routing.top_k, x_c.stride(0), BLOCK=QUANT_BLOCK, CHUNK=EXPERT_CHUNK, **fp8_constants(fmt))
+            x_c, routing.slots, routing.expert_offsets, core.fp32(x_scale).contiguous(), q.view(torch.uint8),
+            x.shape[1], routing.num_experts, routing.top_k, x_c.stride(0),
+            BLOCK=QUANT_BLOCK, CHUNK=EXPERT_CHUNK, **fp8_constants(fmt))
     return q
 
 
@@ -325,7 +333,7 @@ def _grouped_entry(cfg: core.GemmConfig, fmt_a: FP8Format, fmt_w: FP8Format, act
     kind = str(epilogue["OUT_KIND"])
     out_ptr = "*fp32" if kind.startswith("scatter") else core.OUT_PTR[kind]
     ptrs = {"a_ptr": core.PTR[fmt_a], "w_ptr": core.PTR[fmt_w], "out_ptr": out_ptr,
-            "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "inv_out_scale_ptr": "*fp32",
+            "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "out_scale_ptr": "*fp32",
             "slots_ptr": "*i32", "route_w_ptr": "*fp32", "expert_offsets_ptr": "*i32"}
     sig, consts = core.signature(GROUPED_KERNEL, ptrs, ("stride_ak", "stride_wk", "stride_on"))
     consts.update(cfg.constexprs(), CHUNK=EXPERT_CHUNK, GATHER=gather, **epilogue)
@@ -335,7 +343,7 @@ def _grouped_entry(cfg: core.GemmConfig, fmt_a: FP8Format, fmt_w: FP8Format, act
 
 
 def _moe_quantize_entry(x_dtype: str, fmt: FP8Format) -> AotEntry:
-    ptrs = {"x_ptr": f"*{x_dtype}", "slots_ptr": "*i32", "expert_offsets_ptr": "*i32", "inv_ptr": "*fp32",
+    ptrs = {"x_ptr": f"*{x_dtype}", "slots_ptr": "*i32", "expert_offsets_ptr": "*i32", "scale_ptr": "*fp32",
             "q_ptr": "*u8"}
     sig, consts = core.signature(MOE_QUANTIZE_KERNEL, ptrs, ())
     consts.update(BLOCK=QUANT_BLOCK, CHUNK=EXPERT_CHUNK, **fp8_constants(fmt))

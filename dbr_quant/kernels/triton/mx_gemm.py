@@ -78,7 +78,7 @@ def mx_dot(a, sa, w, sw, acc, FMT_A: tl.constexpr, FMT_W: tl.constexpr, SCALED_M
 
 
 def _fp8_mx_linear_kernel(
-    a_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, inv_out_scale_ptr,
+    a_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, out_scale_ptr,
     M, N, K, KB,
     stride_am, stride_ak, stride_wn, stride_wk, stride_om, stride_on, stride_rm, stride_rn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -123,7 +123,7 @@ def _fp8_mx_linear_kernel(
         sa_ptrs += BLOCK_K // 32
         sw_ptrs += BLOCK_K // 32
     # scales were applied inside the dot: the epilogue's SCALE_K > 0 skips its own (the scale pointers unread)
-    core.linear_epilogue(acc, acc_up, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr, inv_out_scale_ptr,
+    core.linear_epilogue(acc, acc_up, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr, out_scale_ptr,
                          rm, rn, mask_m, mask_n, N,
                          KB, KB, stride_rm, stride_rn, stride_om, stride_on,
                          32, ACTIVATION, GATED, HAS_BIAS, HAS_RESIDUAL, OUT_KIND,
@@ -207,7 +207,7 @@ def _mx_entry(cfg: core.GemmConfig, fmt_a: FP8Format, fmt_w: FP8Format, activati
     cfg = cfg.gated() if epilogue["GATED"] else cfg
     ptrs = {"a_ptr": core.PTR[fmt_a], "w_ptr": core.PTR[fmt_w], "out_ptr": core.OUT_PTR[str(epilogue["OUT_KIND"])],
             "x_scale_ptr": "*u8", "w_scale_ptr": "*u8", "bias_ptr": "*fp32", "res_ptr": "*" + (res_dtype or "fp32"),
-            "inv_out_scale_ptr": "*fp32"}
+            "out_scale_ptr": "*fp32"}
     units = ("stride_ak", "stride_wk", "stride_on") + (("stride_rn",) if res_dtype else ())
     sig, consts = core.signature(MX_LINEAR_KERNEL, ptrs, units)
     consts.update(cfg.constexprs(), FMT_A=fmt_a.value, FMT_W=fmt_w.value, SCALED_MMA=True, **epilogue,

@@ -23,7 +23,8 @@ import torch
 import triton.language as tl
 
 from dbr_quant.formats import FP8Format
-from dbr_quant.kernels.triton.common import Kernel, check_device, device_function, fp8_constants
+from dbr_quant.kernels.triton.common import Kernel, check_device, device_function, fp8_constants, reciprocal_rn
+from dbr_quant.kernels.triton.gemm_core import fp32
 from dbr_quant.kernels.triton.quantize import (
     FORMATS,
     TRITON_DTYPES,
@@ -71,7 +72,7 @@ def normalize(x, mean, rstd, w_ptr, b_ptr, offs, mask, HAS_WEIGHT: tl.constexpr,
     return y
 
 
-def _layer_norm_quantize_kernel(x_ptr, w_ptr, b_ptr, inv_ptr, y_ptr, q_ptr, N, eps, BLOCK: tl.constexpr,
+def _layer_norm_quantize_kernel(x_ptr, w_ptr, b_ptr, scale_ptr, y_ptr, q_ptr, N, eps, BLOCK: tl.constexpr,
                                 HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, RMS: tl.constexpr,
                                 FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
                                 EXP_BIAS: tl.constexpr):
@@ -80,7 +81,7 @@ def _layer_norm_quantize_kernel(x_ptr, w_ptr, b_ptr, inv_ptr, y_ptr, q_ptr, N, e
     x_row = x_ptr + row * N
     cols = tl.arange(0, BLOCK)
     mean, rstd = row_stats(x_row, N, eps, BLOCK, RMS)
-    inv = tl.load(inv_ptr)
+    inv = reciprocal_rn(tl.load(scale_ptr))
     for start in range(0, N, BLOCK):
         mask = start + cols < N
         x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
@@ -134,9 +135,8 @@ def layer_norm_quantize(
     if x.numel() == 0:
         return y, q
     n = x.shape[-1]
-    inv = torch.reciprocal(scale.float()).reshape(1)
     LAYER_NORM_QUANTIZE[(x.numel() // n,)](
-        x_c, x_c if weight is None else weight, x_c if bias is None else bias, inv, y, q.view(torch.uint8), n,
+        x_c, x_c if weight is None else weight, x_c if bias is None else bias, fp32(scale), y, q.view(torch.uint8), n,
         float(eps), BLOCK=pick_block(n, NORM_BLOCKS), HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         RMS=rms, **fp8_constants(fmt))
     return y, q
@@ -154,7 +154,7 @@ def _aot_configs() -> list[tuple[str, str, Kernel, dict, dict]]:
                     for p_ty in param_types if (has_w or has_b) else (x_ty,):
                         sig = aot_signature(LAYER_NORM_QUANTIZE, {
                             "x_ptr": f"*{x_ty}", "w_ptr": f"*{p_ty}" if has_w else f"*{x_ty}",
-                            "b_ptr": f"*{p_ty}" if has_b else f"*{x_ty}", "inv_ptr": "*fp32", "y_ptr": f"*{x_ty}",
+                            "b_ptr": f"*{p_ty}" if has_b else f"*{x_ty}", "scale_ptr": "*fp32", "y_ptr": f"*{x_ty}",
                             "q_ptr": "*u8", "N": "i32", "eps": "fp32"})
                         for fmt in FORMATS:
                             for block in NORM_BLOCKS:

@@ -3,8 +3,9 @@
 Semantics are :func:`reference.quantize` / :func:`reference.dynamic_scale`, bit for bit:
 
 * ``q = saturate(x * reciprocal(scale))`` rounded to nearest even, via :func:`round_to_fp8` (never
-  Triton's own fp8 cast, see kernels.triton.common). Static reciprocals are computed by torch on the host side,
-  so they are the reference's own bits; in-kernel ones use ``div_rn`` (IEEE, not the GPU's fast ``/``).
+  Triton's own fp8 cast, see kernels.triton.common). Every reciprocal is computed in the kernel with ``div_rn``
+  (:func:`common.reciprocal_rn`: IEEE like torch.reciprocal, not the GPU's fast ``/``), so a static scale
+  costs no host-side launch.
 * dynamic scales are ``safe_scale(amax)``: ``amax / fmt.max`` (``div_rn``: IEEE like torch on CPU),
   1 when that is 0, clamped to ≥ fp32 tiny. amax ignores non-finite values, as ``reference.amax``.
 * NaN in x gives the FP8 NaN byte ``0x7F | sign(x)``, as torch's cast does (``±inf`` saturates to
@@ -32,6 +33,7 @@ from dbr_quant.kernels.triton.common import (
     device_function,
     fp8_bits,
     fp8_constants,
+    reciprocal_rn,
     round_to_fp8,
 )
 
@@ -90,17 +92,17 @@ def quantize_bits(x, inv, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MI
 # kernels
 
 
-def _quantize_kernel(x_ptr, inv_ptr, q_ptr, numel, N, BLOCK: tl.constexpr, PER_ROW: tl.constexpr,
+def _quantize_kernel(x_ptr, scale_ptr, q_ptr, numel, N, BLOCK: tl.constexpr, PER_ROW: tl.constexpr,
                      FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
                      EXP_BIAS: tl.constexpr):
-    """Static scale: elementwise over the flat contiguous tensor; inv is one value or one per row of N."""
+    """Static scale: elementwise over the flat contiguous tensor; the scale is one value or one per row of N."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if PER_ROW:
-        inv = tl.load(inv_ptr + offs // N, mask=mask, other=1.0)  # a gather that hits cache: rows are long
+        inv = reciprocal_rn(tl.load(scale_ptr + offs // N, mask=mask, other=1.0))  # a gather that hits cache
     else:
-        inv = tl.load(inv_ptr)
+        inv = reciprocal_rn(tl.load(scale_ptr))
     tl.store(q_ptr + offs, quantize_bits(x, inv, FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS), mask=mask)
 
 
@@ -117,7 +119,7 @@ def _amax_quantize_kernel(x_ptr, amax_ptr, q_ptr, scale_ptr, numel, BLOCK: tl.co
     """Per-tensor amax, pass 2: every program derives scale and reciprocal from the finished amax (two
     scalar divisions, cheaper than a third launch); program 0 publishes the scale."""
     scale = scale_from_amax(tl.load(amax_ptr), FP8_MAX)
-    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    inv = reciprocal_rn(scale)
     if tl.program_id(0) == 0:
         tl.store(scale_ptr, scale)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -139,7 +141,7 @@ def _token_quantize_kernel(x_ptr, q_ptr, scale_ptr, N, BLOCK: tl.constexpr, FP8_
         x = tl.load(x_row + start + cols, mask=start + cols < N, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, finite_abs(x))
     scale = scale_from_amax(block_max(acc), FP8_MAX)
-    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    inv = reciprocal_rn(scale)
     tl.store(scale_ptr + row, scale)
     for start in range(0, N, BLOCK):
         mask = start + cols < N
@@ -187,10 +189,10 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tens
     numel = x.numel()
     if numel == 0:
         return q
-    inv = torch.reciprocal(scale if scale.dtype == torch.float32 else scale.float())  # the reference's own bits
-    if per_row:  # one per row of x, contiguous (the kernel reads inv[offset // N]); one value: read in place
-        inv = inv.expand(*shape[:-1], 1).contiguous()
-    QUANTIZE[(cdiv(numel, QUANT_BLOCK),)](x_c, inv, q.view(torch.uint8), numel, shape[-1] if shape else 1,
+    scale = scale if scale.dtype == torch.float32 else scale.float()
+    if per_row:  # one per row of x, contiguous (the kernel reads scale[offset // N]); one value: read in place
+        scale = scale.expand(*shape[:-1], 1).contiguous()
+    QUANTIZE[(cdiv(numel, QUANT_BLOCK),)](x_c, scale, q.view(torch.uint8), numel, shape[-1] if shape else 1,
                                           BLOCK=QUANT_BLOCK, PER_ROW=per_row, **fp8_constants(fmt))
     return q
 
@@ -241,7 +243,7 @@ def _aot_configs() -> list[tuple[str, str, Kernel, dict, dict]]:
         for fmt in FORMATS:
             fp8 = fp8_constants(fmt)
             for per_row in (False, True):
-                sig = aot_signature(QUANTIZE, {"x_ptr": f"*{ty}", "inv_ptr": "*fp32", "q_ptr": "*u8", "numel": "i32",
+                sig = aot_signature(QUANTIZE, {"x_ptr": f"*{ty}", "scale_ptr": "*fp32", "q_ptr": "*u8", "numel": "i32",
                                             "N": "i32"})
                 desc = f"x={ty} {fmt.value} {'per-row' if per_row else 'per-tensor'} BLOCK={QUANT_BLOCK}"
                 configs.append(("quantize", desc, QUANTIZE, sig,

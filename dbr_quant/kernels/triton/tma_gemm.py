@@ -209,7 +209,7 @@ def tma_main_loop(a_desc, w_desc, a_scale_ptr, w_scale_ptr, off_m, off_n, a_rows
 
 
 def _fp8_linear_tma_kernel(
-    a_desc, w_desc, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, inv_out_scale_ptr,
+    a_desc, w_desc, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, out_scale_ptr,
     M, N, K, UP_SCALE_ROW, NUM_PROGRAMS,
     stride_om, stride_on, stride_rm, stride_rn, stride_xs, stride_ws,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -241,17 +241,17 @@ def _fp8_linear_tma_kernel(
             rn_left = off_n + tl.arange(0, BLOCK_N // 2)
             rn_right = rn_left + BLOCK_N // 2
             core.linear_epilogue(acc_left, up_left, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr,
-                                 inv_out_scale_ptr, rm, rn_left, mask_m, rn_left < N, N,
+                                 out_scale_ptr, rm, rn_left, mask_m, rn_left < N, N,
                                  stride_xs, stride_ws, stride_rm, stride_rn, stride_om, stride_on,
                                  SCALE_K, ACTIVATION, GATED, HAS_BIAS, HAS_RESIDUAL, OUT_KIND,
                                  FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
             core.linear_epilogue(acc_right, up_right, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr,
-                                 inv_out_scale_ptr, rm, rn_right, mask_m, rn_right < N, N,
+                                 out_scale_ptr, rm, rn_right, mask_m, rn_right < N, N,
                                  stride_xs, stride_ws, stride_rm, stride_rn, stride_om, stride_on,
                                  SCALE_K, ACTIVATION, GATED, HAS_BIAS, HAS_RESIDUAL, OUT_KIND,
                                  FP8_MAX, MANTISSA_BITS, MIN_NORMAL, EXP_BIAS)
         else:
-            core.linear_epilogue(acc, acc_up, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr, inv_out_scale_ptr,
+            core.linear_epilogue(acc, acc_up, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr, out_scale_ptr,
                                  rm, rn, mask_m, mask_n, N,
                                  stride_xs, stride_ws, stride_rm, stride_rn, stride_om, stride_on,
                                  SCALE_K, ACTIVATION, GATED, HAS_BIAS, HAS_RESIDUAL, OUT_KIND,

@@ -115,7 +115,7 @@ def decode_main_loop(a_ptr, w_ptr, a_rows, cols, mask_m, mask_n, N, K, stride_am
 
 
 def _fp8_weight_only_linear_kernel(
-    a_ptr, w_ptr, out_ptr, w_scale_ptr, one_ptr, bias_ptr, res_ptr, inv_out_scale_ptr,
+    a_ptr, w_ptr, out_ptr, w_scale_ptr, one_ptr, bias_ptr, res_ptr, out_scale_ptr,
     M, N, K,
     stride_am, stride_ak, stride_wn, stride_wk, stride_om, stride_on, stride_rm, stride_rn, stride_ws,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -129,7 +129,7 @@ def _fp8_weight_only_linear_kernel(
     rm, rn, mask_m, mask_n = core.output_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc, acc_up = decode_main_loop(a_ptr, w_ptr, rm, rn, mask_m, mask_n, N, K, stride_am, stride_ak, stride_wn,
                                    stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, GATED, DOT_FP32)
-    core.linear_epilogue(acc, acc_up, one_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr, inv_out_scale_ptr,
+    core.linear_epilogue(acc, acc_up, one_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr, out_scale_ptr,
                          rm, rn, mask_m, mask_n, N,
                          0, stride_ws, stride_rm, stride_rn, stride_om, stride_on,
                          0, ACTIVATION, GATED, HAS_BIAS, HAS_RESIDUAL, OUT_KIND,
@@ -237,7 +237,7 @@ def _entry(cfg: core.GemmConfig, mma: str, activation: str | None, has_bias: boo
     cfg = cfg.gated() if epilogue["GATED"] else cfg
     ptrs = {"a_ptr": f"*{mma}", "w_ptr": "*u8", "out_ptr": core.OUT_PTR[str(epilogue["OUT_KIND"])],
             "w_scale_ptr": "*fp32", "one_ptr": "*fp32", "bias_ptr": "*fp32", "res_ptr": "*" + (res_dtype or "fp32"),
-            "inv_out_scale_ptr": "*fp32"}
+            "out_scale_ptr": "*fp32"}
     units = ("stride_ak", "stride_wk", "stride_on") + (("stride_rn",) if res_dtype else ())
     sig, consts = core.signature(WEIGHT_ONLY_KERNEL, ptrs, units)
     consts.update(cfg.constexprs(), **epilogue, HAS_RESIDUAL=res_dtype is not None, DOT_FP32=False)
