@@ -24,8 +24,8 @@ import triton.language as tl
 
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.block import DEFAULT_BLOCK, check_block, check_block_linear_operands
+from dbr_quant.kernels.triton import gemm_aot, tma_gemm
 from dbr_quant.kernels.triton import gemm_core as core
-from dbr_quant.kernels.triton import tma_gemm
 from dbr_quant.kernels.triton.common import AotEntry, Kernel, cdiv
 
 __all__ = ["AOT_CONFIGS", "BLOCK_CONFIGS", "aot_attrs", "aot_options", "fp8_block_linear", "pick_block_config"]
@@ -148,21 +148,21 @@ AOT_BLOCKS = ((128, 128),)
 
 def _entry(cfg: core.GemmConfig, block: tuple[int, int], fmt_a: FP8Format, fmt_w: FP8Format, activation: str | None,
            has_bias: bool, res_dtype: str | None, out: str | FP8Format) -> AotEntry:
-    return core.linear_aot_entry("_fp8_block_linear_kernel", BLOCK_LINEAR_KERNEL, cfg, fmt_a, fmt_w, activation,
+    return gemm_aot.linear_aot_entry("_fp8_block_linear_kernel", BLOCK_LINEAR_KERNEL, cfg, fmt_a, fmt_w, activation,
                                  has_bias, res_dtype, out, scales={"SCALE_N": block[0], "SCALE_K": block[1]},
                                  scales_desc=f"block={block[0]}x{block[1]} ")
 
 
 AOT_CONFIGS: list[AotEntry] = [_entry(cfg, block, *variant) for cfg in BLOCK_CONFIGS.values() for block in AOT_BLOCKS
-                               for variant in core.linear_variants()]
+                               for variant in gemm_aot.linear_variants()]
 
 
 def aot_options(entry: AotEntry) -> dict[str, int]:
     """``num_warps``/``num_stages`` of an AOT_CONFIGS entry (launch options, not constexprs)."""
-    return core.config_options(BLOCK_CONFIGS, entry)
+    return gemm_aot.config_options(BLOCK_CONFIGS, entry)
 
 
 def aot_attrs(entry: AotEntry) -> dict:
     """Divisibility by 16 of pointers, N, K and leading strides, as the JIT finds for aligned shapes
     (vectorized, cp.async-pipelined loads); KB and UP_SCALE_ROW are small and unaligned."""
-    return core.aligned_attrs(entry, ("N", "K", "stride_am", "stride_wn", "stride_om", "stride_rm"))
+    return gemm_aot.aligned_attrs(entry, ("N", "K", "stride_am", "stride_wn", "stride_om", "stride_rm"))

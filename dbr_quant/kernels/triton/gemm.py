@@ -24,8 +24,8 @@ import triton.language as tl
 
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
+from dbr_quant.kernels.triton import gemm_aot, tma_gemm
 from dbr_quant.kernels.triton import gemm_core as core
-from dbr_quant.kernels.triton import tma_gemm
 from dbr_quant.kernels.triton.common import AotEntry, Kernel, cdiv
 from dbr_quant.kernels.triton.gemm_core import GemmConfig
 
@@ -243,24 +243,25 @@ def fp8_matmul(
 
 def _linear_entry(cfg: GemmConfig, fmt_a: FP8Format, fmt_w: FP8Format, activation: str | None, has_bias: bool,
                   res_dtype: str | None, out: str | FP8Format) -> AotEntry:
-    return core.linear_aot_entry("_fp8_linear_kernel", LINEAR_KERNEL, cfg, fmt_a, fmt_w, activation, has_bias,
+    return gemm_aot.linear_aot_entry("_fp8_linear_kernel", LINEAR_KERNEL, cfg, fmt_a, fmt_w, activation, has_bias,
                                  res_dtype, out, scales={})
 
 
 def _matmul_entry(cfg: GemmConfig, fmt_a: FP8Format, fmt_b: FP8Format, b_layout: str) -> AotEntry:
     """``b_layout`` "kn": b row-major (P·V); "nk": b is a transposed row-major tensor (Q·Kᵀ)."""
-    ptrs = {"a_ptr": core.PTR[fmt_a], "b_ptr": core.PTR[fmt_b], "c_ptr": "*fp32", "sa_ptr": "*fp32", "sb_ptr": "*fp32"}
+    ptrs = {"a_ptr": gemm_aot.PTR[fmt_a], "b_ptr": gemm_aot.PTR[fmt_b], "c_ptr": "*fp32", "sa_ptr": "*fp32",
+            "sb_ptr": "*fp32"}
     units = ("stride_ak", "stride_bn" if b_layout == "kn" else "stride_bk", "stride_cn")
-    sig, consts = core.signature(MATMUL_KERNEL, ptrs, units)
+    sig, consts = gemm_aot.signature(MATMUL_KERNEL, ptrs, units)
     consts.update(cfg.constexprs())
-    desc = f"{core.describe(cfg)} | {fmt_a.value}x{fmt_b.value} b={b_layout}"
+    desc = f"{gemm_aot.describe(cfg)} | {fmt_a.value}x{fmt_b.value} b={b_layout}"
     return ("_fp8_matmul_kernel", desc, MATMUL_KERNEL, sig, consts)
 
 
 def _aot_configs() -> list[AotEntry]:
     fmts = list(FP8Format)
     linear = itertools.product(CONFIGS.values(), fmts, fmts, (None,) + ACTIVATIONS + GATED, (False, True),
-                               core.RESIDUAL_DTYPES, core.LINEAR_OUTS)
+                               gemm_aot.RESIDUAL_DTYPES, gemm_aot.LINEAR_OUTS)
     matmul = itertools.product(CONFIGS.values(), fmts, fmts, ("kn", "nk"))
     return [_linear_entry(*args) for args in linear] + [_matmul_entry(*args) for args in matmul]
 
@@ -270,12 +271,12 @@ AOT_CONFIGS: list[AotEntry] = _aot_configs()
 
 def aot_options(entry: AotEntry) -> dict[str, int]:
     """``num_warps``/``num_stages`` of an AOT_CONFIGS entry (launch options: pass as triton.compile options)."""
-    return core.config_options(CONFIGS, entry)
+    return gemm_aot.config_options(CONFIGS, entry)
 
 
 def aot_attrs(entry: AotEntry) -> dict:
     """ASTSource ``attrs`` for the common aligned case (the JIT adds them when pointers, K, N and the
     leading strides are multiples of 16): without them loads are not vectorized nor cp.async-pipelined."""
-    return core.aligned_attrs(entry, ("N", "K", "stride_am", "stride_wn", "stride_om", "stride_rm", "stride_bk",
+    return gemm_aot.aligned_attrs(entry, ("N", "K", "stride_am", "stride_wn", "stride_om", "stride_rm", "stride_bk",
                                  "stride_bn", "stride_cm", "stride_a0", "stride_a1", "stride_b0", "stride_b1",
                                  "stride_c0", "stride_c1"))

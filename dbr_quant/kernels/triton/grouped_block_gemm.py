@@ -29,6 +29,7 @@ from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
 from dbr_quant.kernels.reference.grouped import check_grouped_args
 from dbr_quant.kernels.reference.mx import MX_WEIGHT_BLOCK, check_e8m0, e8m0_to_float
 from dbr_quant.kernels.routing import MoeRouting
+from dbr_quant.kernels.triton import gemm_aot
 from dbr_quant.kernels.triton import gemm_core as core
 from dbr_quant.kernels.triton import grouped_gemm as grouped
 from dbr_quant.kernels.triton.block_gemm import BLOCK_CONFIGS, MIN_BLOCK_K
@@ -173,14 +174,14 @@ def _entry(block: tuple[int, int], cfg: core.GemmConfig, fmt_a: FP8Format, fmt_w
            has_bias: bool, gather: bool, out: str) -> AotEntry:
     epilogue = core.epilogue_constexprs(activation, has_bias, out)
     cfg = _narrowed(cfg, bool(epilogue["GATED"]), block[1])
-    ptrs = {"a_ptr": core.PTR[fmt_a], "w_ptr": core.PTR[fmt_w],
-            "out_ptr": "*fp32" if out.startswith("scatter") else core.OUT_PTR[out], "x_scale_ptr": "*fp32",
+    ptrs = {"a_ptr": gemm_aot.PTR[fmt_a], "w_ptr": gemm_aot.PTR[fmt_w],
+            "out_ptr": "*fp32" if out.startswith("scatter") else gemm_aot.OUT_PTR[out], "x_scale_ptr": "*fp32",
             "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "slots_ptr": "*i32", "route_w_ptr": "*fp32",
             "expert_offsets_ptr": "*i32"}
-    sig, consts = core.signature(GROUPED_BLOCK_KERNEL, ptrs, ("stride_ak", "stride_wk", "stride_on"))
+    sig, consts = gemm_aot.signature(GROUPED_BLOCK_KERNEL, ptrs, ("stride_ak", "stride_wk", "stride_on"))
     consts.update(cfg.constexprs(), CHUNK=grouped.EXPERT_CHUNK, SCALE_N=block[0], SCALE_K=block[1], GATHER=gather,
                   **epilogue)
-    desc = (f"{core.describe(cfg)} | block={block[0]}x{block[1]} {fmt_a.value}x{fmt_w.value} act={activation} "
+    desc = (f"{gemm_aot.describe(cfg)} | block={block[0]}x{block[1]} {fmt_a.value}x{fmt_w.value} act={activation} "
             f"bias={int(has_bias)} rows={'gathered' if gather else 'sorted'} out={out}")
     return ("_fp8_grouped_block_gemm_kernel", desc, GROUPED_BLOCK_KERNEL, sig, consts)
 
@@ -190,7 +191,7 @@ AOT_CONFIGS: list[AotEntry] = [
         _configs(block[1]).values(), list(FP8Format), list(FP8Format), (None,) + ACTIVATIONS + GATED, (False, True),
         (True, False), _OUTS)]
 # divisibility by 16 of pointers, N, K and leading strides, as the JIT finds for aligned shapes
-aot_attrs = functools.partial(core.aligned_attrs,
+aot_attrs = functools.partial(gemm_aot.aligned_attrs,
                               aligned=("N", "K", "stride_am", "stride_we", "stride_wn", "stride_om"))
 
 

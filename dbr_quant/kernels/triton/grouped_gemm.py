@@ -40,6 +40,7 @@ from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
 from dbr_quant.kernels.reference.grouped import check_grouped_args
 from dbr_quant.kernels.routing import MoeRouting, expert_out_scale, expert_weight_scale, input_scale_kind
+from dbr_quant.kernels.triton import gemm_aot
 from dbr_quant.kernels.triton import gemm_core as core
 from dbr_quant.kernels.triton.common import (
     AotEntry,
@@ -331,21 +332,21 @@ def _grouped_entry(cfg: core.GemmConfig, fmt_a: FP8Format, fmt_w: FP8Format, act
     epilogue = core.epilogue_constexprs(activation, has_bias, out)
     cfg = cfg.gated() if epilogue["GATED"] else cfg
     kind = str(epilogue["OUT_KIND"])
-    out_ptr = "*fp32" if kind.startswith("scatter") else core.OUT_PTR[kind]
-    ptrs = {"a_ptr": core.PTR[fmt_a], "w_ptr": core.PTR[fmt_w], "out_ptr": out_ptr,
+    out_ptr = "*fp32" if kind.startswith("scatter") else gemm_aot.OUT_PTR[kind]
+    ptrs = {"a_ptr": gemm_aot.PTR[fmt_a], "w_ptr": gemm_aot.PTR[fmt_w], "out_ptr": out_ptr,
             "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "out_scale_ptr": "*fp32",
             "slots_ptr": "*i32", "route_w_ptr": "*fp32", "expert_offsets_ptr": "*i32"}
-    sig, consts = core.signature(GROUPED_KERNEL, ptrs, ("stride_ak", "stride_wk", "stride_on"))
+    sig, consts = gemm_aot.signature(GROUPED_KERNEL, ptrs, ("stride_ak", "stride_wk", "stride_on"))
     consts.update(cfg.constexprs(), CHUNK=EXPERT_CHUNK, GATHER=gather, **epilogue)
-    desc = (f"{core.describe(cfg)} | {fmt_a.value}x{fmt_w.value} act={activation} bias={int(has_bias)}"
-            f" rows={'gathered' if gather else 'sorted'} out={core.out_name(out)}")
+    desc = (f"{gemm_aot.describe(cfg)} | {fmt_a.value}x{fmt_w.value} act={activation} bias={int(has_bias)}"
+            f" rows={'gathered' if gather else 'sorted'} out={gemm_aot.out_name(out)}")
     return ("_fp8_grouped_gemm_kernel", desc, GROUPED_KERNEL, sig, consts)
 
 
 def _moe_quantize_entry(x_dtype: str, fmt: FP8Format) -> AotEntry:
     ptrs = {"x_ptr": f"*{x_dtype}", "slots_ptr": "*i32", "expert_offsets_ptr": "*i32", "scale_ptr": "*fp32",
             "q_ptr": "*u8"}
-    sig, consts = core.signature(MOE_QUANTIZE_KERNEL, ptrs, ())
+    sig, consts = gemm_aot.signature(MOE_QUANTIZE_KERNEL, ptrs, ())
     consts.update(BLOCK=QUANT_BLOCK, CHUNK=EXPERT_CHUNK, **fp8_constants(fmt))
     return ("_moe_quantize_kernel", f"moe_quantize x={x_dtype} {fmt.value} BLOCK={QUANT_BLOCK} warps=4",
             MOE_QUANTIZE_KERNEL, sig, consts)
@@ -365,11 +366,11 @@ AOT_CONFIGS: list[AotEntry] = _aot_configs()
 def aot_attrs(entry: AotEntry) -> dict:
     """ASTSource ``attrs`` for the common aligned case (pointers, K, N and leading strides multiples of 16),
     as the JIT would specialize them: without them loads are neither vectorized nor cp.async-pipelined."""
-    return core.aligned_attrs(entry, ("N", "K", "stride_am", "stride_we", "stride_wn", "stride_om", "stride_xm"))
+    return gemm_aot.aligned_attrs(entry, ("N", "K", "stride_am", "stride_we", "stride_wn", "stride_om", "stride_xm"))
 
 
 def aot_options(entry: AotEntry) -> dict[str, int]:
     """``num_warps``/``num_stages`` an AOT_CONFIGS entry is launched with (triton.compile options)."""
     if entry[0] == "_moe_quantize_kernel":
         return {"num_warps": 4, "num_stages": 3}  # Triton's launch defaults, which moe_quantize uses
-    return core.config_options(CONFIGS, entry)
+    return gemm_aot.config_options(CONFIGS, entry)

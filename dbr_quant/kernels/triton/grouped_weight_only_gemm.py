@@ -25,6 +25,7 @@ import triton.language as tl
 from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
 from dbr_quant.kernels.reference.grouped import check_grouped_args
 from dbr_quant.kernels.routing import MoeRouting, expert_weight_scale
+from dbr_quant.kernels.triton import gemm_aot
 from dbr_quant.kernels.triton import gemm_core as core
 from dbr_quant.kernels.triton.common import AotEntry, Kernel, cdiv, on_interpreter
 from dbr_quant.kernels.triton.grouped_gemm import (
@@ -154,12 +155,13 @@ def _entry(cfg: core.GemmConfig, mma: str, activation: str | None, has_bias: boo
            out: str) -> AotEntry:
     epilogue = core.epilogue_constexprs(activation, has_bias, out)
     cfg = cfg.gated() if epilogue["GATED"] else cfg
-    ptrs = {"a_ptr": f"*{mma}", "w_ptr": "*u8", "out_ptr": "*fp32" if out.startswith("scatter") else core.OUT_PTR[out],
+    out_ptr = "*fp32" if out.startswith("scatter") else gemm_aot.OUT_PTR[out]
+    ptrs = {"a_ptr": f"*{mma}", "w_ptr": "*u8", "out_ptr": out_ptr,
             "w_scale_ptr": "*fp32", "one_ptr": "*fp32", "bias_ptr": "*fp32", "slots_ptr": "*i32",
             "route_w_ptr": "*fp32", "expert_offsets_ptr": "*i32"}
-    sig, consts = core.signature(GROUPED_WEIGHT_ONLY_KERNEL, ptrs, ("stride_ak", "stride_wk", "stride_on"))
+    sig, consts = gemm_aot.signature(GROUPED_WEIGHT_ONLY_KERNEL, ptrs, ("stride_ak", "stride_wk", "stride_on"))
     consts.update(cfg.constexprs(), CHUNK=EXPERT_CHUNK, GATHER=gather, **epilogue, DOT_FP32=False)
-    desc = (f"{core.describe(cfg)} | {ARCH_TAG} x={mma} act={activation} bias={int(has_bias)}"
+    desc = (f"{gemm_aot.describe(cfg)} | {ARCH_TAG} x={mma} act={activation} bias={int(has_bias)}"
             f" rows={'gathered' if gather else 'sorted'} out={out}")
     return ("_fp8_grouped_weight_only_gemm_kernel", desc, GROUPED_WEIGHT_ONLY_KERNEL, sig, consts)
 
@@ -175,6 +177,6 @@ AOT_CONFIGS: list[AotEntry] = _aot_configs()
 
 # launch options of an entry; divisibility by 16 of pointers, N, K and leading strides, as the JIT finds for
 # aligned shapes
-aot_options = functools.partial(core.config_options, CONFIGS)
-aot_attrs = functools.partial(core.aligned_attrs,
+aot_options = functools.partial(gemm_aot.config_options, CONFIGS)
+aot_attrs = functools.partial(gemm_aot.aligned_attrs,
                               aligned=("N", "K", "stride_am", "stride_we", "stride_wn", "stride_om"))

@@ -31,7 +31,7 @@ from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.block import check_block_linear_operands
 from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED
 from dbr_quant.kernels.reference.mx import MX_BLOCK, MX_WEIGHT_BLOCK, check_e8m0, e8m0_to_float
-from dbr_quant.kernels.triton import block_gemm
+from dbr_quant.kernels.triton import block_gemm, gemm_aot
 from dbr_quant.kernels.triton import gemm_core as core
 from dbr_quant.kernels.triton.common import AotEntry, Kernel, cdiv, device_function, on_interpreter
 
@@ -205,21 +205,22 @@ def _mx_entry(cfg: core.GemmConfig, fmt_a: FP8Format, fmt_w: FP8Format, activati
               res_dtype: str | None, out: str | FP8Format) -> AotEntry:
     epilogue = core.epilogue_constexprs(activation, has_bias, out)
     cfg = cfg.gated() if epilogue["GATED"] else cfg
-    ptrs = {"a_ptr": core.PTR[fmt_a], "w_ptr": core.PTR[fmt_w], "out_ptr": core.OUT_PTR[str(epilogue["OUT_KIND"])],
+    out_ptr = gemm_aot.OUT_PTR[str(epilogue["OUT_KIND"])]
+    ptrs = {"a_ptr": gemm_aot.PTR[fmt_a], "w_ptr": gemm_aot.PTR[fmt_w], "out_ptr": out_ptr,
             "x_scale_ptr": "*u8", "w_scale_ptr": "*u8", "bias_ptr": "*fp32", "res_ptr": "*" + (res_dtype or "fp32"),
             "out_scale_ptr": "*fp32"}
     units = ("stride_ak", "stride_wk", "stride_on") + (("stride_rn",) if res_dtype else ())
-    sig, consts = core.signature(MX_LINEAR_KERNEL, ptrs, units)
+    sig, consts = gemm_aot.signature(MX_LINEAR_KERNEL, ptrs, units)
     consts.update(cfg.constexprs(), FMT_A=fmt_a.value, FMT_W=fmt_w.value, SCALED_MMA=True, **epilogue,
                   HAS_RESIDUAL=res_dtype is not None)
-    desc = (f"{core.describe(cfg)} | {SM100} {fmt_a.value}x{fmt_w.value} act={activation} bias={int(has_bias)} "
-            f"residual={res_dtype} out={core.out_name(out)}")
+    desc = (f"{gemm_aot.describe(cfg)} | {SM100} {fmt_a.value}x{fmt_w.value} act={activation} bias={int(has_bias)} "
+            f"residual={res_dtype} out={gemm_aot.out_name(out)}")
     return ("_fp8_mx_linear_kernel", desc, MX_LINEAR_KERNEL, sig, consts)
 
 
 def _block_path_entry(cfg: core.GemmConfig, fmt_a: FP8Format, fmt_w: FP8Format, activation: str | None,
                       has_bias: bool, res_dtype: str | None, out: str | FP8Format) -> AotEntry:
-    return core.linear_aot_entry("_fp8_block_linear_kernel", block_gemm.BLOCK_LINEAR_KERNEL, cfg, fmt_a, fmt_w,
+    return gemm_aot.linear_aot_entry("_fp8_block_linear_kernel", block_gemm.BLOCK_LINEAR_KERNEL, cfg, fmt_a, fmt_w,
                                  activation, has_bias, res_dtype, out,
                                  scales={"SCALE_N": MX_WEIGHT_BLOCK[0], "SCALE_K": MX_WEIGHT_BLOCK[1]},
                                  scales_desc="mx=1x32 ")
@@ -228,7 +229,7 @@ def _block_path_entry(cfg: core.GemmConfig, fmt_a: FP8Format, fmt_w: FP8Format, 
 def _aot_configs() -> list[AotEntry]:
     fmts = list(FP8Format)
     epilogues = list(itertools.product(fmts, fmts, (None,) + ACTIVATIONS + GATED, (False, True),
-                                       core.RESIDUAL_DTYPES, core.LINEAR_OUTS))
+                                       gemm_aot.RESIDUAL_DTYPES, gemm_aot.LINEAR_OUTS))
     return ([_mx_entry(cfg, *e) for cfg in MX_CONFIGS.values() for e in epilogues]
             + [_block_path_entry(cfg, *e) for cfg in BLOCK_PATH_CONFIGS.values() for e in epilogues])
 
@@ -238,10 +239,10 @@ AOT_CONFIGS: list[AotEntry] = _aot_configs()
 
 def aot_options(entry: AotEntry) -> dict[str, int]:
     """``num_warps``/``num_stages`` of an AOT_CONFIGS entry (launch options, not constexprs)."""
-    return core.config_options({**MX_CONFIGS, **BLOCK_PATH_CONFIGS}, entry)
+    return gemm_aot.config_options({**MX_CONFIGS, **BLOCK_PATH_CONFIGS}, entry)
 
 
 def aot_attrs(entry: AotEntry) -> dict:
     """Divisibility by 16 of pointers, N, K and leading strides, as the JIT finds for aligned shapes; KB is small."""
-    return core.aligned_attrs(entry, ("N", "K", "stride_am", "stride_wn", "stride_om", "stride_rm"))
+    return gemm_aot.aligned_attrs(entry, ("N", "K", "stride_am", "stride_wn", "stride_om", "stride_rm"))
 

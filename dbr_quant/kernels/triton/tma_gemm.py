@@ -39,6 +39,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.dense import GATED
+from dbr_quant.kernels.triton import gemm_aot
 from dbr_quant.kernels.triton import gemm_core as core
 from dbr_quant.kernels.triton.common import AotEntry, Kernel, cdiv, device_function, on_interpreter
 
@@ -298,7 +299,7 @@ def launch_linear(a: torch.Tensor, w_q: torch.Tensor, ep: core.EpilogueOperands,
 
 
 def _descriptor(fmt: FP8Format, rows: int, cols: int) -> str:
-    return f"tensordesc<{core.PTR[fmt].removeprefix('*')}[{rows}, {cols}]>"
+    return f"tensordesc<{gemm_aot.PTR[fmt].removeprefix('*')}[{rows}, {cols}]>"
 
 
 def _entry(cfg: core.GemmConfig, block: tuple[int, int] | None, fmt_a: FP8Format, fmt_w: FP8Format,
@@ -306,7 +307,7 @@ def _entry(cfg: core.GemmConfig, block: tuple[int, int] | None, fmt_a: FP8Format
     """One row: the linear entry of :func:`gemm_core.linear_aot_entry` with descriptors for A and W."""
     scales: dict[str, object] = {"SCALE_N": block[0], "SCALE_K": block[1]} if block else {"SCALE_N": 1, "SCALE_K": 0}
     words = f"sm_90 block={block[0]}x{block[1]} " if block else "sm_90 "
-    name, desc, kernel, sig, consts = core.linear_aot_entry("_fp8_linear_tma_kernel", TMA_LINEAR_KERNEL, cfg, fmt_a,
+    name, desc, kernel, sig, consts = gemm_aot.linear_aot_entry("_fp8_linear_tma_kernel", TMA_LINEAR_KERNEL, cfg, fmt_a,
                                                             fmt_w, activation, has_bias, res_dtype, out, scales, words)
     tile = cfg.gated() if activation in GATED else cfg  # as linear_aot_entry
     sig.update(a_desc=_descriptor(fmt_a, tile.BLOCK_M, tile.BLOCK_K),
@@ -323,17 +324,17 @@ def _launched(cfg: core.GemmConfig, block: tuple[int, int] | None, activation: s
 # dense (no block) and the 128x128 blocks of the checkpoints in use, each with every epilogue variant, on the
 # tile tma_config gives it
 AOT_CONFIGS: list[AotEntry] = [_entry(cfg, block, *variant) for cfg in TMA_CONFIGS.values()
-                               for block in (None, (128, 128)) for variant in core.linear_variants()
+                               for block in (None, (128, 128)) for variant in gemm_aot.linear_variants()
                                if _launched(cfg, block, variant[2])]
 
 
 def aot_options(entry: AotEntry) -> dict[str, int]:
     """``num_warps``/``num_stages`` of an AOT_CONFIGS entry (launch options, not constexprs)."""
-    return core.config_options(TMA_CONFIGS, entry)
+    return gemm_aot.config_options(TMA_CONFIGS, entry)
 
 
 def aot_attrs(entry: AotEntry) -> dict:
     """Divisibility by 16 of pointers, N, K and the output/residual row strides, as the JIT finds for
     aligned shapes (the descriptors carry their own strides)."""
-    return core.aligned_attrs(entry, ("N", "K", "stride_om", "stride_rm"))
+    return gemm_aot.aligned_attrs(entry, ("N", "K", "stride_om", "stride_rm"))
 

@@ -41,6 +41,7 @@ import triton.language as tl
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.dense import ACTIVATIONS, GATED, linear_epilogue
 from dbr_quant.kernels.reference.weight_only import check_weight_only
+from dbr_quant.kernels.triton import gemm_aot
 from dbr_quant.kernels.triton import gemm_core as core
 from dbr_quant.kernels.triton.common import AotEntry, Kernel, cdiv, device_function, on_interpreter
 from dbr_quant.kernels.triton.weight_decode import decode_e4m3, decode_weight
@@ -235,20 +236,20 @@ def _entry(cfg: core.GemmConfig, mma: str, activation: str | None, has_bias: boo
            out: str | FP8Format) -> AotEntry:
     epilogue = core.epilogue_constexprs(activation, has_bias, out)
     cfg = cfg.gated() if epilogue["GATED"] else cfg
-    ptrs = {"a_ptr": f"*{mma}", "w_ptr": "*u8", "out_ptr": core.OUT_PTR[str(epilogue["OUT_KIND"])],
+    ptrs = {"a_ptr": f"*{mma}", "w_ptr": "*u8", "out_ptr": gemm_aot.OUT_PTR[str(epilogue["OUT_KIND"])],
             "w_scale_ptr": "*fp32", "one_ptr": "*fp32", "bias_ptr": "*fp32", "res_ptr": "*" + (res_dtype or "fp32"),
             "out_scale_ptr": "*fp32"}
     units = ("stride_ak", "stride_wk", "stride_on") + (("stride_rn",) if res_dtype else ())
-    sig, consts = core.signature(WEIGHT_ONLY_KERNEL, ptrs, units)
+    sig, consts = gemm_aot.signature(WEIGHT_ONLY_KERNEL, ptrs, units)
     consts.update(cfg.constexprs(), **epilogue, HAS_RESIDUAL=res_dtype is not None, DOT_FP32=False)
-    desc = (f"{core.describe(cfg)} | {ARCH_TAG} x={mma} act={activation} bias={int(has_bias)} residual={res_dtype} "
-            f"out={core.out_name(out)}")
+    desc = (f"{gemm_aot.describe(cfg)} | {ARCH_TAG} x={mma} act={activation} bias={int(has_bias)} residual={res_dtype} "
+            f"out={gemm_aot.out_name(out)}")
     return ("_fp8_weight_only_linear_kernel", desc, WEIGHT_ONLY_KERNEL, sig, consts)
 
 
 def _aot_configs() -> list[AotEntry]:
     rows = itertools.product(CONFIGS.values(), ("bf16", "fp16"), (None,) + ACTIVATIONS + GATED, (False, True),
-                             core.RESIDUAL_DTYPES, core.LINEAR_OUTS)
+                             gemm_aot.RESIDUAL_DTYPES, gemm_aot.LINEAR_OUTS)
     return [_entry(*args) for args in rows]
 
 
@@ -257,9 +258,9 @@ AOT_CONFIGS: list[AotEntry] = _aot_configs()
 
 def aot_options(entry: AotEntry) -> dict[str, int]:
     """``num_warps``/``num_stages`` of an AOT_CONFIGS entry (launch options, not constexprs)."""
-    return core.config_options(CONFIGS, entry)
+    return gemm_aot.config_options(CONFIGS, entry)
 
 
 def aot_attrs(entry: AotEntry) -> dict:
     """Divisibility by 16 of pointers, N, K and leading strides, as the JIT finds for aligned shapes."""
-    return core.aligned_attrs(entry, ("N", "K", "stride_am", "stride_wn", "stride_om", "stride_rm"))
+    return gemm_aot.aligned_attrs(entry, ("N", "K", "stride_am", "stride_wn", "stride_om", "stride_rm"))
