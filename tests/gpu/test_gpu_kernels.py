@@ -17,6 +17,8 @@ under ``use_backend("reference")`` on the same CUDA tensors.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from gpu_bounds import epilogue_bound, gemm_bound, magnitudes, record
@@ -198,6 +200,35 @@ def test_attention(causal):
     assert err <= bound
     cos = torch.nn.functional.cosine_similarity(fast.flatten(), ref.flatten(), dim=0)
     assert cos > 0.999
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("p_scale", [1 / 448, 1 / 1024])
+def test_attention_native_cast_is_the_fp32_rounding(masked, p_scale):
+    """On sm_90 the kernel turns P into FP8 with the hardware cast (cvt.rn.satfinite: one rounding, saturating)
+    instead of round_to_fp8 in fp32: with the same tile, the two must give the same output bits (p_scale 1/1024
+    saturates P's largest values). The new wide tile is also checked against the tile the H100 measured."""
+    from dbr_quant.kernels.triton import attention as triton_attention
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the native cast is used on sm_90 only")
+    q, k, v = (torch.randn(2, 4, 300, 128, device="cuda") for _ in range(3))
+    (qq, qs), (kq, ks), (vq, vs) = (kernels.dynamic_quantize(t, E4M3) for t in (q, k, v))
+    mask = (torch.rand(2, 1, 300, 300, device="cuda") > 0.2) if masked else None
+    tile = triton_attention.gpu_tile(300, 128, 90, masked)
+    ps = torch.tensor(p_scale, device="cuda")
+    outs = [triton_attention.fp8_attention(qq, qs, kq, ks, vq, vs, attn_mask=mask, is_causal=True, p_scale=ps,
+                                           tile=dataclasses.replace(tile, native_cast=native))
+            for native in (True, False)]
+    assert torch.equal(outs[0], outs[1])
+    measured = triton_attention.fp8_attention(qq, qs, kq, ks, vq, vs, attn_mask=mask, is_causal=True, p_scale=ps,
+                                              tile=triton_attention.measured_tile(300, 128))
+    # different key tiles round different running-max P: each within test_attention's bound of exact attention
+    vmax = float(vq.float().abs().max() * vs)
+    bound = 2 * (2.0 ** -4 * vmax * (1 + 300 * p_scale * 2.0 ** -6) + 1e-5 * vmax + 1e-6)
+    record(f"fp8_attention wide vs measured tile masked={masked}: max |diff| / bound",
+           float((outs[0] - measured).abs().max()) / bound)
+    assert float((outs[0] - measured).abs().max()) <= bound
 
 
 def test_attention_per_head_scales():

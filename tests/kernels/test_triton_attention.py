@@ -14,6 +14,7 @@ accumulation order and exp2 vs exp (relative ~1e-6). Cosine similarity (> 0.999)
 output has enough elements for the per-probability rounding errors to average out (> 0.995 for E5M2).
 """
 
+import dataclasses
 import math
 import re
 
@@ -69,10 +70,10 @@ def _keep(mask, causal, shape):
 
 
 def _check(q, qs, k, ks, v, vs, *, mask=None, causal=False, softmax_scale=None, p_scale=None,
-           fmt=FP8Format.E4M3, stats=None):
+           fmt=FP8Format.E4M3, stats=None, tile=None):
     """Run kernel, reference and SDPA; assert bounds, exact zeros on fully masked rows; return errors."""
     out = _kernel(q, qs, k, ks, v, vs, attn_mask=mask, is_causal=causal, softmax_scale=softmax_scale,
-                  p_scale=p_scale, fmt=fmt)
+                  p_scale=p_scale, fmt=fmt, tile=tile)
     rep = q.shape[1] // k.shape[1]
     ref = reference.fp8_attention(q, qs, k, ks, v, vs, attn_mask=mask, is_causal=causal,
                                   softmax_scale=softmax_scale, p_scale=p_scale, fmt=fmt)
@@ -247,16 +248,43 @@ def test_per_head_scales_are_per_tensor_attention_on_each_head():
         assert torch.equal(out[:, h:h + 1], one), h
 
 
+def _gpu_tiles() -> list:
+    """Every tile gpu_tile picks (any architecture, head dim, query length, mask), with a flag for its masked use."""
+    return sorted({(TA.gpu_tile(lq, d, arch, masked), masked) for arch in TA.ARCHS for d in TA.HEAD_DIMS
+                   for lq in (1, 10**6) for masked in (False, True)}, key=str)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("blocks", TA.GPU_BLOCKS)
-def test_gpu_tile_sizes_in_the_interpreter(monkeypatch, d, blocks):
-    """The block sizes compiled for the GPU, interpreted on sequences that cross several tiles."""
-    monkeypatch.setattr(TA, "INTERPRETER_BLOCKS", (blocks[0], TA.BLOCK_N_GPU))
-    q, qs, k, ks, v, vs = _inputs(b=1, hq=4, hkv=1, lq=150, lk=200, d=d)
-    mask = torch.rand(1, 1, 150, 200) > 0.1
+@pytest.mark.parametrize("tile,masked", _gpu_tiles(), ids=str)
+def test_gpu_tile_sizes_in_the_interpreter(d, tile, masked):
+    """The block sizes compiled for the GPU, interpreted on sequences that cross several tiles (P rounded in fp32:
+    the interpreter cannot run the hardware cast, which tests/gpu compares with it on a device)."""
+    tile = dataclasses.replace(tile, native_cast=False)
+    q, qs, k, ks, v, vs = _inputs(b=1, hq=4, hkv=1, lq=150, lk=300, d=d)
+    mask = torch.rand(1, 1, 150, 300) > 0.1 if masked else None
     for causal in (False, True):
-        _check(q, qs, k, ks, v, vs, mask=mask, causal=causal)
+        _check(q, qs, k, ks, v, vs, mask=mask, causal=causal, tile=tile)
+
+
+def test_native_cast_is_refused_in_the_interpreter():
+    q, qs, k, ks, v, vs = _inputs(lq=9, lk=11, d=16)
+    with pytest.raises(ValueError, match="native_cast needs a compiled sm_90 kernel"):
+        _kernel(q, qs, k, ks, v, vs, tile=TA.gpu_tile(1000, 16, 90, masked=False))
+
+
+def test_sm90_tiles_use_wide_mma_without_a_mask_and_keep_the_measured_geometry_with_one():
+    """Unmasked sm_90 launches take 128-key steps (wgmma n128 for Q·Kᵀ, not the measured tile's n16); masked ones
+    keep the H100-measured geometry; Ada keeps its tiles and the fp32 rounding of P (its cast rounds twice)."""
+    for d in TA.HEAD_DIMS:
+        for lq in (1, 4096):
+            wide = TA.gpu_tile(lq, d, 90, masked=False)
+            assert wide.block_n == 128 and wide.native_cast
+            masked = TA.gpu_tile(lq, d, 90, masked=True)
+            measured = TA.measured_tile(lq, d)
+            assert (masked.block_m, masked.block_n, masked.num_warps) == (measured.block_m, measured.block_n,
+                                                                         measured.num_warps)
+            assert not TA.gpu_tile(lq, d, 89, masked=False).native_cast
 
 
 def _arch(config) -> int:
@@ -266,9 +294,10 @@ def _arch(config) -> int:
 def _compile(config, arch):
     _, desc, kernel, sig, consts = config
     warps = int(re.search(r"warps=(\d+)", desc).group(1))
-    src = triton.compiler.ASTSource(fn=kernel.jit, signature=sig, constexprs=consts)
+    stages = int(re.search(r"stages=(\d+)", desc).group(1))
+    src = triton.compiler.ASTSource(fn=kernel.jit, signature=sig, constexprs=consts, attrs=TA.aot_attrs(config))
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": warps, "num_stages": TA.NUM_STAGES})
+                              options={"num_warps": warps, "num_stages": stages})
     ptx = compiled.asm["ptx"]
     fp8 = "e4m3" if "e4m3" in desc else "e5m2"
     mma = "wgmma.mma_async" if arch == 90 else "mma.sync"
@@ -280,6 +309,8 @@ def _compile(config, arch):
         shapes = {int(n) for n in re.findall(r"m64n(\d+)k32", ptx)}
         halves = {consts["BLOCK_N"], consts["BLOCK_D"], consts["BLOCK_N"] // 2, consts["BLOCK_D"] // 2}
         assert len(shapes) >= 1 and shapes <= halves, (desc, shapes)
+        if consts["BLOCK_N"] == 128 and consts["BLOCK_M"] == 64 * warps // 4:  # one warpgroup per 64 rows
+            assert 128 in shapes, (desc, shapes)  # Q·Kᵀ as wgmma n128, not split across warpgroups
     smem_limit = {90: 232448, 89: 101376}[arch]
     assert compiled.metadata.shared <= smem_limit, (desc, compiled.metadata.shared)
 
@@ -287,28 +318,32 @@ def _compile(config, arch):
 def test_aot_configs_cover_every_launch():
     descs = [c[1] for c in TA.AOT_CONFIGS]
     assert len(descs) == len(set(descs))
-    want = {(arch, d, *TA.gpu_config(lq, d, arch)) for arch in TA.ARCHS for d in TA.HEAD_DIMS for lq in (1, 10**6)}
-    got = {(_arch(c), c[4]["HEAD_DIM"], c[4]["BLOCK_M"], int(re.search(r"warps=(\d+)", c[1]).group(1)))
+    want = {(arch, d, kind, TA.gpu_tile(lq, d, arch, kind != "none")) for arch in TA.ARCHS for d in TA.HEAD_DIMS
+            for lq in (1, 10**6) for kind in TA.MASK_KINDS}
+    got = {(_arch(c), c[4]["HEAD_DIM"], re.search(r"mask=(\w+)", c[1]).group(1),
+            TA.AttnTile(c[4]["BLOCK_M"], c[4]["BLOCK_N"], int(re.search(r"warps=(\d+)", c[1]).group(1)),
+                        int(re.search(r"stages=(\d+)", c[1]).group(1)), c[4]["NATIVE_CAST"]))
            for c in TA.AOT_CONFIGS}
     assert got == want
-    assert len(descs) == 2 * 2 * 3 * len(want)  # formats × causal × mask kinds per tile choice
+    assert len(descs) == 2 * 2 * len(want)  # formats × causal per (arch, head dim, mask kind, tile)
 
 
 # a representative subset: smallest and largest head dim, both tile sizes, all mask kinds, causal on/off;
 # every configuration is compiled (with ptxas spill checks) by
 # `python -m dbr_quant.kernels.triton.aot --all --only attn`
 SUBSET = [c for c in TA.AOT_CONFIGS if c[1] in {
-    "e4m3 D=16 causal=False mask=bool BLOCK_M=64 BLOCK_N=32 warps=8 sm_90",
-    "e4m3 D=128 causal=True mask=float BLOCK_M=64 BLOCK_N=32 warps=8 sm_90",
-    "e4m3 D=32 causal=True mask=none BLOCK_M=128 BLOCK_N=32 warps=8 sm_90",
-    "e4m3 D=16 causal=False mask=bool BLOCK_M=64 BLOCK_N=32 warps=4 sm_89",
-    "e4m3 D=128 causal=True mask=float BLOCK_M=64 BLOCK_N=32 warps=8 sm_89",
+    "e4m3 D=16 causal=False mask=bool BLOCK_M=64 BLOCK_N=32 warps=8 stages=3 native=1 sm_90",
+    "e4m3 D=128 causal=True mask=float BLOCK_M=64 BLOCK_N=32 warps=8 stages=3 native=1 sm_90",
+    "e4m3 D=128 causal=True mask=none BLOCK_M=128 BLOCK_N=128 warps=8 stages=2 native=1 sm_90",
+    "e4m3 D=32 causal=True mask=none BLOCK_M=64 BLOCK_N=128 warps=4 stages=2 native=1 sm_90",
+    "e4m3 D=16 causal=False mask=bool BLOCK_M=64 BLOCK_N=32 warps=4 stages=3 native=0 sm_89",
+    "e4m3 D=128 causal=True mask=float BLOCK_M=64 BLOCK_N=32 warps=8 stages=3 native=0 sm_89",
 }]
 
 
 @pytest.mark.parametrize("config", SUBSET, ids=lambda c: c[1])
 def test_aot_subset_compiles_to_fp8_mma(config):
-    assert len(SUBSET) == 5
+    assert len(SUBSET) == 6
     _compile(config, _arch(config))
 
 

@@ -22,12 +22,19 @@ Scales: per tensor, per head (q and p over query heads, k and v over kv heads: a
 constant along the reduction of P·V, so they multiply that head's output) or per token for q and k (v's would
 scale the reduction dim of P·V: not supported).
 
+Tiles (:func:`gpu_tile`): on sm_90 without a mask, 128 keys per step and 128 query rows (64 for short queries), so both
+GEMMs issue ``wgmma m64n128k32``, and P goes to FP8 with the hardware's single-rounding ``cvt.rn.satfinite``. The tile
+the H100 measured (64 × 32 keys, 8 warps) issued ``m64n16k32`` for Q·Kᵀ: two warpgroups split 32 keys. With a mask
+(its BLOCK_M × BLOCK_N tile is loaded too) ptxas spills at 128 keys, so masked launches keep 32-key tiles.
+The register counts behind these choices: ``python -m dbr_quant.kernels.triton.aot --arch 90 --all --only attn``.
+
 Limits: forward only; element offsets inside one (batch, head) slice are int32; every tile is masked (no mask-free fast
 path for interior tiles, which costs a few ALU ops per score).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -35,32 +42,55 @@ import triton.language as tl
 
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.reference.dense import head_view
-from dbr_quant.kernels.triton.common import Kernel, cdiv, check_device, fp8_constants, on_interpreter, round_to_fp8
+from dbr_quant.kernels.triton.common import (
+    AotEntry,
+    Kernel,
+    cdiv,
+    check_device,
+    fp8_constants,
+    on_interpreter,
+    round_to_fp8,
+)
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr global, so kernels may read it
 HEAD_DIMS = (16, 32, 64, 128)
 MASK_KINDS = {"none": 0, "bool": 1, "float": 2}
-# (BLOCK_M, num_warps): 64-row tiles for short query sequences (decode, short prompts), 128 otherwise.
-# BLOCK_N = 32 keys and 8 warps: with 64 keys or 4 warps, ptxas spilled registers (up to 3.7 KB for
-# D=128 with a mask on sm_90, see `python -m dbr_quant.kernels.triton.aot --all --only attn`); D=128 keeps
-# 64-row tiles for the same reason.
-GPU_BLOCKS = ((64, 8), (128, 8))
-BLOCK_N_GPU = 32
-NUM_STAGES = 3
-# Ada (sm_89, mma.sync) has more register pressure: ptxas spilled for every D=64 tile of 128 rows and for
-# D=16 with 8 warps, so it always uses 64-row tiles, with 4 warps for D=16 and 8 otherwise.
 ARCHS = (90, 89)
+SHORT_QUERIES = 64  # up to this many query rows (decode, short prompts) a 64-row tile wastes less
 
 
-def gpu_config(lq: int, head_dim: int, arch: int) -> tuple[int, int]:
-    """(BLOCK_M, num_warps) the kernel launches with on a GPU of compute capability ``arch``."""
-    if arch < 90:
-        return 64, 4 if head_dim == 16 else 8
-    block_m, warps = GPU_BLOCKS[0] if lq <= GPU_BLOCKS[0][0] or head_dim > 64 else GPU_BLOCKS[1]
-    return block_m, warps
+@dataclasses.dataclass(frozen=True)
+class AttnTile:
+    """One launch configuration: query rows and keys per step, warps, pipeline stages, and how P becomes FP8
+    (``native_cast``: the hardware's single-rounding cvt, sm_90; else :func:`round_to_fp8` in fp32)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    native_cast: bool
+
+
+def gpu_tile(lq: int, head_dim: int, arch: int, masked: bool) -> AttnTile:
+    """The tile :func:`fp8_attention` launches on a GPU of compute capability ``arch`` (see the module docstring;
+    every returned tile compiles without spills, checked by the AOT table)."""
+    if arch < 90:  # Ada (mma.sync): ptxas spilled for D = 64 with 128 rows and for D = 16 with 8 warps
+        return AttnTile(64, 32, 4 if head_dim == 16 else 8, 3, False)
+    short = lq <= SHORT_QUERIES
+    if not masked:
+        return AttnTile(64, 128, 4, 2, True) if short else AttnTile(128, 128, 8, 2, True)
+    return AttnTile(64 if short or head_dim > 64 else 128, 32, 8, 3, True)
+
+
+def measured_tile(lq: int, head_dim: int) -> AttnTile:
+    """The sm_90 tile of the H100 run (README "Measured on a GPU"), for benchmarks/gpu.py to time beside
+    :func:`gpu_tile`'s."""
+    return AttnTile(64 if lq <= SHORT_QUERIES or head_dim > 64 else 128, 32, 8, 3, False)
+
+
 # The interpreter runs with small tiles so that short test sequences still cross several K/V tiles
 # and exercise the online-softmax rescaling; the kernel code is identical (block sizes are constexprs).
-INTERPRETER_BLOCKS = (16, 16)
+INTERPRETER_TILE = AttnTile(16, 16, 4, 1, False)
 
 
 def _attn_fwd(
@@ -74,7 +104,7 @@ def _attn_fwd(
     stride_ksb, stride_ksh, stride_ksn,
     stride_mb, stride_mh, stride_mm, stride_mn,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, NATIVE_CAST: tl.constexpr,
     FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, EXP_BIAS: tl.constexpr,
 ):
     """Grid (cdiv(Lq, BLOCK_M), B·H). Query head h reads kv head h // GROUP (GQA, as repeat_interleave).
@@ -139,8 +169,10 @@ def _attn_fwd(
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
-        # round in fp32 first: Triton's own float→fp8 cast drops carries (interpreter) or double-rounds
-        p_q = round_to_fp8(p * p_inv, FP8_MAX, MANTISSA_BITS, MIN_NORMAL).to(V.dtype.element_ty)
+        if NATIVE_CAST:  # sm_90: one cvt.rn.satfinite (RNE, saturating), round_to_fp8's bits for finite P
+            p_q = (p * p_inv).to(V.dtype.element_ty)
+        else:  # round in fp32 first: Triton's own cast drops carries (interpreter), double-rounds (sm_89)
+            p_q = round_to_fp8(p * p_inv, FP8_MAX, MANTISSA_BITS, MIN_NORMAL).to(V.dtype.element_ty)
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         # promoted to fp32 after each tile (see gemm_core.main_loop): else sm_90 sums all of Lk in the tensor core
@@ -154,20 +186,27 @@ def _attn_fwd(
     tl.store(o_ptrs, out, mask=m_ok[:, None] & d_ok[None, :])
 
 
-ATTN_FWD = Kernel(_attn_fwd)
+
+# launch ints the JIT is not to specialize (== 1 → constexpr): sizes and scale/mask strides that are 1 only sometimes
+# (decode, one head, per-token scales, GQA), so one compiled variant serves them; head-dim strides are always 1
+ATTN_FWD = Kernel(_attn_fwd, do_not_specialize=("H", "Lq", "Lk", "GROUP", "stride_qsb", "stride_qsh", "stride_qsm",
+                                                "stride_ksb", "stride_ksh", "stride_ksn", "stride_mb", "stride_mh",
+                                                "stride_mm"))
+UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_mn")
+# ints the JIT marks divisible by 16 for contiguous (B, H, L, D) tensors with D a multiple of 16
+ALIGNED = tuple(f"stride_{t}{d}" for t in "qkvo" for d in ("b", "h", "m" if t in "qo" else "n"))
 
 
 def _block_d(head_dim: int) -> int:
     return max(head_dim, 32)
 
 
-def _launch_config(lq: int, head_dim: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for a launch: small tiles in the interpreter, :func:`gpu_config` else."""
+def launch_tile(lq: int, head_dim: int, masked: bool, device: torch.device) -> AttnTile:
+    """The tile of a launch: small ones in the interpreter, :func:`gpu_tile` for the device's architecture."""
     if on_interpreter():
-        return (*INTERPRETER_BLOCKS, 4)
+        return INTERPRETER_TILE
     major, minor = torch.cuda.get_device_capability(device)
-    block_m, warps = gpu_config(lq, head_dim, 10 * major + minor)
-    return block_m, BLOCK_N_GPU, warps
+    return gpu_tile(lq, head_dim, 10 * major + minor, masked)
 
 
 def _scale_rows(scale: torch.Tensor, shape: tuple[int, int, int], name: str) -> torch.Tensor:
@@ -206,6 +245,7 @@ def fp8_attention(
     softmax_scale: float | None = None,
     p_scale: torch.Tensor | None = None,
     fmt: FP8Format = FP8Format.E4M3,
+    tile: AttnTile | None = None,
 ) -> torch.Tensor:
     """Fused FP8 attention with :func:`reference.fp8_attention`'s semantics; fp32 (B, Hq, Lq, D) output.
 
@@ -213,13 +253,15 @@ def fp8_attention(
     q_scale / k_scale: one element, per head ([Hq] / [Hkv]) or per token ((B, H, L, 1), k's on kv heads);
     v_scale: one element or [Hkv]; p_scale: one element or [Hq].
     ``attn_mask``: bool (keep True) or float (added), broadcastable to (B, Hq, Lq, Lk); broadcast dims
-    are read with stride 0, never expanded in memory.
+    are read with stride 0, never expanded in memory. ``tile`` overrides :func:`launch_tile` (benchmarks, tests).
     """
     fmt = FP8Format.parse(fmt)
     for name, t in (("q_q", q_q), ("k_q", k_q), ("v_q", v_q)):
         if t.dim() != 4 or t.dtype != fmt.dtype:
             raise ValueError(f"{name} must be a 4-d (B, H, L, D) {fmt.dtype} tensor, got {t.dtype} {tuple(t.shape)}")
     check_device(q_q, k_q, v_q, attn_mask)
+    # head dims contiguous: the kernel is compiled for unit strides there (vector loads, cp.async; see AOT_CONFIGS)
+    q_q, k_q, v_q = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_q, k_q, v_q))
     B, Hq, Lq, D = q_q.shape
     Hkv, Lk = k_q.shape[1], k_q.shape[2]
     if D not in HEAD_DIMS:
@@ -239,54 +281,67 @@ def fp8_attention(
     if out.numel() == 0:
         return out
     mask_strides: tuple[int, ...]
-    if attn_mask is None:
-        kind, mask, mask_strides = 0, scalars, (0, 0, 0, 0)
+    if attn_mask is None:  # not read; stride_mn 1 as a mask's, so both launch the same compiled variant
+        kind, mask, mask_strides = 0, scalars, (0, 0, 0, 1)
     else:
         # convert before broadcasting: the fp32 / uint8 copy is the size of the mask as given
         m = attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask.to(torch.float32)
         kind = 1 if attn_mask.dtype == torch.bool else 2
+        if m.shape[-1] != 1 and m.stride(-1) != 1:
+            m = m.contiguous()
         mask = torch.broadcast_to(m, (B, Hq, Lq, Lk))
         mask_strides = mask.stride()
 
-    block_m, block_n, warps = _launch_config(Lq, D, q_q.device)
-    grid = (cdiv(Lq, block_m), B * Hq)
-    extra = {} if on_interpreter() else {"num_warps": warps, "num_stages": NUM_STAGES}
+    tile = tile or launch_tile(Lq, D, kind != 0, q_q.device)
+    if tile.native_cast and on_interpreter():
+        raise ValueError("native_cast needs a compiled sm_90 kernel: the interpreter's float→fp8 cast drops carries")
+    grid = (cdiv(Lq, tile.block_m), B * Hq)
+    extra = {} if on_interpreter() else {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
     ATTN_FWD[grid](
         q_q, k_q, v_q, out, qs, ks, scalars, mask,
         Hq, Lq, Lk, Hq // Hkv, float(softmax_scale),
         *q_q.stride(), *k_q.stride(), *v_q.stride(), *out.stride(),
         *qs.stride(), *ks.stride(), *mask_strides,
-        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=bool(is_causal),
-        MASK_KIND=kind, **fp8_constants(fmt), **extra,
+        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, IS_CAUSAL=bool(is_causal),
+        MASK_KIND=kind, NATIVE_CAST=tile.native_cast, **fp8_constants(fmt), **extra,
     )
     return out
 
 
-def _aot_configs() -> list[tuple[str, str, Kernel, dict, dict]]:
-    """Every compiled configuration :func:`fp8_attention` can launch, for ahead-of-time PTX checks."""
+def _aot_configs() -> list[AotEntry]:
+    """Every configuration :func:`fp8_attention` launches on a GPU, specialized as the JIT specializes an aligned
+    launch (unit head-dim strides as constexpr 1, :func:`aot_attrs`), for ahead-of-time PTX checks."""
     names = ["Q", "K", "V", "Out", "QScale", "KScale", "Scalars", "Mask", "H", "Lq", "Lk", "GROUP", "softmax_scale"]
     ints = [f"stride_{t}{d}" for t in "qkvo" for d in ("b", "h", "m" if t in "qo" else "n", "d")]
     ints += ["stride_qsb", "stride_qsh", "stride_qsm", "stride_ksb", "stride_ksh", "stride_ksn"]
     ints += ["stride_mb", "stride_mh", "stride_mm", "stride_mn"]
-    configs = []
+    configs: list[AotEntry] = []
     for fmt in FP8Format:
         fp8 = "fp8e4nv" if fmt is FP8Format.E4M3 else "fp8e5"
         for head_dim in HEAD_DIMS:
             for causal in (False, True):
                 for mask_name, kind in MASK_KINDS.items():
-                    tiles = {(arch, *gpu_config(lq, head_dim, arch)) for arch in ARCHS for lq in (1, 10**6)}
-                    for arch, block_m, warps in sorted(tiles):
+                    tiles = {(arch, gpu_tile(lq, head_dim, arch, kind != 0)) for arch in ARCHS for lq in (1, 10**6)}
+                    for arch, tile in sorted(tiles, key=lambda t: (t[0], dataclasses.astuple(t[1]))):
                         types = [f"*{fp8}"] * 3 + ["*fp32"] * 4 + ["*u8" if kind == 1 else "*fp32"]
                         sig = dict(zip(names, types + ["i32"] * 4 + ["fp32"]))
                         sig.update(dict.fromkeys(ints, "i32"))
-                        consts = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), "BLOCK_M": block_m,
-                                  "BLOCK_N": BLOCK_N_GPU, "IS_CAUSAL": causal, "MASK_KIND": kind,
-                                  **fp8_constants(fmt)}
+                        consts: dict[str, object] = {
+                            "HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), "BLOCK_M": tile.block_m,
+                            "BLOCK_N": tile.block_n, "IS_CAUSAL": causal, "MASK_KIND": kind,
+                            "NATIVE_CAST": tile.native_cast, **fp8_constants(fmt), **dict.fromkeys(UNIT_STRIDES, 1)}
                         sig.update(dict.fromkeys(consts, "constexpr"))
-                        desc = (f"{fmt.value} D={head_dim} causal={causal} mask={mask_name} "
-                                f"BLOCK_M={block_m} BLOCK_N={BLOCK_N_GPU} warps={warps} sm_{arch}")
+                        desc = (f"{fmt.value} D={head_dim} causal={causal} mask={mask_name} BLOCK_M={tile.block_m} "
+                                f"BLOCK_N={tile.block_n} warps={tile.num_warps} stages={tile.num_stages} "
+                                f"native={int(tile.native_cast)} sm_{arch}")
                         configs.append(("_attn_fwd", desc, ATTN_FWD, sig, consts))
     return configs
 
 
-AOT_CONFIGS: list[tuple[str, str, Kernel, dict, dict]] = _aot_configs()
+def aot_attrs(entry: AotEntry) -> dict:
+    """ASTSource ``attrs``: pointers and the :data:`ALIGNED` strides divisible by 16, as the JIT finds them."""
+    return {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(entry[3].items())
+            if ty.startswith("*") or (ty == "i32" and name in ALIGNED)}
+
+
+AOT_CONFIGS: list[AotEntry] = _aot_configs()
