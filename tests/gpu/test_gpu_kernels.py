@@ -139,6 +139,27 @@ def test_linear_exact_on_small_integer_sums(m):
     assert torch.equal(fast, ref), float((fast - ref).abs().max())
 
 
+def test_unpromoted_sums_lose_bits_on_hopper():
+    """GemmConfig(promote=False), the variant benchmarks/gpu.py times against the promoted default: on sm_90 the
+    K = 4096 integer sums above (< 2^17) exceed the tensor core's ~14-bit adder and come out inexact, which is why
+    the default promotes every BLOCK_K step (its result is exact: the test above)."""
+    from dbr_quant.kernels.triton import gemm as triton_gemm
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("sm_89's mma.sync accumulates in fp32")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x_q = torch.randint(1, 5, (256, 4096), device="cuda", generator=gen).float().to(torch.float8_e4m3fn)
+    w_q = torch.randint(1, 5, (256, 4096), device="cuda", generator=gen).float().to(torch.float8_e4m3fn)
+    one = torch.tensor(1.0, device="cuda")
+    exact = x_q.double() @ w_q.double().t()
+    cfg = triton_gemm.pick_config(256)
+    promoted = triton_gemm.fp8_linear(x_q, one, w_q, one, config=cfg, kernel="classic")
+    fast = triton_gemm.fp8_linear(x_q, one, w_q, one, config=dataclasses.replace(cfg, promote=False),
+                                  kernel="classic")
+    record("fp8_linear unpromoted K=4096 integer sums: max |err| / sum", float(((fast - exact).abs() / exact).max()))
+    assert torch.equal(promoted.double(), exact) and not torch.equal(fast.double(), exact)
+
+
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("out", ["bf16", "fp8"])
 def test_linear_epilogues(activation, out):

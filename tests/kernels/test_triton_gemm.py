@@ -297,3 +297,25 @@ def test_report_max_errors():
     """Runs last in this file (pytest keeps definition order): prints the worst errors seen (-s)."""
     for kind, worst in sorted(MAX_ERR.items()):
         print(f"{kind:>24}: {worst:.3g}")
+
+
+def _sm90_ptx(entry, promote: bool) -> str:
+    consts = {**entry[4], "PROMOTE": promote}
+    src = triton.compiler.ASTSource(fn=entry[2].jit, signature=entry[3], constexprs=consts, attrs=G.aot_attrs(entry))
+    cfg = G.CONFIGS[entry[1].split()[0]]
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+def test_promotion_compiles_to_a_fresh_partial_sum_added_in_fp32():
+    """GemmConfig.promote (the default): each K step's wgmma starts from zero (scale-d 0) and its partial tile is
+    added to the fp32 accumulator; promote=False (benchmarks/gpu.py's "fast accumulation" column) chains the
+    accumulator through every wgmma, as Triton's sm_90 default does. tests/gpu shows what that costs in bits."""
+    [entry] = [e for e in G.AOT_CONFIGS if e[1].startswith("large ") and "e4m3xe4m3 act=None bias=0 residual=None "
+               "out=bf16" in e[1]]
+    promoted, chained = _sm90_ptx(entry, True), _sm90_ptx(entry, False)
+    first_wgmma = next(line for line in promoted.splitlines() if "wgmma.mma_async" in line)
+    assert first_wgmma.rstrip(";").split(",")[-3].strip() == "0"  # scale-d 0: D = A·B, not D + A·B
+    per_thread = G.CONFIGS["large"].BLOCK_M * G.CONFIGS["large"].BLOCK_N // (32 * G.CONFIGS["large"].num_warps)
+    assert promoted.count("add.f32") >= per_thread and chained.count("add.f32") < per_thread
+    assert "PROMOTE" in entry[4] and entry[4]["PROMOTE"] is True  # the AOT table holds the promoted kernels

@@ -56,6 +56,7 @@ def _fp8_block_linear_kernel(
     M, N, K, KB, UP_SCALE_ROW,
     stride_am, stride_ak, stride_wn, stride_wk, stride_om, stride_on, stride_rm, stride_rn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PROMOTE: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     ACTIVATION: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     OUT_KIND: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
@@ -66,7 +67,7 @@ def _fp8_block_linear_kernel(
     rm, rn, mask_m, mask_n = core.output_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc, acc_up = core.main_loop(a_ptr, w_ptr, x_scale_ptr, w_scale_ptr, rm, rn, mask_m, mask_n, N, K, UP_SCALE_ROW,
                                  stride_am, stride_ak, stride_wn, stride_wk, KB, KB,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, GATED, SCALE_N, SCALE_K)
+                                 BLOCK_M, BLOCK_N, BLOCK_K, GATED, SCALE_N, SCALE_K, PROMOTE)
     core.linear_epilogue(acc, acc_up, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr, out_scale_ptr,
                          rm, rn, mask_m, mask_n, N,
                          KB, KB, stride_rm, stride_rn, stride_om, stride_on,

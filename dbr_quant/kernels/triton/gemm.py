@@ -63,6 +63,7 @@ def _fp8_linear_kernel(
     M, N, K,
     stride_am, stride_ak, stride_wn, stride_wk, stride_om, stride_on, stride_rm, stride_rn, stride_xs, stride_ws,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PROMOTE: tl.constexpr,
     ACTIVATION: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     OUT_KIND: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
     EXP_BIAS: tl.constexpr,
@@ -74,7 +75,7 @@ def _fp8_linear_kernel(
     # SCALE_N, SCALE_K = 1, 0: per-tensor/row/channel scales, applied once in the epilogue
     acc, acc_up = core.main_loop(a_ptr, w_ptr, x_scale_ptr, w_scale_ptr, rm, rn, mask_m, mask_n, N, K, N,
                                  stride_am, stride_ak, stride_wn, stride_wk, stride_xs, stride_ws,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, GATED, 1, 0)
+                                 BLOCK_M, BLOCK_N, BLOCK_K, GATED, 1, 0, PROMOTE)
     core.linear_epilogue(acc, acc_up, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr, out_scale_ptr,
                          rm, rn, mask_m, mask_n, N,
                          stride_xs, stride_ws, stride_rm, stride_rn, stride_om, stride_on,
@@ -89,6 +90,7 @@ def _fp8_matmul_kernel(
     stride_c0, stride_c1, stride_cm, stride_cn, stride_sa0, stride_sa1, stride_sam, stride_sb0, stride_sb1,
     stride_sbn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PROMOTE: tl.constexpr,
 ):
     """c[z] = (a[z] · b[z]) · (sa[z] · sb[z]) for batch z = (z0, z1) on grid axis 2. Broadcast batch dims
     have stride 0, so a K/V shared by several heads is read in place, never copied; scales likewise
@@ -102,7 +104,7 @@ def _fp8_matmul_kernel(
     rm, rn, mask_m, mask_n = core.output_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc, _ = core.main_loop(a_ptr, b_ptr, sa_ptr, sb_ptr, rm, rn, mask_m, mask_n, N, K, N,
                             stride_am, stride_ak, stride_bn, stride_bk, stride_sam, stride_sbn,
-                            BLOCK_M, BLOCK_N, BLOCK_K, False, 1, 0)
+                            BLOCK_M, BLOCK_N, BLOCK_K, False, 1, 0, PROMOTE)
     sa_z = sa_ptr + z0 * stride_sa0 + z1 * stride_sa1
     sb_z = sb_ptr + z0 * stride_sb0 + z1 * stride_sb1
     # the scales only: no bias (sa_z stands in for the pointer), no activation

@@ -48,6 +48,9 @@ class GemmConfig:
     GROUP_M: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    # FP8 sums promoted to fp32 after every BLOCK_K step (see main_loop); False leaves the whole K sum in the
+    # tensor core as Triton's sm_90 default and cuBLASLt's "fast accumulation" do: benchmarks/gpu.py times it
+    promote: bool = True
 
     def gated(self) -> GemmConfig:
         """Gated kernels hold two accumulators and load two W tiles: halve BLOCK_N to keep registers and
@@ -55,7 +58,8 @@ class GemmConfig:
         return dataclasses.replace(self, name=self.name + "-gated", BLOCK_N=max(16, self.BLOCK_N // 2))
 
     def constexprs(self) -> dict[str, int]:
-        return {"BLOCK_M": self.BLOCK_M, "BLOCK_N": self.BLOCK_N, "BLOCK_K": self.BLOCK_K, "GROUP_M": self.GROUP_M}
+        return {"BLOCK_M": self.BLOCK_M, "BLOCK_N": self.BLOCK_N, "BLOCK_K": self.BLOCK_K, "GROUP_M": self.GROUP_M,
+                "PROMOTE": self.promote}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -91,7 +95,7 @@ def main_loop(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, a_rows, cols, mask_m, mask
               N, K, UP_SCALE_ROW,
               stride_am, stride_ak, stride_wn, stride_wk, stride_sa, stride_sw,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
-              SCALE_N: tl.constexpr, SCALE_K: tl.constexpr):
+              SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PROMOTE: tl.constexpr):
     """The loop over K: the fp32 tiles ``acc = A[a_rows] · W[cols]ᵀ`` and, when GATED (W is [gate; up]),
     ``acc_up`` of W rows ``cols + N``, both from the same A loads (else ``acc_up`` is unused).
 
@@ -140,9 +144,14 @@ def main_loop(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, a_rows, cols, mask_m, mask
         else:
             # max_num_imprecise_acc=BLOCK_K: each step's dot sums into a fresh partial tile that is added to
             # acc in fp32 (see the docstring); without it sm_90 keeps the whole K sum in the tensor core
-            acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc, max_num_imprecise_acc=BLOCK_K)
-            if GATED:
-                acc_up = tl.dot(a, tl.load(up_ptrs, mask=w_mask, other=0.0), acc_up, max_num_imprecise_acc=BLOCK_K)
+            if PROMOTE:
+                acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc, max_num_imprecise_acc=BLOCK_K)
+                if GATED:
+                    acc_up = tl.dot(a, tl.load(up_ptrs, mask=w_mask, other=0.0), acc_up, max_num_imprecise_acc=BLOCK_K)
+            else:
+                acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc)
+                if GATED:
+                    acc_up = tl.dot(a, tl.load(up_ptrs, mask=w_mask, other=0.0), acc_up)
         if GATED:
             up_ptrs += BLOCK_K * stride_wk
         a_ptrs += BLOCK_K * stride_ak

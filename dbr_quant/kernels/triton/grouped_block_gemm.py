@@ -43,6 +43,7 @@ def _fp8_grouped_block_gemm_kernel(
     N, K, KB, UP_SCALE_ROW, num_experts, top_k, max_tiles,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_se, stride_be,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PROMOTE: tl.constexpr,
     CHUNK: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ACTIVATION: tl.constexpr,
     GATED: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, OUT_KIND: tl.constexpr,
     FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, EXP_BIAS: tl.constexpr,
@@ -56,7 +57,7 @@ def _fp8_grouped_block_gemm_kernel(
     ws_ptr = w_scale_ptr + e * stride_se
     acc, acc_up = core.main_loop(a_ptr, w_ptr + e.to(tl.int64) * stride_we, x_scale_ptr, ws_ptr, a_row, rn,
                                  mask_m, mask_n, N, K, UP_SCALE_ROW, stride_am, stride_ak, stride_wn, stride_wk, KB, KB,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, GATED, SCALE_N, SCALE_K)
+                                 BLOCK_M, BLOCK_N, BLOCK_K, GATED, SCALE_N, SCALE_K, PROMOTE)
     y = core.scale_bias_activation(acc, acc_up, x_scale_ptr, ws_ptr, bias_ptr + e * stride_be, a_row, rn, mask_m,
                                    mask_n, N, KB, KB, ACTIVATION, GATED, HAS_BIAS, SCALE_K)
     grouped.store_rows(y, out_ptr, x_scale_ptr, route_w_ptr, slot, rm, rn, mask_m, mask_n, top_k, stride_om,

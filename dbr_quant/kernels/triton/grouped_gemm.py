@@ -110,6 +110,7 @@ def _fp8_grouped_gemm_kernel(
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     stride_xe, stride_xr, stride_se, stride_sn, stride_be, stride_ie,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PROMOTE: tl.constexpr,
     CHUNK: tl.constexpr, ACTIVATION: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     GATHER: tl.constexpr, OUT_KIND: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr,
     MIN_NORMAL: tl.constexpr, EXP_BIAS: tl.constexpr,
@@ -127,7 +128,7 @@ def _fp8_grouped_gemm_kernel(
     acc, acc_up = core.main_loop(a_ptr, w_ptr + e.to(tl.int64) * stride_we, x_scale_ptr, w_scale_ptr, a_row, rn,
                                  mask_m, mask_n, N, K, N,
                                  stride_am, stride_ak, stride_wn, stride_wk, stride_xr, stride_sn,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, GATED, 1, 0)
+                                 BLOCK_M, BLOCK_N, BLOCK_K, GATED, 1, 0, PROMOTE)
     y = core.scale_bias_activation(acc, acc_up, x_scale_ptr + e * stride_xe, w_scale_ptr + e * stride_se,
                                    bias_ptr + e * stride_be, a_row, rn, mask_m, mask_n, N, stride_xr, stride_sn,
                                    ACTIVATION, GATED, HAS_BIAS, 0)

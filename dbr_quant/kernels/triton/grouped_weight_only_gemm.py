@@ -64,6 +64,7 @@ def _fp8_grouped_weight_only_gemm_kernel(
     N, K, num_experts, top_k, max_tiles,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_se, stride_sn, stride_be,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PROMOTE: tl.constexpr,
     CHUNK: tl.constexpr, ACTIVATION: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     GATHER: tl.constexpr, OUT_KIND: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr,
     MIN_NORMAL: tl.constexpr, EXP_BIAS: tl.constexpr, DOT_FP32: tl.constexpr,

@@ -177,7 +177,7 @@ def use_tma(op: str, kernel: str | None, a: torch.Tensor, w: torch.Tensor, m: in
 def tma_main_loop(a_desc, w_desc, a_scale_ptr, w_scale_ptr, off_m, off_n, a_rows, cols, mask_m, mask_n,
                   N, K, UP_SCALE_ROW, stride_sa, stride_sw,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
-                  SCALE_N: tl.constexpr, SCALE_K: tl.constexpr):
+                  SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PROMOTE: tl.constexpr):
     """:func:`gemm_core.main_loop` with TMA loads: ``acc = A[off_m:, :] · W[off_n:, :]ᵀ`` (and, GATED,
     ``acc_up`` from W rows ``off_n + N``) over K in BLOCK_K steps, scales as there (SCALE_K > 0: per block,
     applied to each step's dot; else after the loop, by the epilogue). ``a_rows``/``cols`` and their masks
@@ -202,10 +202,14 @@ def tma_main_loop(a_desc, w_desc, a_scale_ptr, w_scale_ptr, off_m, off_n, a_rows
             if GATED:
                 sw_up = tl.load(sw_up_ptrs + kb, mask=mask_n, other=0.0)
                 acc_up += tl.dot(a, w_desc.load([off_n + N, off_k]).T) * sa[:, None] * sw_up[None, :]
-        else:
+        elif PROMOTE:
             acc = tl.dot(a, w.T, acc, max_num_imprecise_acc=BLOCK_K)
             if GATED:
                 acc_up = tl.dot(a, w_desc.load([off_n + N, off_k]).T, acc_up, max_num_imprecise_acc=BLOCK_K)
+        else:  # the whole K sum in the tensor core (GemmConfig.promote)
+            acc = tl.dot(a, w.T, acc)
+            if GATED:
+                acc_up = tl.dot(a, w_desc.load([off_n + N, off_k]).T, acc_up)
     return acc, acc_up
 
 
@@ -214,6 +218,7 @@ def _fp8_linear_tma_kernel(
     M, N, K, UP_SCALE_ROW, NUM_PROGRAMS,
     stride_om, stride_on, stride_rm, stride_rn, stride_xs, stride_ws,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PROMOTE: tl.constexpr,
     FLATTEN: tl.constexpr, EPILOGUE_HALVES: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     ACTIVATION: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     OUT_KIND: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
@@ -234,7 +239,7 @@ def _fp8_linear_tma_kernel(
         mask_n = rn < N
         acc, acc_up = tma_main_loop(a_desc, w_desc, x_scale_ptr, w_scale_ptr, off_m, off_n, rm, rn, mask_m, mask_n,
                                     N, K, UP_SCALE_ROW, stride_xs, stride_ws,
-                                    BLOCK_M, BLOCK_N, BLOCK_K, GATED, SCALE_N, SCALE_K)
+                                    BLOCK_M, BLOCK_N, BLOCK_K, GATED, SCALE_N, SCALE_K, PROMOTE)
         if EPILOGUE_HALVES:  # the epilogue on two BLOCK_M × BLOCK_N/2 halves (tutorial 09's EPILOGUE_SUBTILE):
             # half the epilogue's live values, so a 128×128 tile's heaviest epilogue fits in registers
             acc_left, acc_right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
