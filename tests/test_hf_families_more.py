@@ -254,7 +254,11 @@ MAMBA_DT = "not called as a module: its weight is read by"
 FAMILIES = {f.name: f for f in [
     Family("qwen3_moe", _qwen3_moe, "causal", 0.991, 0.14, high=(ROUTER,), generates=True),
     Family("olmoe", _olmoe, "causal", 0.991, 0.14, high=(ROUTER,), generates=True, marks=(pytest.mark.slow,)),
+    Family("deepseek_v3", _deepseek_v3, "causal", 0.983, 0.2, high=(ROUTER,), generates=True),
+    Family("gpt_oss", _gpt_oss, "causal", 0.973, 0.25, high=(ROUTER, (r"\.experts\.", GPT_OSS_EXPERTS)), warns=True,
+           generates=True),
     Family("llama4", _llama4, "causal", 0.988, 0.16, warns=True, generates=True, marks=(pytest.mark.slow,)),
+    Family("granitemoe", _granitemoe, "causal", 0.986, 0.18, high=(ROUTER,), generates=True),
     Family("gemma2", _gemma2, "causal", 0.989, 0.16, generates=True),
     Family("gemma3", _gemma3, "causal", 0.989, 0.16, generates=True),
     Family("mistral", _mistral, "causal", 0.993, 0.13, generates=True),

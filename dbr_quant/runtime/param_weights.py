@@ -130,7 +130,7 @@ class ParamUses:
                 orientations.setdefault(op.weight_param.name, set()).add(op.weight_param.transposed)
         for op in ops:
             ref = op.weight_param
-            if ref is None:
+            if ref is None or not op.quantize:  # kept high precision (a router, an Override): its reason stands
                 continue
             why = ""
             if ref.name in self.other:
