@@ -416,6 +416,25 @@ def test_every_linear_and_expert_fp8_or_reported(pipelines, name):
     assert counts["fp8_grouped_linear"] == 2 * len(fp8_expert_modules), dict(counts)
 
 
+def test_matmul_with_a_parameter_operand_reports_its_reason():
+    """Llama 4's experts (``torch.bmm(x, self.gate_up_proj)``, a 3-D parameter) and Mamba's ``dt_proj.weight @ x``:
+    the matmul row says why it stays high precision — an operand is not an activation — not "attention stays in
+    high precision", which is what QConfig(quantize_attention=True) would not change."""
+
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 8, 16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.bmm(x.view(4, -1, 8), self.w)
+
+    for attention in (False, True):
+        prepared = dq.prepare(Experts(), (torch.randn(8, 8),), qconfig=dq.QConfig(quantize_attention=attention))
+        (row,) = [r for r in dq.report(prepared) if r["kind"] == "matmul"]
+        assert not row["fp8"] and row["reason"].startswith("an operand is not an activation"), row
+
+
 # ----------------------------------------------------------------------------------------- fp32
 @pytest.mark.parametrize("name", NAMES)
 def test_close_to_fp32(pipelines, name):
