@@ -139,13 +139,29 @@ def is_cached_attention(mod: nn.Module) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ the plan
-def _linear_input_scales(record: ConvertedRecord) -> dict[str, list[tuple[AutoQuantizationState, SeenOp]]]:
+def _linear_input_scales(model: nn.Module,
+                         record: ConvertedRecord) -> dict[str, list[tuple[AutoQuantizationState, SeenOp]]]:
+    """The call sites of each Linear module's weight: its module calls, and the functional linears that read
+    its whole weight (:func:`_functional_owner`)."""
     sites: dict[str, list] = defaultdict(list)
     for st in record.states:
         for op in st.seen_ops:
-            if op.kind == LINEAR and op.weight_owner is not None:
-                sites[op.weight_owner].append((st, op))
+            owner = op.weight_owner if op.weight_owner is not None else _functional_owner(model, op)
+            if op.kind == LINEAR and owner is not None:
+                sites[owner].append((st, op))
     return sites
+
+
+def _functional_owner(model: nn.Module, op: SeenOp) -> str | None:
+    """The Linear module whose whole ``weight`` the functional linear ``op`` reads as W, stored in FP8: Falcon's
+    ``FalconLinear`` (an nn.Linear whose forward is ``x @ self.weight.T + bias``) is such a Linear to
+    compressed-tensors (its target matches the class name) and to vLLM; None for any other weight operand."""
+    ref = op.weight_param
+    if op.kind != LINEAR or ref is None or ref.per_call or ref.transposed or ref.rows != (0, ref.out) \
+            or not ref.name.endswith(".weight"):
+        return None
+    fqn = ref.name.removesuffix(".weight")
+    return fqn if _is_ct_linear(model.get_submodule(fqn)) else None
 
 
 def _kv_heads(mod: nn.Module, observed: int) -> int:
@@ -214,8 +230,11 @@ def _refuse_functional_fp8(model: nn.Module, record: ConvertedRecord) -> None:
     that a functional linear reads in FP8 (param_weights.py: an attention's in_proj_weight, F.linear(x, self.w),
     x @ A.t()) has no place there, and a loader would read its bytes as a high-precision weight."""
     params = dict(model.named_parameters())
-    stored = sorted({op.weight_param.name for st in record.states for op in st.seen_ops
-                     if op.weight_param is not None and isinstance(params.get(op.weight_param.name), FP8Weight)})
+    ops = [op for st in record.states for op in st.seen_ops if op.weight_param is not None]
+    as_linear = {op.weight_param.name for op in ops if _functional_owner(model, op) is not None}
+    stored = sorted({op.weight_param.name for op in ops if isinstance(params.get(op.weight_param.name), FP8Weight)}
+                    - {name for name in as_linear
+                       if all(_functional_owner(model, op) for op in ops if op.weight_param.name == name)})
     if stored:
         raise CheckpointError(
             f"save_pretrained(): {len(stored)} FP8 weight(s) are read by functional linears, not by Linear modules "
@@ -230,7 +249,7 @@ def build_plan(model: nn.Module) -> Plan:
     record = record_of(model)
     _refuse_functional_fp8(model, record)
     plan = Plan()
-    sites = _linear_input_scales(record)
+    sites = _linear_input_scales(model, record)
     kv = _kv_scales(model, record, plan)
     names = {id(mod): fqn for fqn, mod in model_modules(model)}
     schemes: dict[str, Scheme] = {}
@@ -315,8 +334,9 @@ def _fp8_linear_entries(fqn: str, mod: nn.Module, w: FP8Weight, sites: list, pla
     found = scheme(fqn, w, ops)
     wstrat, dynamic = found[0], found[2]
     out_features = w.qdata.shape[0]
+    # input_scale: whether the folder holds one (the loader cannot tell from the ops of a functional linear)
     info: dict[str, Any] = {"layout": "fp8", "format": "e4m3", "granularity": wstrat, "transposed": w.transposed,
-                            "dtype": str(w.dtype).removeprefix("torch.")}
+                            "dtype": str(w.dtype).removeprefix("torch."), "input_scale": not dynamic}
     if w.block is not None:
         info["block"] = list(w.block)
     if w.transposed:

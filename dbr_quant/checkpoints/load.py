@@ -156,7 +156,8 @@ def _expected(model: nn.Module, meta: dict[str, Any]) -> dict[str, tuple[tuple[t
             out[name] = ((torch.float8_e4m3fn,), tuple(t.shape))
             scale_dtypes = _E8M0 if info["granularity"] == "mx" else _FLOATS
             out[name + "_scale"] = (scale_dtypes, _scale_shape(info, tuple(t.shape)))
-            if not any(op["qconfig"]["dynamic"] for op in sites.get(fqn, [])):
+            static = info.get("input_scale")  # absent in folders of dbr_quant before FalconLinear support
+            if static or static is None and not any(op["qconfig"]["dynamic"] for op in sites.get(fqn, [])):
                 out[f"{fqn}.input_scale"] = (_FLOATS, (1,))
     return out
 

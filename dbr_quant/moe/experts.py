@@ -103,21 +103,25 @@ class ExpertsModule(Protocol):
 
 def experts_spec(module: nn.Module) -> ExpertsSpec | None:
     """An ``ExpertsSpec`` when ``module`` is a Hugging Face experts module with 3-D weights, else None."""
-    if not all(hasattr(module, a) for a in ("has_gate", "is_transposed", "is_concatenated", "act_fn")):
+    if not all(hasattr(module, a) for a in ("has_gate", "is_transposed", "is_concatenated")):
         return None
     gated = bool(module.has_gate)
+    # a gate function of its own needs no act_fn (GptOssExperts: clamped SwiGLU on interleaved rows); it is
+    # recognised all the same, so it runs as written with its reason reported and its router kept high precision
+    own_gate = gated and _qualname(getattr(type(module), "_apply_gate", None)) != _DEFAULT_GATE
+    if not own_gate and not hasattr(module, "act_fn"):
+        return None
     first = "gate_up_proj" if gated else "up_proj"
     w1, w2 = module._parameters.get(first), module._parameters.get("down_proj")
     if w1 is None or w2 is None or w1.dim() != 3 or w2.dim() != 3 or w1.shape[0] != w2.shape[0]:
         return None
     transposed, has_bias = bool(module.is_transposed), bool(getattr(module, "has_bias", False))
-    act = _activation_name(module.act_fn)
+    act = _activation_name(getattr(module, "act_fn", None))
     reason = ""
-    if gated and not module.is_concatenated:
-        reason = "gate and up rows are interleaved (is_concatenated=False); the FP8 MoE kernel takes [gate; up]"
-    elif gated and _qualname(getattr(type(module), "_apply_gate", None)) != "transformers.integrations.moe." \
-            "_default_apply_gate":
+    if own_gate:
         reason = f"{type(module).__name__} has its own gate function (_apply_gate), which has no FP8 epilogue"
+    elif gated and not module.is_concatenated:
+        reason = "gate and up rows are interleaved (is_concatenated=False); the FP8 MoE kernel takes [gate; up]"
     elif act is None or (gated and act not in _GATED_EPILOGUE):
         reason = f"activation {type(module.act_fn).__name__} has no FP8 grouped-GEMM epilogue"
     elif getattr(module, "_is_expert_parallel", False):
@@ -126,6 +130,9 @@ def experts_spec(module: nn.Module) -> ExpertsSpec | None:
         reason = f"expert weights have dtype {w1.dtype}"
     epilogue = None if reason or act is None else _GATED_EPILOGUE[act] if gated else act
     return ExpertsSpec(int(w1.shape[0]), first, gated, transposed, has_bias, epilogue, reason)
+
+
+_DEFAULT_GATE = "transformers.integrations.moe._default_apply_gate"
 
 
 def _qualname(fn: Any) -> str:

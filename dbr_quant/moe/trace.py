@@ -73,24 +73,47 @@ ROUTER_REASON = ("MoE router: its logits pick the experts, so it stays high prec
                  "keep it)")
 
 
-def keep_router_high_precision(run: TracedRun, routing: tuple[torch.Tensor, ...], max_steps: int = 16) -> None:
+# ops whose output takes only the dtype / shape / device of these positional operands, never their values: the
+# router walk does not follow them (Granite's ``softmax(...).type_as(hidden_states)`` would lead it past the
+# router into the attention's output projection)
+_METADATA_OPERANDS: dict[object, frozenset[int]] = {
+    **{f: frozenset({1}) for f in (torch.Tensor.type_as, torch.Tensor.expand_as, torch.Tensor.view_as,
+                                   torch.Tensor.reshape_as, torch.Tensor.to)},
+    **{f: frozenset({0}) for f in (torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
+                                   torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty,
+                                   torch.Tensor.new_full)},
+}
+
+
+def keep_router_high_precision(run: TracedRun, routing: tuple[torch.Tensor, ...], max_events: int = 64) -> None:
     """Walk the trace's dataflow back from the top-k ids and weights an experts module receives (topk ←
-    softmax ← …) to the linear ops that computed the router logits, and keep those in high precision."""
-    todo = [run.tids[id(t)] for t in routing if id(t) in run.tids]
+    softmax ← …) to the linear ops that computed the router logits, and keep those in high precision.
+
+    Breadth first, through the operands that carry values, stopping at the nearest level that holds a linear:
+    a group-limited router (DeepSeek-V3: masks, scatters, a gather of the scores) has long side paths, and
+    past the router the walk would reach the block's input and the linears before it."""
+    level = [run.tids[id(t)] for t in routing if id(t) in run.tids]
     seen: set[int] = set()
-    for _ in range(max_steps):
-        if not todo:
+    while level and len(seen) < max_events:
+        routers: list[SeenOp] = []
+        upstream: list[int] = []
+        for tid in level:
+            ev_index = run.producers.get(tid)
+            if ev_index is None or ev_index in seen:
+                continue
+            seen.add(ev_index)
+            ev = run.events[ev_index]
+            if isinstance(ev.op, SeenOp) and ev.op.kind == "linear":  # a trace's events hold SeenOps
+                routers.append(ev.op)
+                continue
+            skip = _METADATA_OPERANDS.get(ev.func, frozenset())
+            upstream += [i for pos, i in enumerate(ev.arg_ids) if i is not None and pos not in skip]
+            upstream += [] if skip else list(ev.kwarg_ids)
+        for op in routers:
+            _keep_high_precision(run, op)
+        if routers:  # the router's input is the block's input: stop there
             return
-        tid = todo.pop()
-        ev_index = run.producers.get(tid)
-        if ev_index is None or ev_index in seen:
-            continue
-        seen.add(ev_index)
-        ev = run.events[ev_index]
-        if isinstance(ev.op, SeenOp) and ev.op.kind == "linear":  # a trace's events hold SeenOps
-            _keep_high_precision(run, ev.op)
-            continue  # the router's input is the block's input: stop there
-        todo.extend(i for i in (*ev.arg_ids, *ev.kwarg_ids) if i is not None)
+        level = upstream
 
 
 def _keep_high_precision(run: TracedRun, op: SeenOp) -> None:

@@ -71,6 +71,11 @@ def param_ref(func: Any, w: torch.Tensor | None, names: dict[int, str]) -> Param
     p = w if id(w) in names else w._base
     if p is None or id(p) not in names or p.dim() != 2 or p.is_meta or not p.is_contiguous():
         return None
+    name = names[id(p)]
+    if type(p) is FP8Weight or type(w) is FP8Weight:  # placed FP8 by load_pretrained: its views stay FP8 (weights.py)
+        if type(p) is not FP8Weight or type(w) is not FP8Weight or p.transposed or p.qdata.dim() != 2:
+            return None
+        w, p = (w.qdata.mT if w.transposed else w.qdata), p.qdata  # the same layout questions, on the FP8 bytes
     if w.untyped_storage().data_ptr() != p.untyped_storage().data_ptr():
         return None
     shape, stride = tuple(w.shape), w.stride()
@@ -79,9 +84,9 @@ def param_ref(func: Any, w: torch.Tensor | None, names: dict[int, str]) -> Param
     offset = w.storage_offset() - p.storage_offset()
     if stride == p.stride() and shape[1] == p.shape[1] and offset % max(p.stride(0), 1) == 0:
         first = offset // max(p.stride(0), 1)
-        return ParamRef(names[id(p)], False, (first, first + shape[0]), p.shape[0])
+        return ParamRef(name, False, (first, first + shape[0]), p.shape[0])
     if offset == 0 and shape == (p.shape[1], p.shape[0]) and stride == (p.stride(1), p.stride(0)):
-        return ParamRef(names[id(p)], True, (0, shape[0]), shape[0])
+        return ParamRef(name, True, (0, shape[0]), shape[0])
     return None
 
 
@@ -125,7 +130,7 @@ class ParamUses:
                 orientations.setdefault(op.weight_param.name, set()).add(op.weight_param.transposed)
         for op in ops:
             ref = op.weight_param
-            if ref is None:
+            if ref is None or not op.quantize:  # kept high precision (a router, an Override): its reason stands
                 continue
             why = ""
             if ref.name in self.other:

@@ -192,8 +192,8 @@ def weights(model: nn.Module, record: Any) -> list[Weight]:
     ties = tied_names(model)
     out = []
     for fqn, p in model.named_parameters():
-        if p.dim() < 2:
-            continue
+        if p.dim() < 2 or fqn.endswith("_bias") and fqn.removesuffix("_bias") in expert_ops:
+            continue  # a bias, also an experts module's [E, N] one (GPT-OSS's gate_up_proj_bias)
         mfqn, _, pname = fqn.rpartition(".")
         module = model.get_submodule(mfqn)
         ops = (linear_ops.get(mfqn, []) if pname == "weight" else []) or param_ops.get(fqn, [])

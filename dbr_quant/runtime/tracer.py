@@ -158,7 +158,7 @@ class TraceRun(Run):
             quantize, reason = False, tie_reason(tied)
         if kind == NORM:
             reason = "norm (a fusion partner, not quantized itself)"
-        elif kind in (MATMUL, SDPA) and quantize and constant_operand:
+        elif kind in (MATMUL, SDPA) and constant_operand and not qc.skip:  # the true reason, attention on or off
             quantize, reason = False, ("an operand is not an activation (computed from parameters, buffers, "
                                        "factories or integer positions, e.g. rotary tables)")
         inputs = tuple(self.info(a) for a in (args if module is None else (args[0], linear_weight(module))))
