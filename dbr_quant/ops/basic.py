@@ -138,6 +138,8 @@ def quantized_input(call: Call, slot: str, x: torch.Tensor, env: Env, block: tup
     assert call.op is not None, "executors run recorded ops"
     cfg = call.op.qconfig
     if cfg.dynamic:
+        if not x.is_floating_point():  # a static scale's read checks it (the runs' input_scale)
+            raise not_float_activation(call, slot, x)
         if block is not None and cfg.activation.granularity == "group":
             return kernels.group_quantize(x, block[1], cfg.activation.format)
         if block is not None and cfg.activation.granularity == "mx":
@@ -158,8 +160,19 @@ def linear_input(call: Call, x: torch.Tensor, env: Env, block: tuple[int, int] |
     (``QConfig.weight_only``: the input stays high precision, :func:`linear_kernel` then runs the W8A16 GEMM)."""
     assert call.op is not None, "executors run recorded ops"
     if call.op.qconfig.weight_only:
+        if not x.is_floating_point():
+            raise not_float_activation(call, "input", x)
         return x, None
     return quantized_input(call, "input", x, env, block)
+
+
+def not_float_activation(call: Call, slot: str, x: torch.Tensor) -> TypeError:
+    """An integer or bool activation: the FP8 kernels would compute in float and cast the result back to
+    ``x.dtype``, truncating it silently (the high-precision op raises on a dtype mismatch instead)."""
+    assert call.op is not None, "executors run recorded ops"
+    return TypeError(f"dbr_quant: {call.kind} '{call.op.fqn}' got a {x.dtype} '{slot}' activation of shape "
+                     f"{tuple(x.shape)}; its FP8 kernel takes floating-point activations. Cast the input to the "
+                     "model's dtype (float32, bfloat16, float16) before calling the model.")
 
 
 def as_group_scale(scale: torch.Tensor, x_q: torch.Tensor, group: int) -> torch.Tensor:

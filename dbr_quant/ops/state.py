@@ -147,6 +147,10 @@ class AutoQuantizationState(nn.Module):
 
     # ----------------------------------------------------------------- calibration / convert
     def observe(self, op: SeenOp, slot: str, x: torch.Tensor) -> None:
+        if not x.is_floating_point():  # the observer's own TypeError could not say which op it belongs to
+            raise TypeError(f"dbr_quant: {op.kind} '{op.fqn}' got a {x.dtype} '{slot}' activation of shape "
+                            f"{tuple(x.shape)} while calibrating; FP8 quantizes floating-point activations. Cast "
+                            "the calibration batch to the model's dtype.")
         observer = cast(AmaxObserver, self.observers[observer_key(op.index, slot)])
         heads = observer.num_channels if observer.axis == HEAD_AXIS else None
         observer(observable(x, heads) if heads else x)  # per head: kv heads repeated or not (ops/heads.py)

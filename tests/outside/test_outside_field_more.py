@@ -1,0 +1,96 @@
+"""A converted model used the way the field uses it, beyond tests/test_field.py and test_outside_field.py: inputs
+of the wrong kind (integers, NaN, zeros), degenerate and strided batches, other dtypes, torch.autocast, moves,
+copies, threads. Each case is compared with the unquantized model (or the converted model's own reference run);
+where the library's behaviour is a choice, the test asserts that choice."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from outside_models import D
+from outside_pipeline import REL_L2, rel_l2
+from torch import nn
+
+import dbr_quant as dq
+from dbr_quant.quantize.weights import FP8Weight
+
+
+class One(nn.Module):
+    """One linear: nothing fused, the FP8 linear's output is the model's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.a(x)
+
+
+class Mlp(nn.Module):
+    """a → relu → b: one fused MLP subgraph once converted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x):
+        return self.b(F.relu(self.a(x)))
+
+
+class NormBlock(nn.Module):
+    """LayerNorm → MLP + residual, then a LayerNorm: what a transformer layer does (norm and residual fusions)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n1, self.n2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.a, self.b = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x):
+        return self.n2(x + self.b(F.gelu(self.a(self.n1(x)))))
+
+
+MODELS = {"one": One, "mlp": Mlp, "norm_block": NormBlock}
+
+
+def _convert(model: nn.Module, example: torch.Tensor, batches: list[torch.Tensor] | None = None,
+             ignore_warnings: bool = True) -> nn.Module:
+    with warnings.catch_warnings():
+        if ignore_warnings:
+            warnings.simplefilter("ignore")
+        prepared = dq.prepare(model.eval(), (example,))
+        dq.calibrate(prepared, batches if batches is not None else [torch.randn_like(example) for _ in range(3)],
+                     progress=False)
+        return dq.convert(prepared)
+
+
+def _pair(name: str = "mlp", seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(seed)
+    model = MODELS[name]().eval()
+    return model, _convert(model, torch.randn(2, 5, D))
+
+
+# ---------------------------------------------------------------------- inputs of the wrong kind
+@pytest.mark.parametrize("name", ["one", "mlp"])
+def test_integer_input_raises_naming_the_op(name):
+    """The fp32 model raises on an int64 input (dtype mismatch in its linear); the converted one computed the
+    FP8 linear in float and cast the result back to int64, silently truncated. Now a TypeError names the op."""
+    model, converted = _pair(name)
+    ids = torch.randint(0, 5, (2, 5, D))
+    with torch.no_grad():
+        with pytest.raises(RuntimeError):
+            model(ids)
+        with pytest.raises((TypeError, RuntimeError), match=r"linear 'a' got a torch\.int64 'input' activation"):
+            converted(ids)
+
+
+def test_integer_calibration_batch_raises_naming_the_op():
+    prepared = dq.prepare(Mlp().eval(), (torch.randn(2, 5, D),))
+    with pytest.raises(TypeError, match=r"linear 'a' got a torch\.int64 'input' activation .*while calibrating"):
+        dq.calibrate(prepared, [torch.randint(0, 5, (2, 5, D))], progress=False)
