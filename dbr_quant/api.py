@@ -260,11 +260,11 @@ def convert(prepared: nn.Module, *, inplace: bool = False, sync: Any = True) -> 
     record = _record(prepared, "prepared", "convert")
     missing = [entry for st in record.states for entry in st.uncalibrated()]
     if missing:
-        shown = "\n  ".join(missing[:20]) + (f"\n  … and {len(missing) - 20} more" if len(missing) > 20 else "")
         raise UncalibratedError(
-            f"convert(): {len(missing)} activation(s) have no calibration data:\n  {shown}\n"
+            f"convert(): {len(missing)} activation(s) have no calibration data:\n  {_listing(missing)}\n"
             "Run dbr_quant.calibrate(prepared, batches) first, or prepare with QConfig(dynamic=True)."
         )
+    _warn_suspicious_calibration(record)
     m = prepared if inplace else copy.deepcopy(prepared)
     record = m.__dict__["_dbr_record"]
     for st in record.states:
@@ -278,6 +278,21 @@ def convert(prepared: nn.Module, *, inplace: bool = False, sync: Any = True) -> 
     precision.warn_high_precision(m, record, "convert")
     precision.warn_untied(m, ties)
     return m
+
+
+def _listing(lines: list[str], shown: int = 20) -> str:
+    """The first ``shown`` lines of a message's list, one per line, and how many more there are."""
+    more = f"\n  … and {len(lines) - shown} more" if len(lines) > shown else ""
+    return "\n  ".join(lines[:shown]) + more
+
+
+def _warn_suspicious_calibration(record: ModelRecord) -> None:
+    suspicious = [line for st in record.states for line in st.suspicious_calibration()]
+    if suspicious:
+        warnings.warn(f"convert(): the calibration data of {len(suspicious)} activation(s) look wrong:\n  "
+                      f"{_listing(suspicious)}\n"
+                      "Check the calibration batches (and the model's dtype: fp16 overflows to inf), then calibrate "
+                      "a fresh prepare() again.", stacklevel=3)
 
 
 def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:

@@ -167,6 +167,24 @@ class AutoQuantizationState(nn.Module):
             and (fallback is None or not fallback.calibrated(self, op, slot))
         ]
 
+    def suspicious_calibration(self) -> list[str]:
+        """Activations whose calibration data look wrong, one line each: NaN/inf values (observers skip them and
+        count them in ``nonfinite``: an fp16 overflow upstream, a bad batch) or no nonzero value (no range: the scale
+        falls back to 1, ``formats.safe_scale``). Both would otherwise pass silently."""
+        kinds = {str(op.index): op for op in self.seen_ops}
+        lines = []
+        for key, observer in self.observers.items():
+            if not isinstance(observer, AmaxObserver) or not observer.calibrated:
+                continue
+            index, _, slot = key.partition("_")
+            op = kinds.get(index)
+            where = f"{self.fqn or '<root>'}: {op.kind if op else 'op'} {op.fqn if op else index} '{slot}'"
+            if int(observer.nonfinite) > 0:
+                lines.append(f"{where}: {int(observer.nonfinite)} NaN/inf value(s) seen and ignored")
+            if bool((observer.amax == 0).all()):
+                lines.append(f"{where}: no nonzero value seen (zeros or empty batches only): scale 1.0")
+        return lines
+
     def freeze_scales(self) -> None:
         """Turn every observer into a fixed scale buffer (kept beside the observer's amax); an activation whose
         observer saw no data takes the ``scale_fallback``'s scale where the record has one."""

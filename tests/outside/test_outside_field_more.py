@@ -94,3 +94,38 @@ def test_integer_calibration_batch_raises_naming_the_op():
     prepared = dq.prepare(Mlp().eval(), (torch.randn(2, 5, D),))
     with pytest.raises(TypeError, match=r"linear 'a' got a torch\.int64 'input' activation .*while calibrating"):
         dq.calibrate(prepared, [torch.randint(0, 5, (2, 5, D))], progress=False)
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "zeros", "empty"])
+def test_calibration_that_saw_bad_data_warns_naming_the_activation(bad):
+    """Observers skip NaN/inf (counting them) and give scale 1.0 to an activation that never saw a nonzero value:
+    convert says so, naming each activation, instead of passing silently. The skipped values do not poison the
+    scale: the converted model stays within FP8's error of fp32."""
+    torch.manual_seed(0)
+    model, x = Mlp().eval(), torch.randn(2, 5, D)
+    good = [torch.randn(2, 5, D) for _ in range(3)]
+    if bad in ("nan", "inf"):
+        poisoned = good[1].clone()
+        poisoned[0, 0, 3] = float(bad)
+        batches = [good[0], poisoned, good[2]]
+    else:
+        batches = [torch.zeros(2, 5, D)] if bad == "zeros" else [torch.zeros(0, 5, D)]
+    prepared = dq.prepare(model, (x,))
+    dq.calibrate(prepared, batches, progress=False)
+    with pytest.warns(UserWarning, match=r"convert\(\): the calibration data of \d+ activation\(s\) look wrong") as w:
+        converted = dq.convert(prepared)
+    message = "\n".join(str(m.message) for m in w)
+    if bad in ("nan", "inf"):  # a's input held the bad value, and b's input (relu(a(x))) inherits it
+        assert "linear a 'input': 1 NaN/inf value(s) seen and ignored" in message, message
+        with torch.no_grad():
+            assert rel_l2(converted(x), model(x)) < REL_L2
+    else:
+        assert "linear a 'input': no nonzero value seen" in message, message
+        assert torch.equal(dq.quant_state(converted).scale_0_input, torch.tensor(1.0))
+
+
+def test_clean_calibration_warns_nothing():
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _convert(Mlp(), torch.randn(2, 5, D), ignore_warnings=False)
