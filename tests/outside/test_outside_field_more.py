@@ -129,3 +129,56 @@ def test_clean_calibration_warns_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _convert(Mlp(), torch.randn(2, 5, D), ignore_warnings=False)
+
+
+# ---------------------------------------------------------------------- torch.autocast
+AUTOCAST = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", AUTOCAST, ids=str)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_autocast_gives_the_dtypes_autocast_gives_the_fp32_model(name, dtype):
+    """Under ``torch.autocast`` the FP8 ops return autocast's dtype (they replace linears, which autocast runs
+    in it) and the ops around them get autocast's own treatment (layer_norm in fp32): the converted model's
+    output dtype was float32 where the fp32 model's is bfloat16 (one linear), and a fused residual + LayerNorm
+    ran in bfloat16 where autocast runs it in float32. Values stay within FP8's error of the fp32 model."""
+    model, converted = _pair(name)
+    x = torch.randn(3, 7, D)
+    seen: dict[str, list[torch.dtype]] = {"fp32": [], "fp8": []}
+    for key, m in (("fp32", model), ("fp8", converted)):
+        m.a.register_forward_hook(lambda mod, args, out, key=key: seen[key].append(out.dtype))
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        want, got = model(x), converted(x)
+    assert got.dtype == want.dtype and seen["fp8"] == seen["fp32"] == [dtype]
+    with torch.no_grad():
+        assert rel_l2(got, model(x)) < REL_L2
+
+
+@pytest.mark.parametrize("dtype", AUTOCAST, ids=str)
+def test_autocast_fp8_linear_is_the_exact_result_cast(dtype):
+    """The FP8 kernels run with autocast off: under autocast a converted linear gives its own result (bit for
+    bit) cast to the autocast dtype, not what autocast would make of the kernels' inner torch calls."""
+    _, converted = _pair("one")
+    x = torch.randn(4, 300, D)
+    with torch.no_grad():
+        want = converted(x)
+        with torch.autocast("cpu", dtype=dtype):
+            got = converted(x)
+    assert torch.equal(got, want.to(dtype))
+
+
+def test_autocast_with_gradients_and_float64_input():
+    """Straight-through gradients under autocast reach the input in its own dtype; a float64 input stays
+    float64 through an FP8 op, as autocast leaves float64 alone."""
+    model, converted = _pair("norm_block")
+    x = torch.randn(2, 5, D, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = converted(x)
+    out.float().square().sum().backward()
+    x_hp = x.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x_hp).float().square().sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.float32 and rel_l2(x.grad, x_hp.grad) < REL_L2
+    _, one = _pair("one")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert one(torch.randn(2, D, dtype=torch.float64)).dtype == torch.float64
