@@ -182,3 +182,26 @@ def test_autocast_with_gradients_and_float64_input():
     _, one = _pair("one")
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert one(torch.randn(2, D, dtype=torch.float64)).dtype == torch.float64
+
+
+# ---------------------------------------------------------------------- fine-tuning loops
+@pytest.mark.parametrize("how", ["module_requires_grad_", "param_requires_grad_", "param_attribute"])
+def test_fp8_weight_refuses_requires_grad(how):
+    """``requires_grad = True`` on an FP8 weight was accepted and then never got a gradient (straight-through
+    gradients stop at FP8 weights): a fine-tuning loop trained nothing and said nothing. Now it raises, saying
+    what to do; False stays allowed, and the other parameters still train."""
+    _, converted = _pair("mlp")
+    w = converted.a.weight
+    set_true = {"module_requires_grad_": lambda: converted.requires_grad_(True),
+                "param_requires_grad_": lambda: w.requires_grad_(True),
+                "param_attribute": lambda: setattr(w, "requires_grad", True)}[how]
+    with pytest.raises(RuntimeError, match=r"FP8 weight \[64, 16\] is frozen.*Override\(pattern=\.\.\., skip=True"):
+        set_true()
+    assert not w.requires_grad
+    converted.requires_grad_(False)
+    w.requires_grad = False
+    trainable = [p for p in converted.parameters() if not isinstance(p, FP8Weight)]
+    for p in trainable:
+        p.requires_grad = True
+    converted(torch.randn(2, 5, D)).square().sum().backward()
+    assert all(p.grad is not None for p in trainable) and w.grad is None and not w.requires_grad
