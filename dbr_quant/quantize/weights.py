@@ -334,6 +334,15 @@ def _to_copy(w: FP8Weight, *, dtype=None, device=None, layout=None, pin_memory=N
     return w._like(q, s, dtype)
 
 
+def _empty_like(w: FP8Weight, *, dtype=None, layout=None, device=None, pin_memory=None,
+                memory_format=None) -> FP8Weight:
+    """``torch.empty_like`` (``module.to_empty(device=...)`` gives a model built on the meta device its storage):
+    an FP8 weight with uninitialized bytes and scales, for ``load_state_dict`` to fill. A dequantized empty
+    tensor would turn the layer back into a high-precision one, which then refuses the FP8 state dict."""
+    device = w.device if device is None else device
+    return w._like(torch.empty_like(w.qdata, device=device), torch.empty_like(w.scale, device=device), dtype)
+
+
 def _copy_(dst: FP8Weight, src: torch.Tensor, non_blocking: bool = False) -> FP8Weight:
     """Another FP8 weight's bytes and scales as they are; high-precision values re-quantized (edits.py)."""
     if not isinstance(src, FP8Weight):
@@ -485,6 +494,7 @@ _HANDLERS = {
     aten.alias.default: lambda w: w._like(),
     aten.clone.default: lambda w, memory_format=None: w._like(w.qdata.clone(), w.scale.clone()),
     aten._to_copy.default: _to_copy,
+    aten.empty_like.default: _empty_like,
     aten.copy_.default: _copy_,
     aten.is_same_size.default: lambda a, b: a.shape == b.shape,
 }

@@ -205,3 +205,20 @@ def test_fp8_weight_refuses_requires_grad(how):
         p.requires_grad = True
     converted(torch.randn(2, 5, D)).square().sum().backward()
     assert all(p.grad is not None for p in trainable) and w.grad is None and not w.requires_grad
+
+
+# ---------------------------------------------------------------------- moves and copies
+@pytest.mark.parametrize("name", ["mlp", "norm_block"])
+def test_meta_then_to_empty_then_load_state_dict(name):
+    """``model.to("meta")``, ``to_empty(device=...)``, ``load_state_dict(sd)``: how a model is rebuilt without
+    materializing it twice. ``to_empty`` turned each FP8 weight into an empty fp32 parameter, which then refused
+    the FP8 state dict (unexpected ``weight_scale``); now the layers stay FP8 and the reload is bit-exact."""
+    _, converted = _pair(name)
+    again = copy.deepcopy(converted).to("meta")
+    assert isinstance(again.a.weight, FP8Weight) and again.a.weight.qdata.is_meta
+    again.to_empty(device="cpu")
+    assert isinstance(again.a.weight, FP8Weight) and again.a.weight.qdata.dtype == torch.float8_e4m3fn
+    again.load_state_dict(converted.state_dict())
+    x = torch.randn(2, 5, D)
+    with torch.no_grad():
+        assert torch.equal(again(x), converted(x))
