@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import io
-import pickle
 import threading
 import warnings
 
@@ -222,3 +221,214 @@ def test_meta_then_to_empty_then_load_state_dict(name):
     x = torch.randn(2, 5, D)
     with torch.no_grad():
         assert torch.equal(again(x), converted(x))
+
+
+@pytest.mark.parametrize("move", ["double", "torch_save_whole", "state_dict_into_other_converted", "train_eval"])
+def test_moves_and_copies_keep_the_fp8_result(move):
+    """What a converted model is put through after convert: each keeps the FP8 result bit for bit (``double()``:
+    FP8 bytes and scales unchanged, the compute dtype float64, within rounding of the float32 result)."""
+    _, converted = _pair("norm_block")
+    x = torch.randn(2, 5, D)
+    with torch.no_grad():
+        want = converted(x)
+    if move == "double":
+        moved = copy.deepcopy(converted).double()
+        assert isinstance(moved.a.weight, FP8Weight) and moved.a.weight.dtype == torch.float64
+        with torch.no_grad():
+            got = moved(x.double())
+        assert got.dtype == torch.float64 and rel_l2(got, want) < 1e-5
+        return
+    if move == "torch_save_whole":
+        buffer = io.BytesIO()
+        torch.save(converted, buffer)
+        buffer.seek(0)
+        moved = torch.load(buffer, weights_only=False)
+    elif move == "state_dict_into_other_converted":  # other weights, other calibration: all of it is replaced
+        _, moved = _pair("norm_block", seed=7)
+        assert moved.load_state_dict(converted.state_dict()) is not None
+    else:
+        moved = converted.train().eval()
+    with torch.no_grad():
+        assert torch.equal(moved(x), want)
+
+
+def test_introspection_sees_the_original_layout():
+    """HF-style code reads parameters, their count and dtype, and module names: the converted model answers as
+    the fp32 model does (its only extra module is the quantization state)."""
+    model, converted = _pair("norm_block")
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in converted.named_parameters()]
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in converted.parameters())
+    for (n, p), q in zip(model.named_parameters(), converted.parameters()):
+        assert (q.dtype, q.shape, q.device) == (p.dtype, p.shape, p.device), n
+    extra = {n for n, _ in converted.named_modules()} - {n for n, _ in model.named_modules()}
+    assert all(n.startswith("_auto_quant_state") for n in extra), extra
+    converted.zero_grad()
+
+
+# ---------------------------------------------------------------------- batches of every shape and layout
+@pytest.mark.parametrize("shape", [(0, 5, D), (2, 0, D), (2, 1, D), (1, 1, D), (D,), (1, 4096, D)],
+                         ids=["batch0", "seq0", "seq1", "one_token", "1d", "4096_tokens"])
+@pytest.mark.parametrize("name", ["mlp", "norm_block"])
+def test_degenerate_and_long_batches(name, shape):
+    model, converted = _pair(name)
+    x = torch.randn(shape)
+    with torch.no_grad():
+        want, got = model(x), converted(x)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if want.numel():
+        assert rel_l2(got, want) < REL_L2
+
+
+LAYOUTS = {
+    "transposed": lambda: torch.randn(5, 2, D).transpose(0, 1),
+    "strided_slice": lambda: torch.randn(2, 5, 2 * D)[..., ::2],
+    "expanded_stride0": lambda: torch.randn(1, 1, D).expand(2, 5, D),
+    "channels_last": lambda: torch.randn(2, D, 5, 1).contiguous(memory_format=torch.channels_last)[..., 0].mT,
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", ["one", "mlp", "norm_block"])
+def test_non_contiguous_inputs_give_the_contiguous_result(name, layout):
+    _, converted = _pair(name)
+    x = LAYOUTS[layout]()
+    with torch.no_grad():
+        assert torch.equal(converted(x), converted(x.contiguous()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)
+def test_other_float_input_dtypes_compute_in_that_dtype(dtype):
+    """A choice: where the fp32 model raises on a float16/bfloat16/float64 input (its linear's dtype mismatch),
+    the converted model computes in the input's dtype (an FP8 weight reports whatever dtype it is asked for) and
+    returns it; the values are the FP8 result within that dtype's rounding."""
+    model, converted = _pair("mlp")
+    x = torch.randn(2, 5, D)
+    with torch.no_grad():
+        with pytest.raises(RuntimeError):
+            model(x.to(dtype))
+        got = converted(x.to(dtype))
+        assert got.dtype == dtype and rel_l2(got, model(x)) < REL_L2
+
+
+def test_inference_mode_equals_no_grad():
+    _, converted = _pair("norm_block")
+    x = torch.randn(2, 5, D)
+    with torch.no_grad():
+        want = converted(x)
+    with torch.inference_mode():
+        assert torch.equal(converted(x), want)
+
+
+# ---------------------------------------------------------------------- calibration coverage
+def test_layer_never_reached_in_calibration_names_it():
+    """A choice: a linear traced by prepare but never reached while calibrating has no scale, and convert
+    refuses, naming it and saying what to do (rather than inventing a scale)."""
+    class Branch(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+
+        def forward(self, x, use_b: bool = False):
+            return self.b(x) if use_b else self.a(x)
+
+    with pytest.warns(UserWarning, match="never called during prepare"):  # a: the trace took the other branch
+        prepared = dq.prepare(Branch().eval(), (torch.randn(2, D),), example_kwargs={"use_b": True})
+    with pytest.warns(UserWarning, match=r"ran op 'linear' \(a\) that the trace in prepare\(\) never saw"):
+        dq.calibrate(prepared, [torch.randn(2, D)], progress=False)
+    with pytest.raises(dq.UncalibratedError, match=r"(?s)linear b input 'input'.*Run dbr_quant\.calibrate"):
+        dq.convert(prepared)
+
+
+# ---------------------------------------------------------------------- hooks, threads, global state
+def test_forward_hook_on_a_fused_linear_fires_and_changes_the_output():
+    model, converted = _pair("mlp")
+    x = torch.randn(2, 5, D)
+    seen = []
+    with torch.no_grad():
+        want_a = model.a(x)
+    converted.a.register_forward_hook(lambda mod, args, out: seen.append(out) or out * 0)
+    model.a.register_forward_hook(lambda mod, args, out: out * 0)
+    with torch.no_grad():
+        got, want = converted(x), model(x)
+    assert len(seen) == 1 and rel_l2(seen[0], want_a) < REL_L2
+    assert torch.equal(got, want.expand_as(got)) and torch.equal(got[0, 0], model.b.bias)  # b(relu(0)): b's bias
+
+
+def test_thread_calibrating_while_another_infers():
+    """Calibration of one model and inference of another converted one run at once: the converted outputs are
+    the serial ones bit for bit, and the calibration equals a serial calibration."""
+    _, converted = _pair("norm_block")
+    x = torch.randn(2, 5, D)
+    with torch.no_grad():
+        want = converted(x)
+    batches = [torch.randn(2, 5, D) * (1 + i) for i in range(12)]
+    torch.manual_seed(3)
+    fresh = NormBlock().eval()
+    serial, parallel = dq.prepare(fresh, (x,)), dq.prepare(fresh, (x,))
+    dq.calibrate(serial, batches, progress=False)
+    stop, results, errors = threading.Event(), [], []
+
+    def infer() -> None:
+        try:
+            with torch.no_grad():
+                while not stop.is_set() or not results:
+                    results.append(torch.equal(converted(x), want))
+        except BaseException as e:  # collected: a thread's failure must fail the test
+            errors.append(e)
+
+    worker = threading.Thread(target=infer)
+    worker.start()
+    try:
+        dq.calibrate(parallel, batches, progress=False)
+    finally:
+        stop.set()
+        worker.join()
+    assert not errors, errors
+    assert results and all(results)
+    a, b = dq.convert(serial), dq.convert(parallel)
+    with torch.no_grad():
+        assert torch.equal(a(x), b(x))
+
+
+def test_interrupted_calibration_generator_restores_global_state():
+    """A generator of batches that raises KeyboardInterrupt (Ctrl-C while loading data) mid-calibration: the
+    global state is the stock one, and calibrating goes on afterwards."""
+    prepared = dq.prepare(Mlp().eval(), (torch.randn(2, 5, D),))
+
+    def batches():
+        yield torch.randn(2, 5, D)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        dq.calibrate(prepared, batches(), progress=False)
+    assert nn.Module.__call__ is STOCK_CALL and torch._C._len_torch_function_stack() == 0
+    dq.calibrate(prepared, [torch.randn(2, 5, D)], progress=False)
+    dq.convert(prepared)
+
+
+def test_prepare_inside_a_forward_being_prepared():
+    """prepare() of one model from inside another model's forward while that one is being traced (a wrapper
+    that quantizes a submodel lazily): both prepare, both convert, global state stock afterwards."""
+    inner = Mlp().eval()
+    made: list[nn.Module] = []
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(D, D)
+
+        def forward(self, x):
+            if not made:
+                made.append(dq.prepare(inner, (x,)))
+            return self.head(x)
+
+    x = torch.randn(2, 5, D)
+    outer = dq.prepare(Outer().eval(), (x,))
+    assert nn.Module.__call__ is STOCK_CALL and torch._C._len_torch_function_stack() == 0
+    for prepared in (outer, made[0]):
+        dq.calibrate(prepared, [x], progress=False)
+    with torch.no_grad():
+        assert rel_l2(dq.convert(made[0])(x), inner(x)) < REL_L2
+
+
+STOCK_CALL = nn.Module.__call__
