@@ -63,6 +63,11 @@ class ConvertRun(Run):
     """
 
     def begin(self) -> None:
+        if torch._C._is_tracing():  # torch.jit.trace would bake a C / Triton kernel's results in as constants
+            raise RuntimeError(
+                f"dbr_quant: torch.jit.trace cannot record the converted {type(self.root).__name__}'s FP8 kernels. "
+                "Capture a graph with dbr_quant.fx_rewriter.rewrite(model, example_inputs) (then torch.export or "
+                "torch.compile it), or run the model eagerly.")
         super().begin()
         self.pending: dict[int, _Pending] = {}
         self.placeholders: dict[int, _Pending] = {}

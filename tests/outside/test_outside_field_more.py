@@ -482,3 +482,14 @@ def test_minilm_short_and_empty_batches(minilm, length):
     cut = {k: v[:, :length] for k, v in batch.items()}
     with torch.no_grad():
         assert rel_l2(converted(**cut).last_hidden_state, model(**cut).last_hidden_state) < MINILM_REL_L2
+
+
+def test_jit_trace_says_to_use_rewrite():
+    """``torch.jit.trace`` of a converted model failed deep inside a kernel ('Expected bool, got Tensor' from a
+    size check); it cannot record the C / Triton kernels anyway. The error now says what captures a graph."""
+    _, converted = _pair("mlp")
+    with pytest.raises(RuntimeError, match=r"torch\.jit\.trace cannot record the converted Mlp.*fx_rewriter\.rewrite"):
+        torch.jit.trace(converted, torch.randn(2, 5, D), check_trace=False)
+    assert nn.Module.__call__ is STOCK_CALL and torch._C._len_torch_function_stack() == 0
+    with torch.no_grad():
+        converted(torch.randn(2, 5, D))
