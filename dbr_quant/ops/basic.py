@@ -15,7 +15,7 @@ from torch import nn
 
 from dbr_quant import kernels
 from dbr_quant.kernels.reference.mx import MX_WEIGHT_BLOCK
-from dbr_quant.ops.call import Call, Env
+from dbr_quant.ops.call import Call, Env, not_float_activation
 from dbr_quant.ops.call import linear_hp_weight as linear_hp_weight  # where runs and inspect read it
 from dbr_quant.ops.heads import head_view, operand_scale
 from dbr_quant.ops.mappings import LINEAR, MATMUL, MATMUL_AS_LINEAR, SDPA, linear_bias, linear_weight
@@ -139,7 +139,7 @@ def quantized_input(call: Call, slot: str, x: torch.Tensor, env: Env, block: tup
     cfg = call.op.qconfig
     if cfg.dynamic:
         if not x.is_floating_point():  # a static scale's read checks it (the runs' input_scale)
-            raise not_float_activation(call, slot, x)
+            raise not_float_activation(call.op, slot, x)
         if block is not None and cfg.activation.granularity == "group":
             return kernels.group_quantize(x, block[1], cfg.activation.format)
         if block is not None and cfg.activation.granularity == "mx":
@@ -161,18 +161,9 @@ def linear_input(call: Call, x: torch.Tensor, env: Env, block: tuple[int, int] |
     assert call.op is not None, "executors run recorded ops"
     if call.op.qconfig.weight_only:
         if not x.is_floating_point():
-            raise not_float_activation(call, "input", x)
+            raise not_float_activation(call.op, "input", x)
         return x, None
     return quantized_input(call, "input", x, env, block)
-
-
-def not_float_activation(call: Call, slot: str, x: torch.Tensor) -> TypeError:
-    """An integer or bool activation: the FP8 kernels would compute in float and cast the result back to
-    ``x.dtype``, truncating it silently (the high-precision op raises on a dtype mismatch instead)."""
-    assert call.op is not None, "executors run recorded ops"
-    return TypeError(f"dbr_quant: {call.kind} '{call.op.fqn}' got a {x.dtype} '{slot}' activation of shape "
-                     f"{tuple(x.shape)}; its FP8 kernel takes floating-point activations. Cast the input to the "
-                     "model's dtype (float32, bfloat16, float16) before calling the model.")
 
 
 def as_group_scale(scale: torch.Tensor, x_q: torch.Tensor, group: int) -> torch.Tensor:

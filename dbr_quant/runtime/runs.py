@@ -19,8 +19,8 @@ from torch.utils._pytree import tree_flatten
 from dbr_quant import kernels
 from dbr_quant.integrations import accelerate as offload
 from dbr_quant.moe.call import ExpertsInspector, call_with_hooks, experts_forward
-from dbr_quant.ops.basic import PER_TOKEN_SLOTS, not_float_activation, stored_fp8_weight
-from dbr_quant.ops.call import Call, Env, linear_hp_weight
+from dbr_quant.ops.basic import PER_TOKEN_SLOTS, stored_fp8_weight
+from dbr_quant.ops.call import Call, Env, linear_hp_weight, not_float_activation
 from dbr_quant.ops.mappings import FUNC_KINDS, INDEXED, LINEAR, MATMUL, SDPA, call_kind, is_linear_module
 from dbr_quant.ops.patterns import Subgraph
 from dbr_quant.ops.state import AutoQuantizationState, SeenOp
@@ -159,7 +159,7 @@ class Run:
         op, st = call.op, call.state
         assert op is not None and st is not None, "executors run recorded ops"
         if x is not None and not x.is_floating_point():
-            raise not_float_activation(call, slot, x)
+            raise not_float_activation(op, slot, x)
         if op.qconfig.dynamic:
             cfg = op.qconfig.activation
             per_token = cfg.granularity == "token" and slot in PER_TOKEN_SLOTS
