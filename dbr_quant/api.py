@@ -133,7 +133,7 @@ def prepare(
     if not isinstance(qconfig, QConfig):
         raise TypeError(f"qconfig must be a dbr_quant.QConfig, got {type(qconfig).__name__}")
     args, kwargs = _as_args(example_inputs), dict(example_kwargs or {})
-    m = model if inplace else copy.deepcopy(model)
+    m = model if inplace else _copy(model)
     for name, mod in m.named_modules():
         mod.__dict__[TAG] = ModuleTag(name, owner=mod is m or bool(mod._modules))
     moe.mark_experts(m)  # MoE experts modules with 3-D weights run as one op (moe/)
@@ -265,19 +265,29 @@ def convert(prepared: nn.Module, *, inplace: bool = False, sync: Any = True) -> 
             "Run dbr_quant.calibrate(prepared, batches) first, or prepare with QConfig(dynamic=True)."
         )
     _warn_suspicious_calibration(record)
-    m = prepared if inplace else copy.deepcopy(prepared)
+    m = prepared if inplace else _copy(prepared)
     record = m.__dict__["_dbr_record"]
-    for st in record.states:
-        st.freeze_scales()
-    ties = precision.tied_names(m)  # before quantizing: a tied linear forced to FP8 (Override untie) unties
-    _quantize_linear_weights(m, record)
-    quantize_param_weights(m, [op for st in record.states for op in st.seen_ops])  # F.linear(x, self.w), in_proj
-    moe_weights.quantize_expert_weights(m, record)  # 3-D expert weights (moe/weights.py)
-    stack_gate_up_weights(m, record.states)
+    with torch.inference_mode(False):  # see _copy: scales and FP8 weights a grad-mode forward can save
+        for st in record.states:
+            st.freeze_scales()
+        ties = precision.tied_names(m)  # before quantizing: a tied linear forced to FP8 (Override untie) unties
+        _quantize_linear_weights(m, record)
+        quantize_param_weights(m, [op for st in record.states for op in st.seen_ops])  # F.linear(x, self.w)
+        moe_weights.quantize_expert_weights(m, record)  # 3-D expert weights (moe/weights.py)
+        stack_gate_up_weights(m, record.states)
     record.phase = "converted"
     precision.warn_high_precision(m, record, "convert")
     precision.warn_untied(m, ties)
     return m
+
+
+def _copy(model: nn.Module) -> nn.Module:
+    """The copy prepare() and convert() return. Made outside inference mode even when called inside
+    ``torch.inference_mode()``: a copy made there would hold inference tensors, which a later grad-mode forward
+    cannot save for backward and in-place updates (calibration, weight edits) refuse outside the mode; the
+    user's own tensors are normal ones."""
+    with torch.inference_mode(False):
+        return copy.deepcopy(model)
 
 
 def _listing(lines: list[str], shown: int = 20) -> str:

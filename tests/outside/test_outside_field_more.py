@@ -493,3 +493,33 @@ def test_jit_trace_says_to_use_rewrite():
     assert nn.Module.__call__ is STOCK_CALL and torch._C._len_torch_function_stack() == 0
     with torch.no_grad():
         converted(torch.randn(2, 5, D))
+
+
+@pytest.mark.parametrize("phases", [("prepare",), ("convert",), ("prepare", "calibrate", "convert")],
+                         ids=lambda p: "+".join(p))
+def test_phases_under_inference_mode(phases):
+    """prepare / calibrate / convert called inside ``torch.inference_mode()`` (a script that wraps everything in
+    it), the model used outside it afterwards. Calibrating after an inference-mode prepare raised 'Inplace update
+    to inference tensor outside InferenceMode' (its observers were inference tensors); a model converted in it
+    failed its first grad-mode forward ('Inference tensors cannot be saved for backward') and refused weight edits.
+    Now each phase makes normal tensors, as the user's model holds."""
+    torch.manual_seed(0)
+    model, x = NormBlock().eval(), torch.randn(2, 5, D)
+
+    def phase(name: str):
+        return torch.inference_mode(name in phases)
+
+    with phase("prepare"):
+        prepared = dq.prepare(model, (x,))
+    with phase("calibrate"):
+        dq.calibrate(prepared, [torch.randn(2, 5, D) for _ in range(3)], progress=False)
+    with phase("convert"):
+        converted = dq.convert(prepared)
+    x_fp8, x_hp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    converted(x_fp8).square().sum().backward()
+    model(x_hp).square().sum().backward()
+    assert rel_l2(x_fp8.grad, x_hp.grad) < REL_L2
+    with torch.no_grad():
+        converted.a.weight.mul_(2.0)
+        model.a.weight.mul_(2.0)
+        assert rel_l2(converted(x), model(x)) < REL_L2
