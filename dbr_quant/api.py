@@ -133,7 +133,7 @@ def prepare(
     if not isinstance(qconfig, QConfig):
         raise TypeError(f"qconfig must be a dbr_quant.QConfig, got {type(qconfig).__name__}")
     args, kwargs = _as_args(example_inputs), dict(example_kwargs or {})
-    m = model if inplace else copy.deepcopy(model)
+    m = model if inplace else _copy(model)
     for name, mod in m.named_modules():
         mod.__dict__[TAG] = ModuleTag(name, owner=mod is m or bool(mod._modules))
     moe.mark_experts(m)  # MoE experts modules with 3-D weights run as one op (moe/)
@@ -260,24 +260,49 @@ def convert(prepared: nn.Module, *, inplace: bool = False, sync: Any = True) -> 
     record = _record(prepared, "prepared", "convert")
     missing = [entry for st in record.states for entry in st.uncalibrated()]
     if missing:
-        shown = "\n  ".join(missing[:20]) + (f"\n  … and {len(missing) - 20} more" if len(missing) > 20 else "")
         raise UncalibratedError(
-            f"convert(): {len(missing)} activation(s) have no calibration data:\n  {shown}\n"
+            f"convert(): {len(missing)} activation(s) have no calibration data:\n  {_listing(missing)}\n"
             "Run dbr_quant.calibrate(prepared, batches) first, or prepare with QConfig(dynamic=True)."
         )
-    m = prepared if inplace else copy.deepcopy(prepared)
+    _warn_suspicious_calibration(record)
+    m = prepared if inplace else _copy(prepared)
     record = m.__dict__["_dbr_record"]
-    for st in record.states:
-        st.freeze_scales()
-    ties = precision.tied_names(m)  # before quantizing: a tied linear forced to FP8 (Override untie) unties
-    _quantize_linear_weights(m, record)
-    quantize_param_weights(m, [op for st in record.states for op in st.seen_ops])  # F.linear(x, self.w), in_proj
-    moe_weights.quantize_expert_weights(m, record)  # 3-D expert weights (moe/weights.py)
-    stack_gate_up_weights(m, record.states)
+    with torch.inference_mode(False):  # see _copy: scales and FP8 weights a grad-mode forward can save
+        for st in record.states:
+            st.freeze_scales()
+        ties = precision.tied_names(m)  # before quantizing: a tied linear forced to FP8 (Override untie) unties
+        _quantize_linear_weights(m, record)
+        quantize_param_weights(m, [op for st in record.states for op in st.seen_ops])  # F.linear(x, self.w)
+        moe_weights.quantize_expert_weights(m, record)  # 3-D expert weights (moe/weights.py)
+        stack_gate_up_weights(m, record.states)
     record.phase = "converted"
     precision.warn_high_precision(m, record, "convert")
     precision.warn_untied(m, ties)
     return m
+
+
+def _copy(model: nn.Module) -> nn.Module:
+    """The copy prepare() and convert() return. Made outside inference mode even when called inside
+    ``torch.inference_mode()``: a copy made there would hold inference tensors, which a later grad-mode forward
+    cannot save for backward and in-place updates (calibration, weight edits) refuse outside the mode; the
+    user's own tensors are normal ones."""
+    with torch.inference_mode(False):
+        return copy.deepcopy(model)
+
+
+def _listing(lines: list[str], shown: int = 20) -> str:
+    """The first ``shown`` lines of a message's list, one per line, and how many more there are."""
+    more = f"\n  … and {len(lines) - shown} more" if len(lines) > shown else ""
+    return "\n  ".join(lines[:shown]) + more
+
+
+def _warn_suspicious_calibration(record: ModelRecord) -> None:
+    suspicious = [line for st in record.states for line in st.suspicious_calibration()]
+    if suspicious:
+        warnings.warn(f"convert(): the calibration data of {len(suspicious)} activation(s) look wrong:\n  "
+                      f"{_listing(suspicious)}\n"
+                      "Check the calibration batches (and the model's dtype: fp16 overflows to inf), then calibrate "
+                      "a fresh prepare() again.", stacklevel=3)
 
 
 def _quantize_linear_weights(m: nn.Module, record: ModelRecord) -> None:

@@ -79,8 +79,9 @@ class AmaxObserver(nn.Module):
         # name -> leading (non-channel) shape of buffers whose last dim is the channel dim when per-channel
         self._channel_buffers: dict[str, tuple[int, ...]] = {}
         self._register_stat("amax")
-        self.register_buffer("nonfinite", torch.zeros((), dtype=torch.int64))
-        self.register_buffer("num_updates", torch.zeros((), dtype=torch.int64))
+        with torch.inference_mode(False):  # see _register_stat
+            self.register_buffer("nonfinite", torch.zeros((), dtype=torch.int64))
+            self.register_buffer("num_updates", torch.zeros((), dtype=torch.int64))
 
     # ----------------------------------------------------------------------------------------- buffers
     @property
@@ -96,7 +97,10 @@ class AmaxObserver(nn.Module):
                        dtype: torch.dtype = torch.float32) -> None:
         """Register a zero buffer shaped ``lead`` (per-tensor) or ``lead + (C,)`` (per-channel, C = 0 now)."""
         shape = lead + ((0,) if self.per_channel else ())
-        self.register_buffer(name, torch.zeros(shape, dtype=dtype))
+        # built outside inference mode (prepare() called under torch.inference_mode()), so that calibrating
+        # outside it can update them in place (inference tensors refuse in-place updates outside the mode)
+        with torch.inference_mode(False):
+            self.register_buffer(name, torch.zeros(shape, dtype=dtype))
         self._channel_buffers[name] = lead
 
     def _resize_channels(self, channels: int) -> None:

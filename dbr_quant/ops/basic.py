@@ -15,7 +15,7 @@ from torch import nn
 
 from dbr_quant import kernels
 from dbr_quant.kernels.reference.mx import MX_WEIGHT_BLOCK
-from dbr_quant.ops.call import Call, Env
+from dbr_quant.ops.call import Call, Env, not_float_activation
 from dbr_quant.ops.call import linear_hp_weight as linear_hp_weight  # where runs and inspect read it
 from dbr_quant.ops.heads import head_view, operand_scale
 from dbr_quant.ops.mappings import LINEAR, MATMUL, MATMUL_AS_LINEAR, SDPA, linear_bias, linear_weight
@@ -138,6 +138,8 @@ def quantized_input(call: Call, slot: str, x: torch.Tensor, env: Env, block: tup
     assert call.op is not None, "executors run recorded ops"
     cfg = call.op.qconfig
     if cfg.dynamic:
+        if not x.is_floating_point():  # a static scale's read checks it (the runs' input_scale)
+            raise not_float_activation(call.op, slot, x)
         if block is not None and cfg.activation.granularity == "group":
             return kernels.group_quantize(x, block[1], cfg.activation.format)
         if block is not None and cfg.activation.granularity == "mx":
@@ -158,6 +160,8 @@ def linear_input(call: Call, x: torch.Tensor, env: Env, block: tuple[int, int] |
     (``QConfig.weight_only``: the input stays high precision, :func:`linear_kernel` then runs the W8A16 GEMM)."""
     assert call.op is not None, "executors run recorded ops"
     if call.op.qconfig.weight_only:
+        if not x.is_floating_point():
+            raise not_float_activation(call.op, "input", x)
         return x, None
     return quantized_input(call, "input", x, env, block)
 
@@ -236,6 +240,53 @@ def run_sdpa(call: Call, env: Env) -> torch.Tensor:
 EXECUTORS: dict[str, Callable[[Call, Env], torch.Tensor]] = {LINEAR: run_linear, MATMUL: run_matmul, SDPA: run_sdpa}
 
 
+# what torch.autocast casts to its lower-precision dtype (aten/src/ATen/autocast_mode.h, is_autocast_eligible:
+# floating point but not float64)
+_AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def autocast_on() -> bool:
+    """Whether a ``torch.autocast`` region is active on the CPU or CUDA (read once per converted forward)."""
+    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+
+
+def run_basic_autocast(call: Call, env: Env) -> torch.Tensor:
+    """:func:`run_basic` inside a ``torch.autocast`` region. Linear, matmul and SDPA are on autocast's
+    lower-precision list (torch/amp/autocast_mode.py's op lists), so the FP8 op returns the autocast dtype as
+    the op it replaces would; its kernels run with autocast off, so its values are the FP8 op's exact result
+    (outside autocast: the same bits, then cast) rather than whatever autocast makes of the kernels' own torch
+    calls. A float64 input stays float64, as autocast leaves it. The straight-through gradient's reference runs
+    under the same autocast (in backward, where the caller's autocast is over), as activation checkpointing's
+    recomputation does."""
+    op = call.op
+    x = next((a for a in (*call.args, *call.kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    device = "cpu" if x is None else x.device.type
+    if op is None or not op.quantize or not torch.is_autocast_enabled(device):
+        return run_basic(call, env)  # an op that runs as written: autocast treats it as it treats any torch op
+    dtype = torch.get_autocast_dtype(device)
+
+    def fp8() -> torch.Tensor:
+        torch.set_autocast_enabled(device, False)  # not a torch function: no interception mode sees it
+        try:
+            out = EXECUTORS[call.kind](call, env)
+        finally:
+            torch.set_autocast_enabled(device, True)
+        return out.to(dtype) if out.dtype in _AUTOCAST_ELIGIBLE else out
+
+    if _is_grad_enabled() and (tensors := wants_gradient((call,))) is not None:
+        def reference(sub: dict[int, torch.Tensor]) -> Any:
+            with torch.autocast(device, dtype=dtype):
+                return _reference(call, sub)
+        return run_straight_through(fp8, reference, tensors, lambda: f"{call.kind} {op.fqn}")
+    return fp8()
+
+
+def _reference(call: Call, sub: dict[int, torch.Tensor]) -> Any:
+    """The op as written, on the tensors ``sub`` substitutes (the straight-through gradient's reference)."""
+    return call.run_original(tuple(substitute(a, sub) for a in call.args),
+                             {k: substitute(v, sub) for k, v in call.kwargs.items()})
+
+
 def run_basic(call: Call, env: Env) -> torch.Tensor:
     """Run one recorded op: in FP8 when it is quantized, else as written."""
     op = call.op
@@ -243,7 +294,6 @@ def run_basic(call: Call, env: Env) -> torch.Tensor:
         return call.run_original()
     if _is_grad_enabled() and (tensors := wants_gradient((call,))) is not None:
         # the FP8 value, the high-precision op's gradient (straight_through.py)
-        return run_straight_through(lambda: EXECUTORS[call.kind](call, env), lambda sub: call.run_original(
-            tuple(substitute(a, sub) for a in call.args), {k: substitute(v, sub) for k, v in call.kwargs.items()}),
-            tensors, lambda: f"{call.kind} {op.fqn}")
+        return run_straight_through(lambda: EXECUTORS[call.kind](call, env), lambda sub: _reference(call, sub),
+                                    tensors, lambda: f"{call.kind} {op.fqn}")
     return EXECUTORS[call.kind](call, env)

@@ -91,6 +91,15 @@ def linear_hp_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
     return kernels.dequantize(w.qdata, w.elementwise_scale(), w.dtype), linear_bias(module)
 
 
+def not_float_activation(op: OpRecord, slot: str, x: torch.Tensor, calibrating: bool = False) -> TypeError:
+    """An integer or bool activation reached an FP8 op: its kernels would compute in float and cast the result back
+    to ``x.dtype``, truncating it silently, and an observer cannot say whose data it refuses (the high-precision op
+    raises on the dtype mismatch instead)."""
+    return TypeError(f"dbr_quant: {op.kind} '{op.fqn}' got a {x.dtype} '{slot}' activation of shape "
+                     f"{tuple(x.shape)}{' while calibrating' if calibrating else ''}; FP8 ops take floating-point "
+                     "activations. Cast the input to the model's dtype (float32, bfloat16, float16).")
+
+
 class Env(Protocol):
     """The run an executor runs in (runtime/runs.py, moe/): it hands out activation scales."""
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dbr_quant.observers.base import AmaxObserver
-from dbr_quant.ops.call import OpRecord
+from dbr_quant.ops.call import OpRecord, not_float_activation
 from dbr_quant.ops.heads import HEAD_AXIS, observable
 from dbr_quant.qconfig import OpQConfig
 
@@ -147,6 +147,8 @@ class AutoQuantizationState(nn.Module):
 
     # ----------------------------------------------------------------- calibration / convert
     def observe(self, op: SeenOp, slot: str, x: torch.Tensor) -> None:
+        if not x.is_floating_point():  # the observer's own TypeError could not say which op it belongs to
+            raise not_float_activation(op, slot, x, calibrating=True)
         observer = cast(AmaxObserver, self.observers[observer_key(op.index, slot)])
         heads = observer.num_channels if observer.axis == HEAD_AXIS else None
         observer(observable(x, heads) if heads else x)  # per head: kv heads repeated or not (ops/heads.py)
@@ -162,6 +164,24 @@ class AutoQuantizationState(nn.Module):
             if not self.observers[observer_key(op.index, slot)].calibrated
             and (fallback is None or not fallback.calibrated(self, op, slot))
         ]
+
+    def suspicious_calibration(self) -> list[str]:
+        """Activations whose calibration data look wrong, one line each: NaN/inf values (observers skip them and
+        count them in ``nonfinite``: an fp16 overflow upstream, a bad batch) or no nonzero value (no range: the scale
+        falls back to 1, ``formats.safe_scale``). Both would otherwise pass silently."""
+        ops_by_index = {str(op.index): op for op in self.seen_ops}
+        lines = []
+        for key, observer in self.observers.items():
+            if not isinstance(observer, AmaxObserver) or not observer.calibrated:
+                continue
+            index, _, slot = key.partition("_")
+            op = ops_by_index.get(index)
+            where = f"{self.fqn or '<root>'}: {op.kind if op else 'op'} {op.fqn if op else index} '{slot}'"
+            if int(observer.nonfinite) > 0:
+                lines.append(f"{where}: {int(observer.nonfinite)} NaN/inf value(s) seen and ignored")
+            if bool((observer.amax == 0).all()):
+                lines.append(f"{where}: no nonzero value seen (zeros or empty batches only): scale 1.0")
+        return lines
 
     def freeze_scales(self) -> None:
         """Turn every observer into a fixed scale buffer (kept beside the observer's amax); an activation whose

@@ -77,7 +77,7 @@ class FP8Weight(torch.Tensor):
             # ``type(param)(value, requires_grad=...)``: how accelerate's set_module_tensor_to_device rebuilds a
             # parameter it moves (offloaded models: integrations/accelerate.py), like nn.Parameter(value).
             if requires_grad:
-                raise RuntimeError("dbr_quant: an FP8 weight is inference-only; it cannot require grad")
+                raise RuntimeError(_frozen(qdata))
             return nn.Parameter(qdata._like(), requires_grad=False)
         if scale is None:
             raise TypeError("dbr_quant: FP8Weight(tensor) got high-precision values without scales (what accelerate's "
@@ -121,6 +121,24 @@ class FP8Weight(torch.Tensor):
                                f"{self.dtype}; change the compute dtype with module.to(dtype)")
         self.qdata, self.scale, self.transposed, self.block, self.qconfig = (
             value.qdata, value.scale, value.transposed, value.block, value.qconfig)
+
+    @property
+    def requires_grad(self) -> bool:  # the C getset descriptor, typed as a plain attribute by the stubs
+        return torch._C.TensorBase.requires_grad.__get__(self)  # type: ignore[attr-defined]
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        """``p.requires_grad = True`` (a fine-tuning loop over ``model.parameters()``) would train nothing: no
+        gradient ever reaches an FP8 weight. Refused, saying what to do; ``False`` is what it already is."""
+        if value:
+            raise RuntimeError(_frozen(self))
+        torch._C.TensorBase.requires_grad.__set__(self, False)  # type: ignore[attr-defined]
+
+    def requires_grad_(self, requires_grad: bool = True) -> FP8Weight:
+        """``model.requires_grad_(True)``: refused as the setter is."""
+        if requires_grad:
+            raise RuntimeError(_frozen(self))
+        return self
 
     def __setitem__(self, index: Any, value: Any) -> None:
         """``weight[i] = v``: the edited values are re-quantized into this weight (not a temporary copy)."""
@@ -238,6 +256,14 @@ class FP8Weight(torch.Tensor):
         return _dequantized(func, args, kwargs)  # any other use as a tensor: the dequantized high-precision values
 
 
+def _frozen(w: torch.Tensor) -> str:
+    return (f"dbr_quant: an FP8 weight {list(w.shape)} is frozen: straight-through gradients reach a converted "
+            "model's inputs, biases, norms and high-precision weights but stop at FP8 weights, so requires_grad=True "
+            "would train nothing. Set requires_grad on the other parameters only (skip those whose type is "
+            "dbr_quant.quantize.weights.FP8Weight), keep the layer high precision to train it "
+            "(QConfig(overrides=(Override(pattern=..., skip=True),))), or train adapters (LoRA) beside it.")
+
+
 def _written(func: Any, args: tuple, kwargs: dict) -> list[FP8Weight]:
     """The FP8 weights among the arguments ``func`` writes into (``self`` of ``add_``, ``out=``)."""
     found: list[FP8Weight] = []
@@ -306,6 +332,15 @@ def _to_copy(w: FP8Weight, *, dtype=None, device=None, layout=None, pin_memory=N
     if device is not None and torch.device(device) != q.device:
         q, s = q.to(device, non_blocking=non_blocking), s.to(device, non_blocking=non_blocking)
     return w._like(q, s, dtype)
+
+
+def _empty_like(w: FP8Weight, *, dtype=None, layout=None, device=None, pin_memory=None,
+                memory_format=None) -> FP8Weight:
+    """``torch.empty_like`` (``module.to_empty(device=...)`` gives a model built on the meta device its storage):
+    an FP8 weight with uninitialized bytes and scales, for ``load_state_dict`` to fill. A dequantized empty
+    tensor would turn the layer back into a high-precision one, which then refuses the FP8 state dict."""
+    device = w.device if device is None else device
+    return w._like(torch.empty_like(w.qdata, device=device), torch.empty_like(w.scale, device=device), dtype)
 
 
 def _copy_(dst: FP8Weight, src: torch.Tensor, non_blocking: bool = False) -> FP8Weight:
@@ -459,6 +494,7 @@ _HANDLERS = {
     aten.alias.default: lambda w: w._like(),
     aten.clone.default: lambda w, memory_format=None: w._like(w.qdata.clone(), w.scale.clone()),
     aten._to_copy.default: _to_copy,
+    aten.empty_like.default: _empty_like,
     aten.copy_.default: _copy_,
     aten.is_same_size.default: lambda a, b: a.shape == b.shape,
 }

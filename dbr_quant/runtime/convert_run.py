@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_map
 
 from dbr_quant.integrations import accelerate as offload
 from dbr_quant.integrations.accelerate import has_opaque_hook
-from dbr_quant.ops.basic import run_basic
+from dbr_quant.ops.basic import autocast_on, run_basic, run_basic_autocast
 from dbr_quant.ops.call import Call
 from dbr_quant.ops.mappings import (
     ACT,
@@ -63,6 +63,11 @@ class ConvertRun(Run):
     """
 
     def begin(self) -> None:
+        if torch._C._is_tracing():  # torch.jit.trace would bake a C / Triton kernel's results in as constants
+            raise RuntimeError(
+                f"dbr_quant: torch.jit.trace cannot record the converted {type(self.root).__name__}'s FP8 kernels. "
+                "Capture a graph with dbr_quant.fx_rewriter.rewrite(model, example_inputs) (then torch.export or "
+                "torch.compile it), or run the model eagerly.")
         super().begin()
         self.pending: dict[int, _Pending] = {}
         self.placeholders: dict[int, _Pending] = {}
@@ -76,6 +81,9 @@ class ConvertRun(Run):
         # swaps it), whose handler runs with this run's mode already off and must leave torch-function modes below
         # it (torch.export's) on. A class, not a method: entering it costs no Python frame.
         self.torch_work: Callable[[], AbstractContextManager[None]] = suspended
+        # under torch.autocast each recorded op runs alone, so autocast picks every op's dtype as it would in
+        # the model as written (layer_norm fp32, linear bf16); a fused kernel would compute all of it in x's dtype
+        self.autocast = autocast_on()
 
     # ------------------------------------------------------------------ placeholders
     def _scan(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, _Pending | None]:
@@ -197,7 +205,7 @@ class ConvertRun(Run):
                 return Call(kind, func, args, kwargs).run_original()
         call = Call(kind, func, args, kwargs, step.op, st)
         sg = step.subgraph
-        if sg is not None:
+        if sg is not None and not self.autocast:
             p = self.pending.get(sg.id)
             if step.step == 0:
                 if p is not None:
@@ -213,7 +221,7 @@ class ConvertRun(Run):
         if hit is not None:
             call.args, call.kwargs = self._resolve_all(args, kwargs, hit)
         with self.torch_work():
-            return run_basic(call, self)
+            return run_basic_autocast(call, self) if self.autocast else run_basic(call, self)
 
     def function_call(self, func, args, kwargs):
         if self.hooked and func in HOOKED_BODY_FUNCS:
@@ -336,8 +344,8 @@ class ConvertRun(Run):
             if self.placeholders or self.resolved:
                 args, kwargs = self._resolve_all(*self._scan(args, kwargs))
             op = self.next_op(st := self.owner_state(), LINEAR, self.op_fqn(LINEAR, module))
-        return self.call_hooked(module, lambda x: run_basic(Call(LINEAR, module, (x,), {}, op, st), self),
-                                args, kwargs)
+        execute = run_basic_autocast if self.autocast else run_basic
+        return self.call_hooked(module, lambda x: execute(Call(LINEAR, module, (x,), {}, op, st), self), args, kwargs)
 
     def finish(self, out: Any) -> Any:
         for p in list(self.pending.values()):

@@ -20,7 +20,7 @@ from dbr_quant import kernels
 from dbr_quant.integrations import accelerate as offload
 from dbr_quant.moe.call import ExpertsInspector, call_with_hooks, experts_forward
 from dbr_quant.ops.basic import PER_TOKEN_SLOTS, stored_fp8_weight
-from dbr_quant.ops.call import Call, Env, linear_hp_weight
+from dbr_quant.ops.call import Call, Env, linear_hp_weight, not_float_activation
 from dbr_quant.ops.mappings import FUNC_KINDS, INDEXED, LINEAR, MATMUL, SDPA, call_kind, is_linear_module
 from dbr_quant.ops.patterns import Subgraph
 from dbr_quant.ops.state import AutoQuantizationState, SeenOp
@@ -158,6 +158,8 @@ class Run:
         one on a prepared model (inspection), or computed from ``x`` when dynamic."""
         op, st = call.op, call.state
         assert op is not None and st is not None, "executors run recorded ops"
+        if x is not None and not x.is_floating_point():
+            raise not_float_activation(op, slot, x)
         if op.qconfig.dynamic:
             cfg = op.qconfig.activation
             per_token = cfg.granularity == "token" and slot in PER_TOKEN_SLOTS

@@ -107,6 +107,10 @@ def fp8_linear(
     """:func:`reference.fp8_linear` (same arguments) in one of three regimes: small operands (one C call, fp32,
     operands dequantized first), the fp32 GEMM path (operands dequantized first) or the bf16 GEMM path (the
     accumulator scaled in the epilogue, as the reference)."""
+    # the C paths read rows in place; a strided input (a transposed batch) would take the torch path, whose sum
+    # order differs: the same values would give other bits depending on their layout. One byte per element.
+    x_q = x_q if x_q.is_contiguous() else x_q.contiguous()
+    residual = residual if residual is None or residual.is_contiguous() else residual.contiguous()
     is_small = small(x_q) and small(w_q)  # what gemm_dtype() decides on, computed once on this hot path
     dtype = torch.float32 if is_small else features.gemm_dtype(x_q)
     if not is_small and _fused_rows(x_q, dtype):
