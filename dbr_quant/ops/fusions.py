@@ -243,8 +243,8 @@ def _norm_quantize(norm: Call, fc: Call, env: Env) -> tuple[torch.Tensor, tuple[
     (``layer_norm_quantize``) or dynamic per-token groups of a block linear (``layer_norm_group_quantize``).
     Returns (normalized, (fp8, scale)); (the norm as written, None) otherwise."""
     parts = _norm_arguments(norm)
-    if parts is None:
-        return norm.run_original(), None
+    if parts is None or not parts[0].is_floating_point():  # an integer input: the norm as written says what it does
+        return norm.run_original(), None  # (torch's layer_norm raises; the fused kernel cast its result back to int)
     x, weight, bias, eps, rms = parts
     assert fc.op is not None, "executors run recorded ops"
     cfg = fc.op.qconfig

@@ -55,7 +55,19 @@ class NormBlock(nn.Module):
         return self.n2(x + self.b(F.gelu(self.a(self.n1(x)))))
 
 
-MODELS = {"one": One, "mlp": Mlp, "norm_block": NormBlock}
+class NormMlp(nn.Module):
+    """x + b(gelu(a(norm(x)))): the norm and a's input quantization run as one fused kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.a, self.b = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x):
+        return x + self.b(F.gelu(self.a(self.norm(x))))
+
+
+MODELS = {"one": One, "mlp": Mlp, "norm_block": NormBlock, "norm_mlp": NormMlp}
 
 
 def _convert(model: nn.Module, example: torch.Tensor, batches: list[torch.Tensor] | None = None,
@@ -76,15 +88,21 @@ def _pair(name: str = "mlp", seed: int = 0) -> tuple[nn.Module, nn.Module]:
 
 
 # ---------------------------------------------------------------------- inputs of the wrong kind
-@pytest.mark.parametrize("name", ["one", "mlp"])
+@pytest.mark.parametrize("name", ["one", "mlp", "norm_mlp"])
 def test_integer_input_raises_naming_the_op(name):
-    """The fp32 model raises on an int64 input (dtype mismatch in its linear); the converted one computed the
-    FP8 linear in float and cast the result back to int64, silently truncated. Now a TypeError names the op."""
+    """The fp32 model raises on an int64 input (dtype mismatch in its linear or layer_norm); the converted one
+    computed the FP8 linear (or the fused norm + quantize) in float and cast the result back to int64, silently
+    truncated. Now a TypeError names the op, or the norm raises as in the fp32 model."""
     model, converted = _pair(name)
     ids = torch.randint(0, 5, (2, 5, D))
     with torch.no_grad():
-        with pytest.raises(RuntimeError):
+        with pytest.raises(RuntimeError) as want:
             model(ids)
+        if name == "norm_mlp":
+            with pytest.raises(RuntimeError) as got:
+                converted(ids)
+            assert str(got.value) == str(want.value)
+            return
         with pytest.raises((TypeError, RuntimeError), match=r"linear 'a' got a torch\.int64 'input' activation"):
             converted(ids)
 
