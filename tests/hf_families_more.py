@@ -10,6 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import transformers as hf
+from test_hf_families import _mask as padding_mask  # tests/ is on sys.path (conftest)
 from torch import nn
 from transformers.utils import logging as hf_logging
 
@@ -265,18 +266,6 @@ def build(name: str) -> nn.Module:
         return FAMILIES[name].build().eval()
 
 
-def _mask(b: int, s: int, left: bool) -> torch.Tensor:
-    """Row i has 2·i padded positions (row 0 none)."""
-    mask = torch.ones(b, s, dtype=torch.long)
-    for i in range(1, b):
-        n = min(2 * i, s - 1)
-        if left:
-            mask[i, :n] = 0
-        else:
-            mask[i, s - n:] = 0
-    return mask
-
-
 def make_batch(name: str, gen: torch.Generator, b: int, s: int = SEQ, decoder: bool = True) -> dict[str, torch.Tensor]:
     """Keyword inputs of the family's forward; ``decoder=False`` leaves out decoder inputs (generate)."""
     kind = FAMILIES[name].inputs
@@ -285,7 +274,7 @@ def make_batch(name: str, gen: torch.Generator, b: int, s: int = SEQ, decoder: b
     if kind == "audio":
         return {"input_values": torch.randn(b, SAMPLES, generator=gen)}
     ids = torch.randint(3, VOCAB, (b, s), generator=gen)
-    mask = torch.ones(b, s, dtype=torch.long) if kind == "unpadded" else _mask(b, s, left=kind == "causal")
+    mask = torch.ones(b, s, dtype=torch.long) if kind == "unpadded" else padding_mask(b, s, left=kind == "causal")
     batch = {"input_ids": ids.masked_fill(mask == 0, PAD), "attention_mask": mask}
     if decoder and kind == "seq2seq":
         dec = torch.randint(3, VOCAB, (b, s // 2), generator=gen)
