@@ -168,8 +168,10 @@ class QConfig:
     E4M3 weights by default. dynamic: compute activation scales at run time (no calibration).
     strict: raise instead of warning when a later forward runs an op the trace never saw.
     fuse: bind recorded subgraphs to fused kernels (False runs every op on its own).
-    quantize_attention: also run attention in FP8 — scaled_dot_product_attention and matmul/bmm
-    between two activations (q·kᵀ, p·v). Off by default, as in Transformer Engine (fp8_dpa): softmax
+    quantize_attention: also run softmax attention in FP8 — scaled_dot_product_attention and the matmul/bmm
+    between two activations that feed a softmax or read one (q·kᵀ, p·v); other products of two activations
+    (linear attention's chunked q·kᵀ·v, whose recurrent decode step has no matmul) stay high precision,
+    reported. Off by default, as in Transformer Engine (fp8_dpa): softmax
     amplifies the rounding of q·kᵀ (all-MiniLM-L6-v2: embedding cosine 0.9975 → 0.9970 with it on).
     weight_rounding: "nearest" rounds each linear weight to the nearest FP8 value; "gptq" rounds with GPTQ
     error feedback from the Hessian of the linear's calibration inputs, with the damping chosen by

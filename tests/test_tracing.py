@@ -398,7 +398,7 @@ class Rotary(nn.Module):
     def forward(self, x, positions):
         freqs = self.inv_freq[:, None].float() @ positions[None, :].float()  # buffer × integer positions
         h = self.q(x)
-        return h @ h.transpose(-1, -2) + freqs.sum()  # activation × activation
+        return torch.softmax(h @ h.transpose(-1, -2), -1) + freqs.sum()  # activation × activation, attention
 
 
 def test_only_matmuls_between_two_activations_are_quantized():
@@ -408,3 +408,34 @@ def test_only_matmuls_between_two_activations_are_quantized():
     rows = dq.report(p)
     assert [(r["kind"], r["fp8"]) for r in rows] == [("matmul", False), ("linear", True), ("matmul", True)]
     assert "not an activation" in rows[0]["reason"]
+
+
+class Products(nn.Module):
+    """Matmuls between two activations: softmax attention, and products no softmax touches (a bilinear score,
+    linear attention's chunked q·kᵀ·v, which a recurrent decode step computes without a matmul)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        attn = torch.softmax((q @ k.transpose(-1, -2)) * 0.35 + 0.0, dim=-1).to(x.dtype) @ v
+        linear_attn = ((q @ k.transpose(-1, -2)).tril() @ v).sigmoid()
+        return attn + linear_attn
+
+
+def test_quantize_attention_quantizes_softmax_attention_only():
+    p = dq.prepare(Products().eval(), (torch.randn(2, 5, 8),), dq.QConfig(quantize_attention=True))
+    rows = [r for r in dq.report(p) if r["kind"] == "matmul"]
+    assert [r["fp8"] for r in rows] == [True, True, False, False]
+    assert all("outside softmax attention" in r["reason"] for r in rows[2:])
+    # nothing observes the two kept high precision: calibration and convert ignore them
+    state = dq.quant_state(p)
+    kept = [op.index for op in state.seen_ops if op.kind == "matmul" and not op.quantize]
+    assert len(kept) == 2 and not any(k.split("_")[0] in map(str, kept) for k in state.observers)
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        p(x)
+        c = dq.convert(p)
+        assert torch.nn.functional.cosine_similarity(c(x).flatten(), Products.forward(p, x).flatten(), 0) > 0.99

@@ -45,6 +45,26 @@ class TraceGraph:
     taken: set[int] = field(default_factory=set)  # events already in a subgraph
     storage: Sequence[int | None] = ()  # trace id → its storage (views share one; None: unknown, may alias any)
 
+    def near(self, start: Event, kind: str, producers: dict[int, int], through: Callable[[Event], bool],
+             steps: int = 8) -> bool:
+        """Whether an event of ``kind`` reads ``start``'s output or wrote one of its operands, within ``steps``
+        events of dataflow that each pass ``through`` (e.g. q·kᵀ → scale → mask → softmax; softmax → cast →
+        dropout → p·v)."""
+        ahead = [start.output] if start.output is not None else []
+        behind = [i for i in (*start.arg_ids, *start.kwarg_ids) if i is not None]
+        seen: set[int] = {start.index}
+        for _ in range(steps):
+            nxt: list[Event] = [self.events[e] for t in ahead for e in self.consumers.get(t, ())]
+            prev: list[Event] = [self.events[producers[t]] for t in behind if t in producers]
+            if any(ev.kind == kind for ev in (*nxt, *prev)):
+                return True
+            nxt = [ev for ev in nxt if ev.index not in seen and through(ev)]
+            prev = [ev for ev in prev if ev.index not in seen and through(ev)]
+            seen.update(ev.index for ev in (*nxt, *prev))
+            ahead = [ev.output for ev in nxt if ev.output is not None]
+            behind = [i for ev in prev for i in (*ev.arg_ids, *ev.kwarg_ids) if i is not None]
+        return False
+
     def sole_consumer(self, tid: int | None) -> Event | None:
         """The one event that reads ``tid``, if it is free: a consumer taken by an earlier subgraph ends a
         pattern there (an optional tail step is then skipped) instead of failing the whole match."""

@@ -115,6 +115,13 @@ class AutoQuantizationState(nn.Module):
                 self.observers[observer_key(op.index, slot)] = make_observer(op, slot)
         return op
 
+    def keep_high_precision(self, op: SeenOp, reason: str) -> None:
+        """Undo ``add_op``'s FP8 decision for ``op`` (a verdict the whole trace's dataflow gives later)."""
+        for slot in op.slots:
+            if observer_key(op.index, slot) in self.observers:  # dynamic scales have none
+                del self.observers[observer_key(op.index, slot)]
+        op.quantize, op.reason, op.slots = False, reason, ()
+
     # ----------------------------------------------------------------- matching (later runs)
     def match(self, kind: str, fqn: str, start: int) -> int:
         """Index of the record for an op of ``kind``/``fqn`` at position ``start`` of a forward, or -1.

@@ -13,7 +13,7 @@ import numbers
 import sys
 import types
 from collections import defaultdict
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -276,6 +276,8 @@ class TraceRun(Run):
     def build(self) -> None:
         """Attach states, match subgraphs and tag their ops (called once the forward returned)."""
         self.param_uses.finish([op for st in self.states.values() for op in st.seen_ops])
+        if self.record.qconfig.quantize_attention:
+            self._softmax_attention_only(self._graph())
         if self.record.qconfig.fuse:
             found = find_subgraphs(self._graph())
             held = self._held_elsewhere([ev.output for _, events in found for ev in events[:-1]])
@@ -292,6 +294,16 @@ class TraceRun(Run):
         self.keep.clear()
         self.tids.clear()
         self.record.param_uses = self.param_reads.by_param
+
+    def _softmax_attention_only(self, graph: TraceGraph) -> None:
+        """``quantize_attention`` quantizes softmax attention: a matmul between two activations that no softmax
+        reads or feeds stays high precision. Linear attention's chunked products (Qwen3-Next's gated delta
+        rule) are such matmuls, and its recurrent decode step computes them elementwise: in FP8 they would
+        make cached decoding disagree with the full forward the model was calibrated on."""
+        owner = {id(op): st for st in self.states.values() for op in st.seen_ops}
+        for ev in self.events:
+            if ev.quantized(MATMUL) and not graph.near(ev, SOFTMAX, self.producers, _within_attention):
+                owner[id(ev.op)].keep_high_precision(cast(SeenOp, ev.op), NOT_SOFTMAX_ATTENTION)
 
     def _graph(self) -> TraceGraph:
         consumers: dict[int, list[int]] = defaultdict(list)
@@ -327,6 +339,16 @@ class TraceRun(Run):
             for obj in gc.get_referents(holder):
                 held.update(index.get(id(obj), ()))
         return held
+
+
+NOT_SOFTMAX_ATTENTION = ("a matmul between two activations outside softmax attention (no softmax reads its output "
+                         "or feeds an operand), e.g. linear attention's chunked products: quantize_attention "
+                         "quantizes q·kᵀ → softmax → ·v")
+
+
+def _within_attention(ev: Event) -> bool:
+    """Dataflow that can lie between attention's matmuls and its softmax: not another GEMM, norm or module."""
+    return ev.kind not in (LINEAR, MATMUL, SDPA, NORM) and not isinstance(ev.func, nn.Module)
 
 
 def _storage(t: torch.Tensor) -> int | None:
