@@ -145,6 +145,24 @@ class FP8Weight(torch.Tensor):
         v = value.dequantize(torch.float32) if isinstance(value, FP8Weight) else value
         edit(self, lambda high: high.__setitem__(index, v), "`weight[...] = value`")
 
+    def element_size(self) -> StoredBytesPerElement:
+        """Bytes stored per reported element: (FP8 data + scales) / numel. ``numel() * element_size()`` is how
+        Hugging Face's ``get_memory_footprint`` and ``compute_module_sizes`` (transformers/modeling_utils.py,
+        integrations/accelerate.py) size a parameter; the element size of the reported dtype (4 for fp32)
+        hid the FP8 saving (quantized 4x smaller, reported larger). torchao's subclasses keep the reported
+        dtype's size and size models with their own ``get_model_size_in_bytes`` over ``__tensor_flatten__``;
+        the product with ``numel()`` here is the exact stored byte count."""
+        return StoredBytesPerElement(self.stored_bytes(), self.numel())
+
+    @property
+    def nbytes(self) -> int:  # type: ignore[override]  # a C getset descriptor in the stubs
+        """The bytes stored: FP8 data + scales (torch's ``nbytes`` is ``numel() * element_size()``)."""
+        return self.stored_bytes()
+
+    def stored_bytes(self) -> int:
+        """Bytes of this weight's FP8 data and scales (a row slice of a shared buffer: its own rows)."""
+        return self.qdata.numel() * self.qdata.element_size() + self.scale.numel() * self.scale.element_size()
+
     def data_ptr(self) -> int:
         """The FP8 data's address (a wrapper has no storage of its own; accelerate tells tied weights apart
         by ``data_ptr()``, and every wrapper would otherwise answer 0)."""
@@ -254,6 +272,27 @@ class FP8Weight(torch.Tensor):
             if edited is not None:
                 return edited
         return _dequantized(func, args, kwargs)  # any other use as a tensor: the dequantized high-precision values
+
+
+class StoredBytesPerElement(float):
+    """``FP8Weight.element_size()``: the stored bytes per element as a float (one byte of FP8 data plus the
+    scales' share), whose product with the weight's ``numel()`` is the exact integer byte count (``n * (b / n)``
+    in floating point may miss ``b`` by one ulp, and footprint code sums ``nelement() * element_size()``)."""
+
+    total: int
+    count: int
+
+    def __new__(cls, total: int, count: int) -> StoredBytesPerElement:
+        out = super().__new__(cls, total / count if count else 0.0)
+        out.total, out.count = total, count
+        return out
+
+    def __mul__(self, other: Any) -> Any:
+        if isinstance(other, int) and not isinstance(other, bool) and other == self.count:
+            return self.total
+        return float(self) * other
+
+    __rmul__ = __mul__
 
 
 def _frozen(w: torch.Tensor) -> str:
