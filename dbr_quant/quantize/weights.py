@@ -47,7 +47,8 @@ MATMUL_CHUNK = 1 << 18
 
 aten = torch.ops.aten
 
-__all__ = ["FP8Weight", "attach_fp8_weight", "fp8_weight_of", "adjacent_rows", "fp8_weight_bytes"]
+__all__ = ["FP8Weight", "attach_fp8_weight", "fp8_weight_of", "displaced_fp8_weight", "adjacent_rows",
+           "fp8_weight_bytes"]
 
 
 class FP8Weight(torch.Tensor):
@@ -383,7 +384,11 @@ def _empty_like(w: FP8Weight, *, dtype=None, layout=None, device=None, pin_memor
 
 
 def _copy_(dst: FP8Weight, src: torch.Tensor, non_blocking: bool = False) -> FP8Weight:
-    """Another FP8 weight's bytes and scales as they are; high-precision values re-quantized (edits.py)."""
+    """Another FP8 weight's bytes and scales as they are; high-precision values re-quantized (edits.py); an FP8
+    weight copied into a plain tensor gives it the dequantized values (Hugging Face's resize_token_embeddings copies
+    a converted lm_head's rows into a new nn.Linear: ``new.weight.data[:n] = old.weight.data[:n]``)."""
+    if not isinstance(dst, FP8Weight):
+        return dst.copy_(src.dequantize(dst.dtype if dst.dtype.is_floating_point else None), non_blocking)
     if not isinstance(src, FP8Weight):
         edit(dst, lambda high: high.copy_(src), "copy_ of high-precision values")
         return dst
@@ -521,8 +526,15 @@ def _addmm(bias: torch.Tensor, a: torch.Tensor, b: Any, *, beta: Any = 1, alpha:
 
 
 def _dequantized(func: Any, args: tuple, kwargs: dict) -> Any:
-    """``func`` on the dequantized high-precision values of every FP8 weight among its arguments."""
-    unwrap = lambda t: t.dequantize() if isinstance(t, FP8Weight) else t  # noqa: E731
+    """``func`` on the dequantized high-precision values of every FP8 weight among its arguments, laid out with the
+    strides the weight reports (contiguous): a transposed weight (GPT-2's Conv1D) dequantizes to a transposed view
+    of its [out, in] bytes, on which ``view(-1)`` (``parameters_to_vector``) raised where the fp32 weight works."""
+    def unwrap(t: Any) -> Any:
+        if not isinstance(t, FP8Weight):
+            return t
+        values = t.dequantize()
+        return values if values.stride() == t.stride() else values.contiguous()
+
     return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
 
@@ -544,6 +556,16 @@ def fp8_weight_of(module: nn.Module) -> FP8Weight | None:
     """The module's FP8 weight when convert stored one, else None (the hot path: one dict lookup)."""
     w = module._parameters.get("weight")
     return w if type(w) is FP8Weight else None
+
+
+def displaced_fp8_weight(module: nn.Module) -> str | None:
+    """The name under which a linear module now holds its FP8 weight when that is no longer its own ``weight``
+    parameter, else None: ``torch.nn.utils.prune`` moves it to ``weight_orig`` and sets ``weight = weight_orig *
+    mask`` (dequantized) before each forward; ``parametrize.register_parametrization`` moves it to
+    ``parametrizations.weight.original`` and computes ``weight`` per call."""
+    if "weight" in module._parameters:
+        return None
+    return next((name for name, p in module.named_parameters() if type(p) is FP8Weight), None)
 
 
 def attach_fp8_weight(module: nn.Module, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
