@@ -71,15 +71,20 @@ class FP8Weight(torch.Tensor):
     qconfig: TensorQConfig | None
 
     @staticmethod
-    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+    def __new__(cls, qdata: torch.Tensor, /, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None,
                 transposed: bool = False, block: tuple[int, int] | None = None, *, requires_grad: bool = False,
-                qconfig: TensorQConfig | None = None):
-        if isinstance(qdata, FP8Weight) and scale is None:
+                qconfig: TensorQConfig | None = None, **attributes: Any):
+        if isinstance(qdata, FP8Weight):
             # ``type(param)(value, requires_grad=...)``: how accelerate's set_module_tensor_to_device rebuilds a
             # parameter it moves (offloaded models: integrations/accelerate.py), like nn.Parameter(value).
+            # init_empty_weights' register_parameter passes the parameter's ``__dict__`` too (accelerate/
+            # big_modeling.py: ``param_cls(param.to(device), **param.__dict__)``, so that bitsandbytes' Params4bit
+            # keeps its quant state): those are the moved weight's own attributes, which it already holds.
             if requires_grad:
                 raise RuntimeError(_frozen(qdata))
             return nn.Parameter(qdata._like(), requires_grad=False)
+        if attributes:
+            raise TypeError(f"FP8Weight() got unexpected keyword arguments {sorted(attributes)}")
         if scale is None:
             raise TypeError("dbr_quant: FP8Weight(tensor) got high-precision values without scales (what accelerate's "
                             "set_module_tensor_to_device(module, 'weight', device, value=tensor) does to a converted "
@@ -89,10 +94,10 @@ class FP8Weight(torch.Tensor):
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=qdata.device,
                                                    requires_grad=False)
 
-    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+    def __init__(self, qdata: torch.Tensor, /, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None,
                  transposed: bool = False, block: tuple[int, int] | None = None, *, requires_grad: bool = False,
-                 qconfig: TensorQConfig | None = None):
-        if scale is None:  # the copy form above: __new__ returned a complete FP8Weight
+                 qconfig: TensorQConfig | None = None, **attributes: Any):
+        if isinstance(qdata, FP8Weight):  # the copy form above: __new__ returned a complete FP8Weight
             return
         self.qdata = qdata
         self.scale = scale
@@ -146,7 +151,8 @@ class FP8Weight(torch.Tensor):
         v = value.dequantize(torch.float32) if isinstance(value, FP8Weight) else value
         edit(self, lambda high: high.__setitem__(index, v), "`weight[...] = value`")
 
-    def element_size(self) -> StoredBytesPerElement:
+    # a float subclass where torch types an int: the FP8 data's byte plus the scales' share of one element
+    def element_size(self) -> StoredBytesPerElement:  # type: ignore[override]
         """Bytes stored per reported element: (FP8 data + scales) / numel. ``numel() * element_size()`` is how
         Hugging Face's ``get_memory_footprint`` and ``compute_module_sizes`` (transformers/modeling_utils.py,
         integrations/accelerate.py) size a parameter; the element size of the reported dtype (4 for fp32)

@@ -12,6 +12,8 @@ import warnings
 
 import pytest
 import torch
+from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
+from accelerate.utils import compute_module_sizes as accelerate_sizes
 from outside_pipeline import rel_l2
 from torch import nn
 from torch.nn.utils import parametrize, prune
@@ -20,6 +22,7 @@ from transformers.integrations.accelerate import compute_module_sizes
 from transformers.utils import logging as hf_logging
 
 import dbr_quant as dq
+from dbr_quant.integrations.accelerate import fp8_special_dtypes
 from dbr_quant.quantize.weights import FP8Weight
 
 hf_logging.set_verbosity_error()
@@ -272,3 +275,43 @@ def test_state_dict_loads_with_weights_only():
     buf.seek(0)
     other.load_state_dict(torch.load(buf, weights_only=True))
     assert torch.equal(_out(other), _out(converted))
+
+
+# ---------------------------------------------------------------------- accelerate
+def test_accelerate_planning_counts_fp8_bytes():
+    """accelerate sizes a tensor by its reported dtype: a converted model was planned at 4 bytes per FP8 weight
+    element (427688 bytes for the Llama, more than the fp32 model's 427328). ``fp8_special_dtypes`` gives it the
+    storage dtype: the plan is the stored bytes less the scales, and a budget that fits the FP8 model but not
+    its fp32 size keeps every module on the device."""
+    model, converted = _pair("llama", tie=False)
+    special = fp8_special_dtypes(converted)
+    fp8 = _fp8(converted)
+    assert special.keys() == fp8.keys()
+    sizes = accelerate_sizes(converted, special_dtypes=special)
+    scales = sum(w.scale.numel() * w.scale.element_size() for w in fp8.values())
+    assert sizes[""] == _stored_bytes(converted, True) - scales
+    budget = (sizes[""] + accelerate_sizes(converted)[""]) // 2  # between the FP8 plan and the fp32-sized one
+    assert set(infer_auto_device_map(converted, max_memory={"cpu": budget}, special_dtypes=special).values()) \
+        == {"cpu"}
+    assert "disk" in infer_auto_device_map(converted, max_memory={"cpu": budget}).values()
+    reference = _out(converted)
+    dispatched = dispatch_model(converted, device_map=infer_auto_device_map(
+        converted, max_memory={"cpu": budget}, special_dtypes=special))
+    assert torch.equal(_out(dispatched), reference)
+
+
+def test_init_empty_weights_registers_an_fp8_weight_on_meta():
+    """Under accelerate's ``init_empty_weights`` a parameter registered on a module is rebuilt on ``meta`` as
+    ``type(param)(param.to('meta'), **param.__dict__)``: an FP8 weight raised TypeError ('multiple values for
+    argument qdata'). It becomes a meta FP8 weight of the same shape, dtype and layout."""
+    _, converted = _pair("gpt2", tie=False)
+    source = converted.transformer.h[0].mlp.c_fc.weight
+    with init_empty_weights():
+        target = nn.Linear(1, 1)
+        target.register_parameter("weight", source)
+    w = target.weight
+    assert type(w) is FP8Weight and isinstance(w, nn.Parameter) and not w.requires_grad
+    assert (w.device.type, w.qdata.device.type, w.scale.device.type) == ("meta", "meta", "meta")
+    assert (w.shape, w.dtype, w.transposed, w.block, w.qdata.dtype, w.scale.shape) == (
+        source.shape, source.dtype, source.transposed, source.block, source.qdata.dtype, source.scale.shape)
+    assert source.device.type == "cpu"
