@@ -25,7 +25,7 @@ import os
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -201,4 +201,4 @@ def fp8_special_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
     it, one byte per element; the scales (4 bytes per row, or per block) are not counted: accelerate takes a dtype
     per tensor, not a byte count. Hugging Face's own planner (``from_pretrained(device_map=...)``,
     transformers/integrations/accelerate.py) reads ``element_size()``, which counts them."""
-    return {name: p.qdata.dtype for name, p in model.named_parameters() if type(p) is FP8Weight}
+    return {name: cast(FP8Weight, p).qdata.dtype for name, p in model.named_parameters() if type(p) is FP8Weight}

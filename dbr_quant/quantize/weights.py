@@ -97,7 +97,7 @@ class FP8Weight(torch.Tensor):
     def __init__(self, qdata: torch.Tensor, /, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None,
                  transposed: bool = False, block: tuple[int, int] | None = None, *, requires_grad: bool = False,
                  qconfig: TensorQConfig | None = None, **attributes: Any):
-        if isinstance(qdata, FP8Weight):  # the copy form above: __new__ returned a complete FP8Weight
+        if isinstance(qdata, FP8Weight) or scale is None:  # the copy form: __new__ returned a complete FP8Weight
             return
         self.qdata = qdata
         self.scale = scale
