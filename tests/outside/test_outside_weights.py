@@ -315,3 +315,27 @@ def test_init_empty_weights_registers_an_fp8_weight_on_meta():
     assert (w.shape, w.dtype, w.transposed, w.block, w.qdata.dtype, w.scale.shape) == (
         source.shape, source.dtype, source.transposed, source.block, source.qdata.dtype, source.scale.shape)
     assert source.device.type == "cpu"
+
+
+# ---------------------------------------------------------------------- the real MiniLM
+def test_minilm_footprint_and_counts():
+    """The real all-MiniLM-L6-v2: the footprint is its stored bytes and shows the saving on its linears (its
+    embeddings, half the model, stay fp32), the parameter count is the fp32 model's."""
+    from dbr_quant.examples import minilm as example
+
+    model, tokenizer = example.load_minilm()
+    calibration = example.encode(tokenizer, example.CALIBRATION_SENTENCES)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = dq.prepare(model, example_kwargs=calibration)
+        dq.calibrate(prepared, [calibration], progress=False)
+        converted = dq.convert(prepared)
+    fp8 = _fp8(converted)
+    assert len(fp8) == 6 * 6 + 1  # q, k, v, attention output, intermediate, output per layer; the pooler
+    assert converted.get_memory_footprint() == _stored_bytes(converted, True)
+    saved = sum(3 * w.numel() - w.scale.numel() * w.scale.element_size() for w in fp8.values())
+    assert model.get_memory_footprint(return_buffers=False) - converted.get_memory_footprint(return_buffers=False) \
+        == saved
+    assert converted.num_parameters() == model.num_parameters()
+    batch = example.encode(tokenizer, example.EVAL_SENTENCES[:4])
+    assert torch.equal(copy.deepcopy(converted)(**batch).last_hidden_state, converted(**batch).last_hidden_state)
