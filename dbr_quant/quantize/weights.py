@@ -532,14 +532,15 @@ def _addmm(bias: torch.Tensor, a: torch.Tensor, b: Any, *, beta: Any = 1, alpha:
 
 
 def _dequantized(func: Any, args: tuple, kwargs: dict) -> Any:
-    """``func`` on the dequantized high-precision values of every FP8 weight among its arguments, laid out with the
-    strides the weight reports (contiguous): a transposed weight (GPT-2's Conv1D) dequantizes to a transposed view
-    of its [out, in] bytes, on which ``view(-1)`` (``parameters_to_vector``) raised where the fp32 weight works."""
+    """``func`` on the dequantized high-precision values of every FP8 weight among its arguments. A transposed
+    weight (GPT-2's Conv1D, ``w.t()`` in F.linear) dequantizes to a transposed view of its [out, in] bytes, which
+    a matmul reads as it is; ``view`` gets the layout the weight reports (contiguous): ``view(-1)``
+    (``parameters_to_vector``) raised on the transposed view where the fp32 weight works."""
     def unwrap(t: Any) -> Any:
         if not isinstance(t, FP8Weight):
             return t
         values = t.dequantize()
-        return values if values.stride() == t.stride() else values.contiguous()
+        return values.contiguous() if func is aten.view.default and values.stride() != t.stride() else values
 
     return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 

@@ -204,6 +204,8 @@ def test_dtype_casts_keep_fp8_bytes(cast):
         assert torch.equal(w.qdata.view(torch.uint8), before[n][0].view(torch.uint8))
         assert torch.equal(w.scale, before[n][1])
     assert sum(w.nbytes for w in after.values()) == fp8_bytes
+    linears = [row for row in dq.report(converted) if row["kind"] == "linear"]
+    assert {row["weight"] for row in linears if row["fp8"]} == set(after)
     assert converted.get_memory_footprint() == _stored_bytes(converted, True)
     got = _out(converted)
     assert got.dtype == _out(model).dtype == converted.dtype
