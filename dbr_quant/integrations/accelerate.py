@@ -25,7 +25,7 @@ import os
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -191,3 +191,14 @@ def _write(store: Any, key: str, qdata: torch.Tensor, scale: torch.Tensor, token
     store.pop(key, None)  # the high-precision copy is no longer needed: the memory goes back
     store[q_key], store[s_key] = qdata.cpu(), scale.cpu()
     return q_key, s_key
+
+
+def fp8_special_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
+    """``special_dtypes=`` for accelerate's ``infer_auto_device_map`` / ``get_balanced_memory`` /
+    ``compute_module_sizes``: each FP8 weight's name → its storage dtype. accelerate sizes a tensor as ``numel() *
+    dtype_byte_size(tensor.dtype)`` (accelerate/utils/modeling.py), and an FP8 weight reports the high-precision
+    dtype it computes in, so without this a converted model is planned at 4 bytes per fp32 weight element. With
+    it, one byte per element; the scales (4 bytes per row, or per block) are not counted: accelerate takes a dtype
+    per tensor, not a byte count. Hugging Face's own planner (``from_pretrained(device_map=...)``,
+    transformers/integrations/accelerate.py) reads ``element_size()``, which counts them."""
+    return {name: cast(FP8Weight, p).qdata.dtype for name, p in model.named_parameters() if type(p) is FP8Weight}

@@ -47,7 +47,8 @@ MATMUL_CHUNK = 1 << 18
 
 aten = torch.ops.aten
 
-__all__ = ["FP8Weight", "attach_fp8_weight", "fp8_weight_of", "adjacent_rows", "fp8_weight_bytes"]
+__all__ = ["FP8Weight", "attach_fp8_weight", "fp8_weight_of", "displaced_fp8_weight", "adjacent_rows",
+           "fp8_weight_bytes"]
 
 
 class FP8Weight(torch.Tensor):
@@ -70,15 +71,20 @@ class FP8Weight(torch.Tensor):
     qconfig: TensorQConfig | None
 
     @staticmethod
-    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+    def __new__(cls, qdata: torch.Tensor, /, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None,
                 transposed: bool = False, block: tuple[int, int] | None = None, *, requires_grad: bool = False,
-                qconfig: TensorQConfig | None = None):
-        if isinstance(qdata, FP8Weight) and scale is None:
+                qconfig: TensorQConfig | None = None, **attributes: Any):
+        if isinstance(qdata, FP8Weight):
             # ``type(param)(value, requires_grad=...)``: how accelerate's set_module_tensor_to_device rebuilds a
             # parameter it moves (offloaded models: integrations/accelerate.py), like nn.Parameter(value).
+            # init_empty_weights' register_parameter passes the parameter's ``__dict__`` too (accelerate/
+            # big_modeling.py: ``param_cls(param.to(device), **param.__dict__)``, so that bitsandbytes' Params4bit
+            # keeps its quant state): those are the moved weight's own attributes, which it already holds.
             if requires_grad:
                 raise RuntimeError(_frozen(qdata))
             return nn.Parameter(qdata._like(), requires_grad=False)
+        if attributes:
+            raise TypeError(f"FP8Weight() got unexpected keyword arguments {sorted(attributes)}")
         if scale is None:
             raise TypeError("dbr_quant: FP8Weight(tensor) got high-precision values without scales (what accelerate's "
                             "set_module_tensor_to_device(module, 'weight', device, value=tensor) does to a converted "
@@ -88,10 +94,10 @@ class FP8Weight(torch.Tensor):
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=qdata.device,
                                                    requires_grad=False)
 
-    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+    def __init__(self, qdata: torch.Tensor, /, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None,
                  transposed: bool = False, block: tuple[int, int] | None = None, *, requires_grad: bool = False,
-                 qconfig: TensorQConfig | None = None):
-        if scale is None:  # the copy form above: __new__ returned a complete FP8Weight
+                 qconfig: TensorQConfig | None = None, **attributes: Any):
+        if isinstance(qdata, FP8Weight) or scale is None:  # the copy form: __new__ returned a complete FP8Weight
             return
         self.qdata = qdata
         self.scale = scale
@@ -144,6 +150,25 @@ class FP8Weight(torch.Tensor):
         """``weight[i] = v``: the edited values are re-quantized into this weight (not a temporary copy)."""
         v = value.dequantize(torch.float32) if isinstance(value, FP8Weight) else value
         edit(self, lambda high: high.__setitem__(index, v), "`weight[...] = value`")
+
+    # a float subclass where torch types an int: the FP8 data's byte plus the scales' share of one element
+    def element_size(self) -> StoredBytesPerElement:  # type: ignore[override]
+        """Bytes stored per reported element: (FP8 data + scales) / numel. ``numel() * element_size()`` is how
+        Hugging Face's ``get_memory_footprint`` and ``compute_module_sizes`` (transformers/modeling_utils.py,
+        integrations/accelerate.py) size a parameter; the element size of the reported dtype (4 for fp32)
+        hid the FP8 saving (quantized 4x smaller, reported larger). torchao's subclasses keep the reported
+        dtype's size and size models with their own ``get_model_size_in_bytes`` over ``__tensor_flatten__``;
+        the product with ``numel()`` here is the exact stored byte count."""
+        return StoredBytesPerElement(self.stored_bytes(), self.numel())
+
+    @property
+    def nbytes(self) -> int:  # type: ignore[override]  # a C getset descriptor in the stubs
+        """The bytes stored: FP8 data + scales (torch's ``nbytes`` is ``numel() * element_size()``)."""
+        return self.stored_bytes()
+
+    def stored_bytes(self) -> int:
+        """Bytes of this weight's FP8 data and scales (a row slice of a shared buffer: its own rows)."""
+        return self.qdata.numel() * self.qdata.element_size() + self.scale.numel() * self.scale.element_size()
 
     def data_ptr(self) -> int:
         """The FP8 data's address (a wrapper has no storage of its own; accelerate tells tied weights apart
@@ -256,6 +281,27 @@ class FP8Weight(torch.Tensor):
         return _dequantized(func, args, kwargs)  # any other use as a tensor: the dequantized high-precision values
 
 
+class StoredBytesPerElement(float):
+    """``FP8Weight.element_size()``: the stored bytes per element as a float (one byte of FP8 data plus the
+    scales' share), whose product with the weight's ``numel()`` is the exact integer byte count (``n * (b / n)``
+    in floating point may miss ``b`` by one ulp, and footprint code sums ``nelement() * element_size()``)."""
+
+    total: int
+    count: int
+
+    def __new__(cls, total: int, count: int) -> StoredBytesPerElement:
+        out = super().__new__(cls, total / count if count else 0.0)
+        out.total, out.count = total, count
+        return out
+
+    def __mul__(self, other: Any) -> Any:
+        if isinstance(other, int) and not isinstance(other, bool) and other == self.count:
+            return self.total
+        return float(self) * other
+
+    __rmul__ = __mul__
+
+
 def _frozen(w: torch.Tensor) -> str:
     return (f"dbr_quant: an FP8 weight {list(w.shape)} is frozen: straight-through gradients reach a converted "
             "model's inputs, biases, norms and high-precision weights but stop at FP8 weights, so requires_grad=True "
@@ -344,7 +390,11 @@ def _empty_like(w: FP8Weight, *, dtype=None, layout=None, device=None, pin_memor
 
 
 def _copy_(dst: FP8Weight, src: torch.Tensor, non_blocking: bool = False) -> FP8Weight:
-    """Another FP8 weight's bytes and scales as they are; high-precision values re-quantized (edits.py)."""
+    """Another FP8 weight's bytes and scales as they are; high-precision values re-quantized (edits.py); an FP8
+    weight copied into a plain tensor gives it the dequantized values (Hugging Face's resize_token_embeddings copies
+    a converted lm_head's rows into a new nn.Linear: ``new.weight.data[:n] = old.weight.data[:n]``)."""
+    if not isinstance(dst, FP8Weight):
+        return dst.copy_(src.dequantize(dst.dtype if dst.dtype.is_floating_point else None), non_blocking)
     if not isinstance(src, FP8Weight):
         edit(dst, lambda high: high.copy_(src), "copy_ of high-precision values")
         return dst
@@ -482,8 +532,16 @@ def _addmm(bias: torch.Tensor, a: torch.Tensor, b: Any, *, beta: Any = 1, alpha:
 
 
 def _dequantized(func: Any, args: tuple, kwargs: dict) -> Any:
-    """``func`` on the dequantized high-precision values of every FP8 weight among its arguments."""
-    unwrap = lambda t: t.dequantize() if isinstance(t, FP8Weight) else t  # noqa: E731
+    """``func`` on the dequantized high-precision values of every FP8 weight among its arguments. A transposed
+    weight (GPT-2's Conv1D, ``w.t()`` in F.linear) dequantizes to a transposed view of its [out, in] bytes, which
+    a matmul reads as it is; ``view`` gets the layout the weight reports (contiguous): ``view(-1)``
+    (``parameters_to_vector``) raised on the transposed view where the fp32 weight works."""
+    def unwrap(t: Any) -> Any:
+        if not isinstance(t, FP8Weight):
+            return t
+        values = t.dequantize()
+        return values.contiguous() if func is aten.view.default and values.stride() != t.stride() else values
+
     return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
 
@@ -505,6 +563,16 @@ def fp8_weight_of(module: nn.Module) -> FP8Weight | None:
     """The module's FP8 weight when convert stored one, else None (the hot path: one dict lookup)."""
     w = module._parameters.get("weight")
     return w if type(w) is FP8Weight else None
+
+
+def displaced_fp8_weight(module: nn.Module) -> str | None:
+    """The name under which a linear module now holds its FP8 weight when that is no longer its own ``weight``
+    parameter, else None: ``torch.nn.utils.prune`` moves it to ``weight_orig`` and sets ``weight = weight_orig *
+    mask`` (dequantized) before each forward; ``parametrize.register_parametrization`` moves it to
+    ``parametrizations.weight.original`` and computes ``weight`` per call."""
+    if "weight" in module._parameters:
+        return None
+    return next((name for name, p in module.named_parameters() if type(p) is FP8Weight), None)
 
 
 def attach_fp8_weight(module: nn.Module, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,

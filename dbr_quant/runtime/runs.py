@@ -21,11 +21,21 @@ from dbr_quant.integrations import accelerate as offload
 from dbr_quant.moe.call import ExpertsInspector, call_with_hooks, experts_forward
 from dbr_quant.ops.basic import PER_TOKEN_SLOTS, stored_fp8_weight
 from dbr_quant.ops.call import Call, Env, linear_hp_weight, not_float_activation
-from dbr_quant.ops.mappings import FUNC_KINDS, INDEXED, LINEAR, MATMUL, SDPA, call_kind, is_linear_module
+from dbr_quant.ops.mappings import (
+    FUNC_KINDS,
+    INDEXED,
+    LINEAR,
+    MATMUL,
+    SDPA,
+    call_kind,
+    is_linear_module,
+    is_transposed_linear,
+)
 from dbr_quant.ops.patterns import Subgraph
 from dbr_quant.ops.state import AutoQuantizationState, SeenOp
 from dbr_quant.ops.tags import TAG, experts_of, fqn_of, tag_of
 from dbr_quant.qconfig import QConfig
+from dbr_quant.quantize.weights import displaced_fp8_weight
 from dbr_quant.runtime.hessians import HessianCollector
 from dbr_quant.runtime.interception import has_hooks, has_pre_hooks, original_call, routing_functions, suspended
 
@@ -62,6 +72,22 @@ class ModelRecord:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.calibration_lock = threading.RLock()
+
+
+def _refuse_displaced_fp8_weight(module: nn.Module) -> None:
+    """A converted linear whose FP8 weight was moved out of ``weight`` after convert (prune, parametrize) reaches
+    here as a linear the trace never saw; running it as one would compute silently in high precision on
+    dequantized values, so it is refused, saying what to do."""
+    if not (isinstance(module, nn.Linear) or is_transposed_linear(module)):
+        return
+    name = displaced_fp8_weight(module)
+    if name is not None:
+        raise RuntimeError(
+            f"dbr_quant: the converted linear '{fqn_of(module) or type(module).__name__}' computes its weight "
+            f"from its FP8 weight (now '{name}': torch.nn.utils.prune or parametrize moved it out of `weight` "
+            "after convert), which its FP8 GEMM cannot run. Prune / parametrize the fp32 model before prepare(), "
+            "or undo it (parametrize.remove_parametrizations(module, 'weight', leave_parametrized=False) puts the "
+            "FP8 weight back).")
 
 
 def state_of(module: nn.Module) -> AutoQuantizationState | None:
@@ -102,6 +128,8 @@ class Run:
         if j >= 0:
             self.cursors[key] = j + 1
         elif warn:
+            if kind == LINEAR:
+                _refuse_displaced_fp8_weight(self.stack[-1])
             st.unseen(kind, fqn, i, self.record.qconfig.strict)
         return j
 
