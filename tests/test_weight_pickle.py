@@ -32,7 +32,16 @@ def _torch_saved(obj):
     return torch.load(buf, weights_only=False)
 
 
+def _torch_saved_weights_only(obj):
+    """torch.load's default since torch 2.6: only allowlisted globals are unpickled."""
+    buf = io.BytesIO()
+    torch.save({"w": obj}, buf)
+    buf.seek(0)
+    return torch.load(buf)["w"]
+
+
 ROUND_TRIPS = {"pickle": _pickled, "deepcopy": _deepcopied, "torch_save": _torch_saved}
+WEIGHT_TRIPS = {**ROUND_TRIPS, "torch_load_weights_only": _torch_saved_weights_only}
 
 
 def _linear_stack() -> tuple[nn.Module, torch.Tensor]:
@@ -79,14 +88,17 @@ def test_round_tripped_model_gives_bit_identical_outputs(build, trip):
     assert [r["fp8"] for r in dq.report(c2)] == [r["fp8"] for r in dq.report(c)]
 
 
-@pytest.mark.parametrize("trip", sorted(ROUND_TRIPS))
+@pytest.mark.parametrize("trip", sorted(WEIGHT_TRIPS))
 def test_round_tripped_fp8_weight_keeps_float8_bytes_scale_and_flags(trip):
     q = torch.randn(6, 4).to(torch.float8_e4m3fn)
+    mse = dq.TensorQConfig(format="e5m2", observer=dq.MSE(), granularity="channel")
     for w in (FP8Weight(q, torch.rand(6) + 0.5, torch.bfloat16),  # per channel, reports bf16
+              FP8Weight(q, torch.rand(6) + 0.5, torch.float32, qconfig=mse),  # carries its (frozen) config
               FP8Weight(q, torch.tensor(0.25), torch.float32, transposed=True),  # Conv1D, per tensor
               FP8Weight(q, torch.rand(3, 1) + 0.5, torch.float32, block=(2, 4)),  # 2x4 blocks
               nn.Parameter(FP8Weight(q, torch.rand(6), torch.float32), requires_grad=False)):
-        w2 = ROUND_TRIPS[trip](w)
+        w2 = WEIGHT_TRIPS[trip](w)
+        assert w2.qconfig == w.qconfig
         assert type(w2) is FP8Weight and isinstance(w2, nn.Parameter) == isinstance(w, nn.Parameter)
         assert w2.qdata.dtype == torch.float8_e4m3fn and torch.equal(w2.qdata.view(torch.uint8), q.view(torch.uint8))
         assert w2.scale.dtype == torch.float32 and torch.equal(w2.scale, w.scale)

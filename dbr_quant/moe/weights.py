@@ -79,7 +79,6 @@ def expert_weight_bytes(model: nn.Module) -> tuple[int, int]:
             continue
         for name in spec.names:
             w = expert_parameter(mod, name)
-            total += (w.qdata.numel() * w.qdata.element_size() + w.scale.numel() * w.scale.element_size()
-                      if type(w) is FP8Weight else w.numel() * w.element_size())
+            total += w.stored_bytes() if type(w) is FP8Weight else w.numel() * w.element_size()
             count += 1
     return total, count

@@ -26,7 +26,7 @@ import hashlib
 import pickle
 import weakref
 from collections.abc import Callable
-from typing import Any, SupportsIndex, cast
+from typing import Any, SupportsIndex, cast, get_args
 
 import torch
 from torch import nn
@@ -34,6 +34,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map
 
 from dbr_quant import kernels
+from dbr_quant.formats import FP8Format
+from dbr_quant.observers.config import ObserverConfig
 from dbr_quant.qconfig import TensorQConfig
 from dbr_quant.quantize.edits import edit, requantize
 from dbr_quant.quantize.weight_quantization import elementwise_block_scale
@@ -366,6 +368,12 @@ def _from_storage_view(whole: torch.Tensor, dtype: torch.dtype | None = None, si
 def _rebuild_from_bytes(qdata: tuple, scale: tuple, dtype, transposed, is_param, block=None, qconfig=None):
     w = FP8Weight(_from_storage_view(*qdata), _from_storage_view(*scale), dtype, transposed, block, qconfig=qconfig)
     return nn.Parameter(w, requires_grad=False) if is_param else w
+
+
+# torch.load's default (weights_only=True) unpickles only allowlisted globals: an FP8 weight saved on its own
+# (``torch.save({"w": layer.weight})``) needs its rebuild function and the frozen config dataclasses it carries,
+# none of which runs code on load (as torchao allowlists its tensor subclasses)
+torch.serialization.add_safe_globals([_rebuild_from_bytes, TensorQConfig, FP8Format, *get_args(ObserverConfig)])
 
 
 def _to_copy(w: FP8Weight, *, dtype=None, device=None, layout=None, pin_memory=None, non_blocking=False,

@@ -179,9 +179,7 @@ def _expert_ops(record: Any) -> dict[str, Any]:
 
 
 def _nbytes(p: torch.Tensor) -> int:
-    if type(p) is FP8Weight:
-        return p.qdata.numel() * p.qdata.element_size() + p.scale.numel() * p.scale.element_size()
-    return p.numel() * p.element_size()
+    return p.stored_bytes() if type(p) is FP8Weight else p.numel() * p.element_size()
 
 
 def weights(model: nn.Module, record: Any) -> list[Weight]:
