@@ -144,12 +144,22 @@ def _fp8_experts(module: nn.Module, st: MoeState, x: torch.Tensor, ids: torch.Te
         xs, hs = (st.frozen_scale(op, "input") for op in st.seen_ops)
         if xs.device != x.device:
             xs, hs = xs.to(x.device), hs.to(x.device)
-    assert spec.activation is not None  # experts_spec gives every spec it does not reject an epilogue
+    # experts_spec gives every spec it does not reject an epilogue, or the module's own gate function
+    assert spec.activation is not None or spec.own_gate
     cfg = gate_up.qconfig.activation
     compute: Callable[..., torch.Tensor] | None = fp8_experts_compute
+    extra: dict[str, Any] = {}
     ops = kernels.graph_ops()
+    if ops is not None and spec.own_gate:
+        raise NotImplementedError(f"dbr_quant: the MoE experts module '{st.fqn}' ({type(module).__name__}) runs its "
+                                  "own gate function (_apply_gate) between its FP8 GEMMs, which the graph op "
+                                  "dbr_quant::fp8_moe_experts cannot hold; run the converted model eagerly, or keep "
+                                  "these experts high precision with QConfig(overrides=(Override(pattern="
+                                  "r'\\.experts\\.', skip=True),)) before fx_rewriter.rewrite")
     if ops is not None:
         compute = getattr(ops, "fp8_moe_experts", None)
+    elif spec.own_gate:
+        extra["gate"] = lambda y: spec.activate(module, y)
     if compute is None:
         raise NotImplementedError(f"dbr_quant: the graph op table {type(ops).__name__} has no fp8_moe_experts "
                                   f"op for the MoE experts module '{st.fqn}'; run the converted model eagerly")
@@ -159,4 +169,4 @@ def _fp8_experts(module: nn.Module, st: MoeState, x: torch.Tensor, ids: torch.Te
                    fmt=cfg.format, per_token=cfg.granularity == "token", out_dtype=x.dtype,
                    block=None if mx else p1.block, group=p1.block is not None and cfg.granularity == "group",
                    weight_only=gate_up.qconfig.weight_only, mx=mx,
-                   mx_round_up=mx and cfg.mx_scale_rounding == "ceil").reshape(x.shape)
+                   mx_round_up=mx and cfg.mx_scale_rounding == "ceil", **extra).reshape(x.shape)

@@ -21,8 +21,10 @@ Activation scales: one for the gate_up input (the same hidden states go to every
 per token), one per expert for the down input (produced by each expert's own weights). An expert that
 received no calibration rows takes the largest down-input scale of the experts that did (reported) —
 never an uncalibrated scale (benchmarks/moe_calibration.py measures the choice). The router, the linear
-whose logits reach the top-k ids, stays high precision. An experts module this path cannot run (custom
-gating such as GPT-OSS's clamp, gate/up rows interleaved, an activation without an FP8 epilogue) runs as
+whose logits reach the top-k ids, stays high precision. A module with a gate function of its own (GPT-OSS:
+a clamped SwiGLU on interleaved gate/up columns, with biases) runs the gate_up grouped GEMM without an
+epilogue, its own ``_apply_gate`` in high precision, then the quantized down GEMM. An experts module this
+path cannot run (the default gate on interleaved rows, an activation without an FP8 epilogue) runs as
 written in high precision, and the report says why.
 
 Files: this one recognises the module (:class:`ExpertsSpec`), keeps its record (:class:`MoeState`: the
@@ -65,8 +67,13 @@ class ExpertsSpec:
     gated: bool
     transposed: bool  # parameters stored [E, in, out]
     has_bias: bool
-    activation: str | None  # the kernels' epilogue name: "swiglu", "geglu", "relu", …
+    activation: str | None  # the kernels' epilogue name: "swiglu", "geglu", "relu", … (None: own_gate)
     reason: str = ""  # why it runs as written in high precision ("" when it runs in FP8)
+    # a gate function of its own (GptOssExperts._apply_gate: a clamped SwiGLU) runs in high precision between
+    # the two FP8 grouped GEMMs (no epilogue); interleaved: gate / up are the even / odd rows of gate_up
+    # (``is_concatenated=False``), not its two halves — the checkpoint's gate_proj / up_proj split follows it
+    own_gate: bool = False
+    interleaved: bool = False
 
     @property
     def names(self) -> tuple[str, str]:
@@ -106,8 +113,8 @@ def experts_spec(module: nn.Module) -> ExpertsSpec | None:
     if not all(hasattr(module, a) for a in ("has_gate", "is_transposed", "is_concatenated")):
         return None
     gated = bool(module.has_gate)
-    # a gate function of its own needs no act_fn (GptOssExperts: clamped SwiGLU on interleaved rows); it is
-    # recognised all the same, so it runs as written with its reason reported and its router kept high precision
+    # a gate function of its own needs no act_fn (GptOssExperts: clamped SwiGLU on interleaved rows): it runs in
+    # high precision between the FP8 GEMMs (compute.py), so alpha / limit / a subclass's gate stay the model's
     own_gate = gated and _qualname(getattr(type(module), "_apply_gate", None)) != _DEFAULT_GATE
     if not own_gate and not hasattr(module, "act_fn"):
         return None
@@ -118,18 +125,17 @@ def experts_spec(module: nn.Module) -> ExpertsSpec | None:
     transposed, has_bias = bool(module.is_transposed), bool(getattr(module, "has_bias", False))
     act = _activation_name(getattr(module, "act_fn", None))
     reason = ""
-    if own_gate:
-        reason = f"{type(module).__name__} has its own gate function (_apply_gate), which has no FP8 epilogue"
-    elif gated and not module.is_concatenated:
+    if gated and not own_gate and not module.is_concatenated:
         reason = "gate and up rows are interleaved (is_concatenated=False); the FP8 MoE kernel takes [gate; up]"
-    elif act is None or (gated and act not in _GATED_EPILOGUE):
+    elif not own_gate and (act is None or (gated and act not in _GATED_EPILOGUE)):
         reason = f"activation {type(module.act_fn).__name__} has no FP8 grouped-GEMM epilogue"
     elif getattr(module, "_is_expert_parallel", False):
         reason = "expert parallel (sentinel expert ids) is not supported"
     elif not all(w.dtype in (torch.float32, torch.bfloat16, torch.float16) for w in (w1, w2)):
         reason = f"expert weights have dtype {w1.dtype}"
-    epilogue = None if reason or act is None else _GATED_EPILOGUE[act] if gated else act
-    return ExpertsSpec(int(w1.shape[0]), first, gated, transposed, has_bias, epilogue, reason)
+    epilogue = None if reason or own_gate or act is None else _GATED_EPILOGUE[act] if gated else act
+    return ExpertsSpec(int(w1.shape[0]), first, gated, transposed, has_bias, epilogue, reason, own_gate=own_gate,
+                       interleaved=gated and not module.is_concatenated)
 
 
 _DEFAULT_GATE = "transformers.integrations.moe._default_apply_gate"
