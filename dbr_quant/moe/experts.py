@@ -295,6 +295,9 @@ def fallback_note(missing: list[int], total: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------- report
+OWN_GATE_NOTE = "the module's own gate function (_apply_gate) runs in high precision between the FP8 GEMMs"
+
+
 def report_rows(st: MoeState) -> list[dict[str, Any]]:
     """``dbr_quant.report`` rows of an experts module: one per 3-D expert tensor, FP8 or not and why (or
     which experts fell back to the max-over-experts down-input scale)."""
@@ -314,6 +317,8 @@ def report_rows(st: MoeState) -> list[dict[str, Any]]:
                 note = f"dynamic activation scales ({groups}), {bn}×{bk} weight blocks"
         elif op.quantize and op.index == 1 and st.converted:
             note = fallback_note(st.fallback, st.spec.num_experts)
+        if op.quantize and op.index == 0 and st.spec.own_gate:
+            note = "; ".join(filter(None, (note, OWN_GATE_NOTE)))
         rows.append({"fqn": op.fqn, "kind": EXPERTS, "module": st.fqn, "fp8": op.quantize, "fusion": op.fusion,
                      "reason": note, "weight": op.fqn})
     return rows

@@ -164,6 +164,9 @@ def _block_reason(module: nn.Module, spec: ExpertsSpec, qcs: list[OpQConfig]) ->
     if first is None or first != second:
         return (f"the two expert projections resolve to different weight granularities ({first or 'not block'} "
                 f"vs {second or 'not block'}); the MoE block takes one: give both the same block")
+    if spec.interleaved:
+        return (f"block-scaled experts need gate and up as the two halves of gate_up; {type(module).__name__} "
+                "interleaves them (gate even rows, up odd rows): use per-channel weight scales for these experts")
     w1, _ = spec.weights(module)
     inter = (w1.shape[2] if spec.transposed else w1.shape[1]) // (2 if spec.gated else 1)
     if spec.gated and inter % first[0]:
