@@ -152,7 +152,8 @@ def test_every_linear_and_expert_fp8_or_reported(pipelines, name):
 
 
 def test_matmul_with_a_parameter_operand_reports_its_reason():
-    """Llama 4's experts (``torch.bmm(x, self.gate_up_proj)``, a 3-D parameter) and Mamba's ``dt_proj.weight @ x``:
+    """Experts like Llama 4's (``torch.bmm(x, self.w)``, a 3-D parameter; Llama4TextExperts itself runs as FP8
+    experts, dbr_quant/moe/experts.py) and Mamba's ``dt_proj.weight @ x``:
     the matmul row says why it stays high precision — an operand is not an activation — not "attention stays in
     high precision", which is what QConfig(quantize_attention=True) would not change."""
 

@@ -264,7 +264,8 @@ def test_save_and_load_round_trip_bit_for_bit_with_gate_and_up_de_interleaved(co
     assert torch.equal(logits(loaded, batch), logits(conv, batch))
     lmod = _experts_modules(loaded)[0]
     for name in ("gate_up_proj", "down_proj"):
-        assert torch.equal(lmod._parameters[name].qdata.view(torch.uint8), mod._parameters[name].qdata.view(torch.uint8))
+        saved, back = (m._parameters[name].qdata.view(torch.uint8) for m in (mod, lmod))
+        assert torch.equal(back, saved)
 
 
 def test_a_folder_saved_stacked_refuses_to_load_into_interleaved_experts(converted, tmp_path):

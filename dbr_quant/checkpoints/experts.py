@@ -135,7 +135,8 @@ def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, Scheme]
                 bb = b[e] if rows is None else b[e, rows]
                 entries.append(tensor_entry(f"{prefix}.bias", bb, bb.dtype))
             if not dynamic:
-                a = (inputs[0] if which == 0 else inputs[1][e] if inputs[1].numel() > 1 else inputs[1]).reshape(1)
+                a = inputs[which]  # one value, or one per expert (down; dense experts' gate_up too)
+                a = (a[e] if a.numel() > 1 else a).reshape(1)
                 entries.append(tensor_entry(f"{prefix}.input_scale", a, scale_dtype(a, w.dtype)))
             schemes[prefix] = proj_schemes[which] if granularity in ("block", "mx") else (granularity, act, dynamic,
                                                                                            None, None)

@@ -39,12 +39,12 @@ def experts_forward(module: nn.Module, args: tuple, kwargs: dict, phase: str,
     or "hp" (a prepared model inside an inspect session) — or None: the module runs as written (not
     quantized, called with other arguments, nothing to do in this phase)."""
     st = module._modules.get("_auto_quant_state")
-    if not isinstance(st, MoeState) or bind_call(args, kwargs) is None or not st.quantized:
+    if not isinstance(st, MoeState) or bind_call(args, kwargs, st.spec) is None or not st.quantized:
         return None
     if inspector is not None and (st.converted or phase == "hp"):  # expert tensors are layers
-        return lambda a, k: inspector.experts(module, st, *_rebind(a, k))
+        return lambda a, k: inspector.experts(module, st, *_rebind(st, a, k))
     if phase == "calibrate" and st.static:
-        return lambda a, k: _calibrate_experts(module, st, *_rebind(a, k))
+        return lambda a, k: _calibrate_experts(module, st, *_rebind(st, a, k))
     if phase == "convert" and st.converted:
         return lambda a, k: _converted_experts(module, st, a, k)
     return None
@@ -70,19 +70,20 @@ def call_with_hooks(module: nn.Module, body: Body, args: tuple, kwargs: dict) ->
     return out
 
 
-def _rebind(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _rebind(st: MoeState, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The call's (hidden_states, top_k_index, top_k_weights), after its pre-hooks."""
-    bound = bind_call(args, kwargs)
+    bound = bind_call(args, kwargs, st.spec)
     if bound is None:
-        raise TypeError("dbr_quant: a forward pre-hook of an MoE experts module changed its arguments away from "
-                        "(hidden_states, top_k_index, top_k_weights); return those from the hook")
+        expected = "(hidden_states,)" if st.spec.dense else "(hidden_states, top_k_index, top_k_weights)"
+        raise TypeError(f"dbr_quant: a forward pre-hook of the MoE experts module '{st.fqn}' changed its arguments "
+                        f"away from {expected}; return those from the hook")
     return bound
 
 
 def _converted_experts(module: nn.Module, st: MoeState, args: tuple, kwargs: dict) -> Any:
     """The FP8 experts; with straight-through gradients (straight_through.py: the module as written, its FP8
     weights dequantized, is the reference) when grad mode is on and an input or bias requires grad."""
-    fp8 = lambda: _fp8_experts(module, st, *_rebind(args, kwargs))  # noqa: E731
+    fp8 = lambda: _fp8_experts(module, st, *_rebind(st, args, kwargs))  # noqa: E731
     tensors = wants_gradient((), (*args, *kwargs.values(), *(p for p in module._parameters.values()
                                                               if p is not None and p.requires_grad)))
     if tensors is None:
@@ -111,14 +112,19 @@ def _calibrate_experts(module: nn.Module, st: MoeState, x: torch.Tensor, ids: to
     row_w = routing.row_weights(w2)
     out = torch.zeros(x2.shape[0], p2.shape[1] if not spec.transposed else p2.shape[2], dtype=torch.float32,
                       device=x.device)
-    st.rows += routing.counts.to(st.rows.device)
-    st.observe_tokens(x2)
+    if spec.dense:  # a row the router gave this expert no weight is all zeros: not a calibration row
+        st.rows += (x2.reshape(spec.num_experts, -1, x2.shape[-1]) != 0).any(-1).sum(1).to(st.rows.device)
+    else:
+        st.rows += routing.counts.to(st.rows.device)
+        st.observe_tokens(x2)
     for e in range(spec.num_experts):
         lo, hi = offsets[e], offsets[e + 1]
         if lo == hi:
             continue
         tok = tokens[lo:hi]
         xe = x2[tok]
+        if spec.dense:
+            st.observe_expert(e, xe, op_index=0)
         y = F.linear(xe, _expert_weight(p1, e, spec.transposed), None if b1 is None else b1[e])
         h = spec.activate(module, y)
         y = F.linear(h, _expert_weight(p2, e, spec.transposed), None if b2 is None else b2[e])
