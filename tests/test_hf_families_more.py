@@ -270,10 +270,10 @@ def test_falcon_linear_saved_as_a_linear(dynamic, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------- rewrite / export
-@pytest.mark.parametrize("name", ["qwen3_moe", "falcon", "bloom"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "falcon", "bloom", pytest.param("llama4", marks=pytest.mark.slow)])
 def test_rewrite_and_export(pipelines, name):
-    """MoE experts, FalconLinear's ``x @ W.T`` and ALiBi through rewrite and torch.export: the same logits as
-    the eager converted model, bit for bit."""
+    """MoE experts (Llama 4's dense ones too), FalconLinear's ``x @ W.T`` and ALiBi through rewrite and
+    torch.export: the same logits as the eager converted model, bit for bit."""
     p = pipelines(name)
     eager = forward(p.converted, p.eval_batch).logits
     gm = fx_rewriter.rewrite(p.converted, example_kwargs=p.eval_batch)

@@ -112,8 +112,11 @@ def _calibrate_experts(module: nn.Module, st: MoeState, x: torch.Tensor, ids: to
     row_w = routing.row_weights(w2)
     out = torch.zeros(x2.shape[0], p2.shape[1] if not spec.transposed else p2.shape[2], dtype=torch.float32,
                       device=x.device)
-    if spec.dense:  # a row the router gave this expert no weight is all zeros: not a calibration row
-        st.rows += (x2.reshape(spec.num_experts, -1, x2.shape[-1]) != 0).any(-1).sum(1).to(st.rows.device)
+    # dense: a row the router gave this expert no weight is all zeros, its output too (no bias): not a
+    # calibration row, not observed (an expert given none takes the fallback scale, as one not routed to)
+    live = (x2 != 0).any(-1) if spec.dense else None
+    if live is not None:
+        st.rows += live.reshape(spec.num_experts, -1).sum(1).to(st.rows.device)
     else:
         st.rows += routing.counts.to(st.rows.device)
         st.observe_tokens(x2)
@@ -122,14 +125,18 @@ def _calibrate_experts(module: nn.Module, st: MoeState, x: torch.Tensor, ids: to
         if lo == hi:
             continue
         tok = tokens[lo:hi]
+        if live is not None:
+            tok = tok[live[tok]]
+            if not len(tok):
+                continue
         xe = x2[tok]
-        if spec.dense:
+        if live is not None:
             st.observe_expert(e, xe, op_index=0)
         y = F.linear(xe, _expert_weight(p1, e, spec.transposed), None if b1 is None else b1[e])
         h = spec.activate(module, y)
         y = F.linear(h, _expert_weight(p2, e, spec.transposed), None if b2 is None else b2[e])
         st.observe_expert(e, h)
-        out.index_add_(0, tok, y.float() * row_w[lo:hi, None])
+        out.index_add_(0, tok, y.float() if live is not None else y.float() * row_w[lo:hi, None])  # dense: weight 1
     return out.to(x.dtype).reshape(x.shape)
 
 

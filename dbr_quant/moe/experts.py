@@ -370,7 +370,7 @@ def report_rows(st: MoeState) -> list[dict[str, Any]]:
                 groups = f"per token per {bk} channels" if op.qconfig.activation.granularity == "group" else \
                     f"per {op.qconfig.activation.granularity}"
                 note = f"dynamic activation scales ({groups}), {bn}×{bk} weight blocks"
-        elif op.quantize and op.index == 1 and st.converted:
+        elif op.quantize and (op.index == 1 or st.spec.dense) and st.converted:  # the per-expert input scales
             note = fallback_note(st.fallback, st.spec.num_experts)
         if op.quantize and op.index == 0 and st.spec.own_gate:
             note = "; ".join(filter(None, (note, OWN_GATE_NOTE)))
