@@ -282,9 +282,23 @@ def test_a_folder_saved_stacked_refuses_to_load_into_interleaved_experts(convert
 
 
 # ----------------------------------------------------------------------------------------- graphs
-def test_rewrite_refuses_naming_the_module_and_the_way_out(converted):
-    _, conv = converted
+@pytest.mark.parametrize("scheme", ["static", "dynamic"])
+def test_rewrite_and_export_run_the_gate_between_two_graph_ops_equal_to_eager(converted, scheme):
+    """fx_rewriter.rewrite: each experts call is two nodes (dbr_quant::fp8_moe_gate_up, fp8_moe_down) with the
+    module's gate traced between them; the graph and its torch.export give the eager converted logits, bit for
+    bit."""
+    model, conv = converted
+    if scheme == "dynamic":
+        conv = convert(model, dq.QConfig(dynamic=True, activation=dq.TensorQConfig(granularity="token")),
+                       calibrate=False)
     batch = batches(1, (2, 8), 3)[0]
-    with pytest.raises(NotImplementedError, match=r"experts.*GptOssExperts.*own gate function.*run the converted "
-                                                  r"model eagerly"):
-        fx_rewriter.rewrite(conv, example_kwargs=batch)
+    eager = logits(conv, batch)
+    gm = fx_rewriter.rewrite(conv, example_kwargs=batch)
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert sum("fp8_moe_gate_up" in t for t in targets) == LAYERS
+    assert sum("fp8_moe_down" in t for t in targets) == LAYERS
+    assert not any("fp8_moe_experts" in t for t in targets)
+    exported = torch.export.export(gm, (), batch).module()
+    for graph in (gm, exported):
+        with torch.no_grad():
+            assert torch.equal(graph(**batch)["logits"], eager)

@@ -160,26 +160,21 @@ def _fp8_experts(module: nn.Module, st: MoeState, x: torch.Tensor, ids: torch.Te
     # experts_spec gives every spec it does not reject an epilogue, or the module's own gate function
     assert spec.activation is not None or spec.own_gate
     cfg = gate_up.qconfig.activation
-    compute: Callable[..., torch.Tensor] | None = fp8_experts_compute
-    extra: dict[str, Any] = {}
+    gate = None
+    if spec.own_gate:  # the module's own function: its alpha / limit, a subclass's gate, stay the model's
+        gate = lambda y: spec.activate(module, y)  # noqa: E731
+    # a graph: one node, or with the module's own gate two nodes and the gate traced between them (moe_ops.py)
+    graph_op = "fp8_moe_experts" if gate is None else "fp8_moe_gated"
     ops = kernels.graph_ops()
-    if ops is not None and spec.own_gate:
-        raise NotImplementedError(f"dbr_quant: the MoE experts module '{st.fqn}' ({type(module).__name__}) runs its "
-                                  "own gate function (_apply_gate) between its FP8 GEMMs, which the graph op "
-                                  "dbr_quant::fp8_moe_experts cannot hold; run the converted model eagerly, or keep "
-                                  "these experts high precision with QConfig(overrides=(Override(pattern="
-                                  "r'\\.experts\\.', skip=True),)) before fx_rewriter.rewrite")
-    if ops is not None:
-        compute = getattr(ops, "fp8_moe_experts", None)
-    elif spec.own_gate:
-        extra["gate"] = lambda y: spec.activate(module, y)
+    compute: Callable[..., torch.Tensor] | None = fp8_experts_compute if ops is None else getattr(ops, graph_op, None)
     if compute is None:
-        raise NotImplementedError(f"dbr_quant: the graph op table {type(ops).__name__} has no fp8_moe_experts "
+        raise NotImplementedError(f"dbr_quant: the graph op table {type(ops).__name__} has no {graph_op} "
                                   f"op for the MoE experts module '{st.fqn}'; run the converted model eagerly")
+    how: dict[str, Any] = {"activation": spec.activation} if gate is None else {"gate": gate}
     # p1.block: block-scaled weights, both (checked when the state was made); MX: E8M0 codes, run by their own path
     mx = cfg.granularity == "mx"
-    return compute(x2, ids2, w2, p1.qdata, p1.scale, p2.qdata, p2.scale, xs, hs, b1, b2, activation=spec.activation,
+    return compute(x2, ids2, w2, p1.qdata, p1.scale, p2.qdata, p2.scale, xs, hs, b1, b2, **how,
                    fmt=cfg.format, per_token=cfg.granularity == "token", out_dtype=x.dtype,
                    block=None if mx else p1.block, group=p1.block is not None and cfg.granularity == "group",
                    weight_only=gate_up.qconfig.weight_only, mx=mx,
-                   mx_round_up=mx and cfg.mx_scale_rounding == "ceil", **extra).reshape(x.shape)
+                   mx_round_up=mx and cfg.mx_scale_rounding == "ceil").reshape(x.shape)
