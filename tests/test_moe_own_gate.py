@@ -19,9 +19,10 @@ from torch import nn
 from transformers.utils import logging as hf_logging
 
 import dbr_quant as dq
-from dbr_quant import fx_rewriter
+from dbr_quant import fx_rewriter, kernels
 from dbr_quant.formats import FP8Format
 from dbr_quant.kernels.cpu import backend as cpu_backend
+from dbr_quant.moe.compute import fp8_experts_compute
 from dbr_quant.moe.experts import EXPERTS, OWN_GATE_NOTE, MoeState
 from dbr_quant.quantize.weights import FP8Weight
 
@@ -302,3 +303,27 @@ def test_rewrite_and_export_run_the_gate_between_two_graph_ops_equal_to_eager(co
     for graph in (gm, exported):
         with torch.no_grad():
             assert torch.equal(graph(**batch)["logits"], eager)
+
+
+# ----------------------------------------------------------------------------------------- backends
+@pytest.mark.parametrize("static", [True, False], ids=["static", "dynamic"])
+def test_the_triton_backend_runs_the_gated_experts_as_the_reference_does(converted, static):
+    """No kernel of its own: the Triton grouped GEMM's no-epilogue variant (act=None, bias, high-precision
+    rows; in its AOT table), the quantize kernel with one scale per row, the grouped down GEMM with per-expert
+    input scales and the scatter-add — here through the experts computation, against the reference backend."""
+    _, conv = converted
+    mod = _experts_modules(conv)[0]
+    st = mod._auto_quant_state
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, HIDDEN, generator=gen)
+    ids = torch.stack([torch.randperm(NUM_EXPERTS, generator=gen)[:TOP_K] for _ in range(5)])
+    weights = torch.rand(5, TOP_K, generator=gen)
+    xs, hs = (st.frozen_scale(op, "input") for op in st.seen_ops) if static else (None, None)
+    outs = {}
+    for backend in ("triton-interpret", "reference"):
+        with kernels.use_backend(backend):
+            outs[backend] = fp8_experts_compute(
+                x, ids, weights, mod.gate_up_proj.qdata, mod.gate_up_proj.scale, mod.down_proj.qdata,
+                mod.down_proj.scale, xs, hs, mod.gate_up_proj_bias, mod.down_proj_bias, fmt=FP8Format.E4M3,
+                per_token=not static, out_dtype=torch.float32, gate=mod._apply_gate)
+    torch.testing.assert_close(outs["triton-interpret"], outs["reference"], rtol=1e-5, atol=1e-5)
