@@ -327,3 +327,16 @@ def test_the_triton_backend_runs_the_gated_experts_as_the_reference_does(convert
                 mod.down_proj.scale, xs, hs, mod.gate_up_proj_bias, mod.down_proj_bias, fmt=FP8Format.E4M3,
                 per_token=not static, out_dtype=torch.float32, gate=mod._apply_gate)
     torch.testing.assert_close(outs["triton-interpret"], outs["reference"], rtol=1e-5, atol=1e-5)
+
+
+def test_inspect_session_runs_the_modules_gate_and_equals_the_converted_model(converted):
+    import dbr_quant.inspect as dqi
+
+    _, conv = converted
+    b = batches(1, (3, 9), 7)[0]
+    cfg = "experts:\n  layers: {kind: experts}\n  features:\n    LogFP8Stats: {tensors: [input], stats: [sqnr_db]}\n"
+    with torch.no_grad():
+        want = logits(conv, b)
+        with dqi.session(conv, cfg):
+            got = logits(conv, b)
+    assert torch.equal(got, want)
