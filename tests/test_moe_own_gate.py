@@ -244,7 +244,8 @@ def test_save_and_load_round_trip_bit_for_bit_with_gate_and_up_de_interleaved(co
     (the even rows of the stored gate_up weight, with their scales and bias), up_proj the up (odd rows);
     ``dbr_quant.json`` records the interleaving, loading interleaves them back: the same logits, bit for bit."""
     model, conv = converted
-    with pytest.warns(UserWarning, match="vLLM's FP8 MoE takes per-channel weights only with dynamic"):
+    with pytest.warns(UserWarning, match="GptOssExperts experts .gate / up interleaved. are saved per expert with "
+                                         "gate_proj / up_proj de-interleaved, which transformers' from_pretrained"):
         dq.save_pretrained(conv, tmp_path)
     mod = _experts_modules(conv)[0]
     fqn = next(n for n, m in conv.named_modules() if m is mod)

@@ -147,6 +147,7 @@ def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, Scheme]
         info["block"] = list(block)
     if spec.interleaved:
         info["interleaved"] = True
+        info["class"] = type(module).__name__  # what vllm_notes names
     return entries, info
 
 
@@ -177,6 +178,14 @@ def vllm_notes(infos: dict[str, dict[str, Any]]) -> list[str]:
                      "dbr_quant.load_pretrained does")
     if any(not i["dynamic"] for i in infos.values()):
         notes.append("vLLM uses one input scale per MoE layer for all experts (the max of the per-expert scales)")
+    # transformers 5.x does not map per-expert gate_proj / up_proj back onto interleaved experts: a GPT-OSS folder
+    # loads with logits cosine 0.62 to the saved model (Llama 4's, stacked [gate; up]: 1 − 3e-15). llm-compressor
+    # writes GPT-OSS's FP8 experts per expert too, gate_proj / up_proj de-interleaved, as here
+    odd = sorted({i["class"] for i in infos.values() if "class" in i})
+    if odd:
+        notes.append(f"{', '.join(odd)} experts (gate / up interleaved) are saved per expert with gate_proj / "
+                     "up_proj de-interleaved, which transformers' from_pretrained does not map back onto these "
+                     "modules (its logits are wrong); load the folder with dbr_quant.load_pretrained")
     return notes
 
 
