@@ -27,6 +27,12 @@ epilogue, its own ``_apply_gate`` in high precision, then the quantized down GEM
 path cannot run (the default gate on interleaved rows, an activation without an FP8 epilogue) runs as
 written in high precision, and the report says why.
 
+Dense experts (Llama 4's ``Llama4TextExperts``: every expert runs on every token by ``torch.bmm``, its block
+of the rows pre-scaled by the router's score) are recognised by their forward and run the same FP8 block:
+:func:`bind_call` gives them the routing row r → expert r // T, weight 1, and each expert its own gate_up
+input scale (the router scales each expert's rows differently); its router is found from the rows through
+the top-k (trace.py).
+
 Files: this one recognises the module (:class:`ExpertsSpec`), keeps its record (:class:`MoeState`: the
 per-expert scales and their fallback rule) and reports it; trace.py makes the record, call.py runs a call in
 each later phase, compute.py is the FP8 computation, weights.py the FP8 weights, siblings.py experts kept as
