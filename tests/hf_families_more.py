@@ -191,7 +191,6 @@ class Family:
     marks: tuple = ()
 
 
-GPT_OSS_EXPERTS = ("GptOssExperts has its own gate function (_apply_gate), which has no FP8 epilogue")
 MAMBA_DT = "not called as a module: its weight is read by"
 
 # Thresholds: min_cos = 1 − 2·(1 − measured), max_rel ≈ 1.5 × measured, rounded outward; measured with
@@ -200,8 +199,8 @@ MAMBA_DT = "not called as a module: its weight is read by"
 #   qwen3_moe    cos 0.99585 rel 0.0916   fake-quant cos 0.99584 rel 0.0914
 #   olmoe        cos 0.99593 rel 0.0906   fake-quant cos 0.99600 rel 0.0897
 #   deepseek_v3  cos 0.99154 rel 0.1300   fake-quant cos 0.99114 rel 0.1330
-#   gpt_oss      cos 0.98669 rel 0.1631   fake-quant cos 0.97722 rel 0.2135
-#   llama4       cos 0.99447 rel 0.1051   fake-quant cos 0.99558 rel 0.0940
+#   gpt_oss      cos 0.98197 rel 0.1898   fake-quant cos 0.97722 rel 0.2135
+#   llama4       cos 0.99417 rel 0.1080   fake-quant cos 0.99558 rel 0.0940
 #   granitemoe   cos 0.99316 rel 0.1171   fake-quant cos 0.99327 rel 0.1164
 #   gemma2       cos 0.99488 rel 0.1015   fake-quant cos 0.99352 rel 0.1140
 #   gemma3       cos 0.99460 rel 0.1039   fake-quant cos 0.99373 rel 0.1120
@@ -222,16 +221,16 @@ MAMBA_DT = "not called as a module: its weight is read by"
 #   mamba        cos 0.99933 rel 0.0367   fake-quant cos 0.99918 rel 0.0406
 #   jamba        cos 0.99633 rel 0.0857   fake-quant cos 0.99628 rel 0.0863
 #   qwen3_next   cos 0.98998 rel 0.1413   fake-quant cos 0.99134 rel 0.1314
-# (GPT-OSS, Llama 4: the fake quantization also quantizes their experts, which dbr_quant keeps high precision —
-# GPT-OSS's clamped gate has no FP8 epilogue; Llama 4's experts are 3-D parameters multiplied by torch.bmm on
-# every token, not an experts module the FP8 MoE block recognises: both reported, both warned about.)
+# (GPT-OSS, Llama 4: measured with their experts FP8 — GPT-OSS's own clamped gate between the FP8 GEMMs, Llama 4's
+# torch.bmm experts one FP8 MoE block with per-expert input scales — and their routers high precision, which the
+# fake quantization quantizes. Their bounds stay those measured when the experts were high precision: tighter
+# than the rule gives now, and the new measurements are inside them.)
 FAMILIES = {f.name: f for f in [
     Family("qwen3_moe", _qwen3_moe, "causal", 0.991, 0.14, high=(ROUTER,), generates=True),
     Family("olmoe", _olmoe, "causal", 0.991, 0.14, high=(ROUTER,), generates=True, marks=(pytest.mark.slow,)),
     Family("deepseek_v3", _deepseek_v3, "causal", 0.983, 0.2, high=(ROUTER,), generates=True),
-    Family("gpt_oss", _gpt_oss, "causal", 0.973, 0.25, high=(ROUTER, (r"\.experts\.", GPT_OSS_EXPERTS)), warns=True,
-           generates=True),
-    Family("llama4", _llama4, "causal", 0.988, 0.16, warns=True, generates=True, marks=(pytest.mark.slow,)),
+    Family("gpt_oss", _gpt_oss, "causal", 0.973, 0.25, high=(ROUTER,), generates=True),
+    Family("llama4", _llama4, "causal", 0.988, 0.16, high=(ROUTER,), generates=True, marks=(pytest.mark.slow,)),
     Family("granitemoe", _granitemoe, "causal", 0.986, 0.18, high=(ROUTER,), generates=True),
     Family("gemma2", _gemma2, "causal", 0.989, 0.16, generates=True),
     Family("gemma3", _gemma3, "causal", 0.989, 0.16, generates=True),

@@ -152,7 +152,8 @@ def test_every_linear_and_expert_fp8_or_reported(pipelines, name):
 
 
 def test_matmul_with_a_parameter_operand_reports_its_reason():
-    """Llama 4's experts (``torch.bmm(x, self.gate_up_proj)``, a 3-D parameter) and Mamba's ``dt_proj.weight @ x``:
+    """Experts like Llama 4's (``torch.bmm(x, self.w)``, a 3-D parameter; Llama4TextExperts itself runs as FP8
+    experts, dbr_quant/moe/experts.py) and Mamba's ``dt_proj.weight @ x``:
     the matmul row says why it stays high precision — an operand is not an activation — not "attention stays in
     high precision", which is what QConfig(quantize_attention=True) would not change."""
 
@@ -286,10 +287,10 @@ def test_falcon_linear_saved_as_a_linear(dynamic, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------- rewrite / export
-@pytest.mark.parametrize("name", ["qwen3_moe", "falcon", "bloom"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "falcon", "bloom", pytest.param("llama4", marks=pytest.mark.slow)])
 def test_rewrite_and_export(pipelines, name):
-    """MoE experts, FalconLinear's ``x @ W.T`` and ALiBi through rewrite and torch.export: the same logits as
-    the eager converted model, bit for bit."""
+    """MoE experts (Llama 4's dense ones too), FalconLinear's ``x @ W.T`` and ALiBi through rewrite and
+    torch.export: the same logits as the eager converted model, bit for bit."""
     p = pipelines(name)
     eager = forward(p.converted, p.eval_batch).logits
     gm = fx_rewriter.rewrite(p.converted, example_kwargs=p.eval_batch)

@@ -108,8 +108,11 @@ def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, Scheme]
     inputs = [] if dynamic else [st.scale(op, "input").detach().float() for op in st.seen_ops]  # gate_up, down
     biases = [module._parameters.get(f"{n}_bias") if spec.has_bias else None for n in spec.names]
     inter = w1.qdata.shape[1] // 2 if spec.gated else w1.qdata.shape[1]
-    # (projection name, which 3-D weight, its rows, its bias, which input scale)
-    parts = ([(names[0], 0, slice(0, inter)), (names[1], 0, slice(inter, 2 * inter)), (names[2], 1, None)]
+    # gate / up rows: the two halves of [gate; up], or the even / odd rows when the module interleaves them
+    # (GptOssExperts: ``gate_up[..., ::2]`` / ``[..., 1::2]``): each expert's gate_proj is its gate either way
+    halves = (slice(0, None, 2), slice(1, None, 2)) if spec.interleaved else (slice(0, inter), slice(inter, 2 * inter))
+    # (projection name, which 3-D weight, its rows)
+    parts = ([(names[0], 0, halves[0]), (names[1], 0, halves[1]), (names[2], 1, None)]
              if spec.gated else [(names[0], 0, None), (names[1], 1, None)])
     entries: list[Entry] = []
     for e in range(spec.num_experts):
@@ -119,7 +122,7 @@ def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, Scheme]
             q = w.qdata[e] if rows is None else w.qdata[e, rows]
             if granularity == "mx":  # E8M0 codes [rows, ⌈K/32⌉] as they are (compressed-tensors' MXFP8 weight_scale)
                 s = w.scale[e] if rows is None else w.scale[e, rows]
-            elif block is not None:  # gate / up: their own row blocks (moe/ takes I a multiple of bn)
+            elif block is not None:  # gate / up: their own row blocks (moe/ takes I a multiple of bn, not interleaved)
                 s = (w.scale[e] if rows is None else
                      w.scale[e, rows.start // block[0]:-(-rows.stop // block[0])]).float()
             else:
@@ -132,7 +135,8 @@ def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, Scheme]
                 bb = b[e] if rows is None else b[e, rows]
                 entries.append(tensor_entry(f"{prefix}.bias", bb, bb.dtype))
             if not dynamic:
-                a = (inputs[0] if which == 0 else inputs[1][e] if inputs[1].numel() > 1 else inputs[1]).reshape(1)
+                a = inputs[which]  # one value, or one per expert (down; dense experts' gate_up too)
+                a = (a[e] if a.numel() > 1 else a).reshape(1)
                 entries.append(tensor_entry(f"{prefix}.input_scale", a, scale_dtype(a, w.dtype)))
             schemes[prefix] = proj_schemes[which] if granularity in ("block", "mx") else (granularity, act, dynamic,
                                                                                            None, None)
@@ -141,6 +145,9 @@ def plan_experts(model: nn.Module, st: MoeState, schemes: dict[str, Scheme]
             "dtype": str(w1.dtype).removeprefix("torch.")}
     if block is not None:
         info["block"] = list(block)
+    if spec.interleaved:
+        info["interleaved"] = True
+        info["class"] = type(module).__name__  # what vllm_notes names
     return entries, info
 
 
@@ -171,6 +178,14 @@ def vllm_notes(infos: dict[str, dict[str, Any]]) -> list[str]:
                      "dbr_quant.load_pretrained does")
     if any(not i["dynamic"] for i in infos.values()):
         notes.append("vLLM uses one input scale per MoE layer for all experts (the max of the per-expert scales)")
+    # transformers 5.x does not map per-expert gate_proj / up_proj back onto interleaved experts: a GPT-OSS folder
+    # loads with logits cosine 0.62 to the saved model (Llama 4's, stacked [gate; up]: 1 − 3e-15). llm-compressor
+    # writes GPT-OSS's FP8 experts per expert too, gate_proj / up_proj de-interleaved, as here
+    odd = sorted({i["class"] for i in infos.values() if "class" in i})
+    if odd:
+        notes.append(f"{', '.join(odd)} experts (gate / up interleaved) are saved per expert with gate_proj / "
+                     "up_proj de-interleaved, which transformers' from_pretrained does not map back onto these "
+                     "modules (its logits are wrong); load the folder with dbr_quant.load_pretrained")
     return notes
 
 
@@ -230,8 +245,16 @@ def _layouts(info: dict[str, Any]) -> list[list[tuple[str, int | None]]]:
 
 def _stacked(fqn: str, info: dict[str, Any], layout: list, values: dict[str, torch.Tensor], key: str,
              ) -> torch.Tensor:
-    return torch.stack([torch.cat([values[f"{fqn}.{e}.{name}.{key}"] for name, _ in layout], 0)
+    """One 3-D parameter's ``key`` tensors stacked over the experts: [gate; up] (or gate / up rows interleaved
+    back, as the module keeps them: ``info["interleaved"]``)."""
+    join = _interleave if info.get("interleaved", False) and len(layout) == 2 else lambda ts: torch.cat(ts, 0)
+    return torch.stack([join([values[f"{fqn}.{e}.{name}.{key}"] for name, _ in layout])
                         for e in range(info["num_experts"])])
+
+
+def _interleave(halves: list[torch.Tensor]) -> torch.Tensor:
+    """gate [I, …] and up [I, …] → [2I, …] with gate on the even rows, up on the odd ones."""
+    return torch.stack(halves, 1).flatten(0, 1)
 
 
 def _fp8(fqn: str, info: dict[str, Any], layout: list, values: dict[str, torch.Tensor]
@@ -280,11 +303,19 @@ def check_experts_as_saved(meta: dict[str, Any], states: Sequence[AutoQuantizati
         if (info["granularity"] == "mx") != (cfg.granularity == "mx"):
             raise CheckpointError(f"'{fqn}': saved with {info['granularity']} weight scales, traced with "
                                   f"{cfg.granularity}; load with the QConfig the folder was saved with")
+        if info.get("interleaved", False) != st.spec.interleaved:
+            raise CheckpointError(f"'{fqn}': saved with gate / up rows {_row_layout(info.get('interleaved', False))}, "
+                                  "this model's experts module keeps them "
+                                  f"{_row_layout(st.spec.interleaved)}; load into the architecture it was saved from")
         if (block, info["transposed"]) != (tuple(cfg.block) if cfg.granularity == "block" else None,
                                            st.spec.transposed):
             raise CheckpointError(f"'{fqn}': saved with weight blocks {block} (transposed {info['transposed']}), "
                                   f"traced with {cfg.block if cfg.granularity == 'block' else None} (transposed "
                                   f"{st.spec.transposed})")
+
+
+def _row_layout(interleaved: bool) -> str:
+    return "interleaved (gate even, up odd)" if interleaved else "stacked [gate; up]"
 
 
 def file_to_model_names(stored: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:

@@ -17,10 +17,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dbr_quant import kernels
 from dbr_quant.formats import FP8Format
 from dbr_quant.fx_rewriter.lowering import ensure_lowerings
 from dbr_quant.fx_rewriter.oplib import define
-from dbr_quant.moe.compute import fp8_experts_compute
+from dbr_quant.moe.compute import ExpertsScheme, down_combine, fp8_experts_compute, gate_up_rows
 
 
 @define("fp8_moe_experts")
@@ -56,3 +57,68 @@ def graph_fp8_moe_experts(x, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_
                                                x_scale, h_scale, bias13, bias2, activation or "", fmt.value,
                                                per_token, out_dtype, None if block is None else list(block), group,
                                                weight_only, mx, mx_round_up)
+
+
+# ------------------------------------------------------------------ an experts module with its own gate function
+# (GPT-OSS's clamped SwiGLU, moe/experts.py): two nodes, the gate traced between them. The rows in between are
+# in the routing plan's sorted order, T·top_k of them whatever the routing (a static shape); each op builds the
+# plan from the ids (the same plan: moe_route is deterministic), so the graph computes what eager does, bit
+# for bit.
+
+
+def _scheme(fmt: str, per_token: bool, out_dtype: torch.dtype, block: list[int] | None, group: bool,
+            weight_only: bool, mx: bool, mx_round_up: bool) -> ExpertsScheme:
+    return ExpertsScheme(FP8Format.parse(fmt), per_token, out_dtype, None if block is None else (block[0], block[1]),
+                         group, weight_only, mx, mx_round_up)
+
+
+@define("fp8_moe_gate_up")
+def fp8_moe_gate_up(x: Tensor, topk_ids: Tensor, w13_q: Tensor, w13_scale: Tensor, x_scale: Tensor | None,
+                    bias13: Tensor | None, static: bool, fmt: str, per_token: bool, out_dtype: torch.dtype,
+                    block: list[int] | None = None, group: bool = False, weight_only: bool = False, mx: bool = False,
+                    mx_round_up: bool = False) -> Tensor:
+    """x [T, H], topk_ids [T, k] → the gate_up rows [T·k, N1] in sorted order, no epilogue
+    (moe.compute.gate_up_rows)."""
+    routing = kernels.moe_route(topk_ids, w13_q.shape[0])
+    return gate_up_rows(x, routing, w13_q, w13_scale, x_scale, bias13,
+                        _scheme(fmt, per_token, out_dtype, block, group, weight_only, mx, mx_round_up),
+                        activation=None, static=static)
+
+
+@fp8_moe_gate_up.register_fake
+def _(x, topk_ids, w13_q, w13_scale, x_scale, bias13, static, fmt, per_token, out_dtype, block=None, group=False,
+      weight_only=False, mx=False, mx_round_up=False):
+    ensure_lowerings()
+    fp32_rows = static and block is None and not weight_only and not mx  # what gate_up_rows returns
+    return x.new_empty((topk_ids.shape[0] * topk_ids.shape[1], w13_q.shape[1]),
+                       dtype=torch.float32 if fp32_rows else out_dtype)
+
+
+@define("fp8_moe_down")
+def fp8_moe_down(h: Tensor, topk_ids: Tensor, topk_weights: Tensor, w2_q: Tensor, w2_scale: Tensor,
+                 h_scale: Tensor | None, bias2: Tensor | None, fmt: str, per_token: bool, out_dtype: torch.dtype,
+                 block: list[int] | None = None, group: bool = False, weight_only: bool = False, mx: bool = False,
+                 mx_round_up: bool = False) -> Tensor:
+    """The gated rows h [T·k, I] in sorted order → [T, H_out] (moe.compute.down_combine)."""
+    routing = kernels.moe_route(topk_ids, w2_q.shape[0])
+    return down_combine(h, routing, topk_weights, w2_q, w2_scale, h_scale, bias2,
+                        _scheme(fmt, per_token, out_dtype, block, group, weight_only, mx, mx_round_up))
+
+
+@fp8_moe_down.register_fake
+def _(h, topk_ids, topk_weights, w2_q, w2_scale, h_scale, bias2, fmt, per_token, out_dtype, block=None, group=False,
+      weight_only=False, mx=False, mx_round_up=False):
+    ensure_lowerings()
+    return h.new_empty((topk_ids.shape[0], w2_q.shape[1]), dtype=out_dtype)
+
+
+def graph_fp8_moe_gated(x, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale, x_scale, h_scale, bias13,
+                        bias2, gate, *, fmt, per_token, out_dtype, block=None, group=False, weight_only=False,
+                        mx=False, mx_round_up=False):
+    """The ``GraphOps`` entry for experts with their own ``gate`` function: two nodes, ``gate`` between them."""
+    flags = (fmt.value, per_token, out_dtype, None if block is None else list(block), group, weight_only, mx,
+             mx_round_up)
+    rows = torch.ops.dbr_quant.fp8_moe_gate_up(x, topk_ids, w13_q, w13_scale, x_scale, bias13, h_scale is not None,
+                                               *flags)
+    return torch.ops.dbr_quant.fp8_moe_down(gate(rows), topk_ids, topk_weights, w2_q, w2_scale, h_scale, bias2,
+                                            *flags)

@@ -26,7 +26,7 @@ from torch import Tensor
 from dbr_quant import kernels  # noqa: F401  (the generated op bodies call kernels.<name>)
 from dbr_quant.formats import FP8Format
 from dbr_quant.fx_rewriter.lowering import ensure_lowerings
-from dbr_quant.fx_rewriter.moe_ops import graph_fp8_moe_experts
+from dbr_quant.fx_rewriter.moe_ops import graph_fp8_moe_experts, graph_fp8_moe_gated
 from dbr_quant.fx_rewriter.oplib import define
 from dbr_quant.kernels.cpu import upcast
 from dbr_quant.kernels.op_table import KernelOp, build_function, call_arguments, positional
@@ -104,9 +104,11 @@ def _define(op: KernelOp[Any]) -> None:
 
 class GraphOps:
     """Kernel entry points → custom ops (what ``kernels.*`` call while a graph is captured): one entry per
-    kernel with a graph op (added below, from the table), and the whole MoE experts call (moe_ops.py)."""
+    kernel with a graph op (added below, from the table), and the whole MoE experts call (moe_ops.py; with the
+    module's own gate function: two ops, the gate between them)."""
 
     fp8_moe_experts = staticmethod(graph_fp8_moe_experts)
+    fp8_moe_gated = staticmethod(graph_fp8_moe_gated)
 
 
 for _op in TABLE:

@@ -167,9 +167,9 @@ def _quantize_rows(st: MoeState, op: SeenOp, index: int, rows: torch.Tensor | No
 def _static_scale(st: MoeState, op: SeenOp, index: int) -> torch.Tensor:
     if st.converted:
         return st.frozen_scale(op, "input")
-    if index == 0:
+    if index == 0 and not st.spec.dense:
         return observer_of(st, observer_key(0, "input")).scale().detach()
-    return st.down_scales()[0]  # what freeze_scales will store
+    return st.expert_input_scales(index)[0]  # what freeze_scales will store: one per expert
 
 
 def _quantize_weight(st: MoeState, op: SeenOp, param: torch.Tensor, w: torch.Tensor | None) -> Quantized:

@@ -39,12 +39,12 @@ def experts_forward(module: nn.Module, args: tuple, kwargs: dict, phase: str,
     or "hp" (a prepared model inside an inspect session) — or None: the module runs as written (not
     quantized, called with other arguments, nothing to do in this phase)."""
     st = module._modules.get("_auto_quant_state")
-    if not isinstance(st, MoeState) or bind_call(args, kwargs) is None or not st.quantized:
+    if not isinstance(st, MoeState) or bind_call(args, kwargs, st.spec) is None or not st.quantized:
         return None
     if inspector is not None and (st.converted or phase == "hp"):  # expert tensors are layers
-        return lambda a, k: inspector.experts(module, st, *_rebind(a, k))
+        return lambda a, k: inspector.experts(module, st, *_rebind(st, a, k))
     if phase == "calibrate" and st.static:
-        return lambda a, k: _calibrate_experts(module, st, *_rebind(a, k))
+        return lambda a, k: _calibrate_experts(module, st, *_rebind(st, a, k))
     if phase == "convert" and st.converted:
         return lambda a, k: _converted_experts(module, st, a, k)
     return None
@@ -70,19 +70,20 @@ def call_with_hooks(module: nn.Module, body: Body, args: tuple, kwargs: dict) ->
     return out
 
 
-def _rebind(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _rebind(st: MoeState, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The call's (hidden_states, top_k_index, top_k_weights), after its pre-hooks."""
-    bound = bind_call(args, kwargs)
+    bound = bind_call(args, kwargs, st.spec)
     if bound is None:
-        raise TypeError("dbr_quant: a forward pre-hook of an MoE experts module changed its arguments away from "
-                        "(hidden_states, top_k_index, top_k_weights); return those from the hook")
+        expected = "(hidden_states,)" if st.spec.dense else "(hidden_states, top_k_index, top_k_weights)"
+        raise TypeError(f"dbr_quant: a forward pre-hook of the MoE experts module '{st.fqn}' changed its arguments "
+                        f"away from {expected}; return those from the hook")
     return bound
 
 
 def _converted_experts(module: nn.Module, st: MoeState, args: tuple, kwargs: dict) -> Any:
     """The FP8 experts; with straight-through gradients (straight_through.py: the module as written, its FP8
     weights dequantized, is the reference) when grad mode is on and an input or bias requires grad."""
-    fp8 = lambda: _fp8_experts(module, st, *_rebind(args, kwargs))  # noqa: E731
+    fp8 = lambda: _fp8_experts(module, st, *_rebind(st, args, kwargs))  # noqa: E731
     tensors = wants_gradient((), (*args, *kwargs.values(), *(p for p in module._parameters.values()
                                                               if p is not None and p.requires_grad)))
     if tensors is None:
@@ -111,19 +112,31 @@ def _calibrate_experts(module: nn.Module, st: MoeState, x: torch.Tensor, ids: to
     row_w = routing.row_weights(w2)
     out = torch.zeros(x2.shape[0], p2.shape[1] if not spec.transposed else p2.shape[2], dtype=torch.float32,
                       device=x.device)
-    st.rows += routing.counts.to(st.rows.device)
-    st.observe_tokens(x2)
+    # dense: a row the router gave this expert no weight is all zeros, its output too (no bias): not a
+    # calibration row, not observed (an expert given none takes the fallback scale, as one not routed to)
+    live = (x2 != 0).any(-1) if spec.dense else None
+    if live is not None:
+        st.rows += live.reshape(spec.num_experts, -1).sum(1).to(st.rows.device)
+    else:
+        st.rows += routing.counts.to(st.rows.device)
+        st.observe_tokens(x2)
     for e in range(spec.num_experts):
         lo, hi = offsets[e], offsets[e + 1]
         if lo == hi:
             continue
         tok = tokens[lo:hi]
+        if live is not None:
+            tok = tok[live[tok]]
+            if not len(tok):
+                continue
         xe = x2[tok]
+        if live is not None:
+            st.observe_expert(e, xe, op_index=0)
         y = F.linear(xe, _expert_weight(p1, e, spec.transposed), None if b1 is None else b1[e])
         h = spec.activate(module, y)
         y = F.linear(h, _expert_weight(p2, e, spec.transposed), None if b2 is None else b2[e])
         st.observe_expert(e, h)
-        out.index_add_(0, tok, y.float() * row_w[lo:hi, None])
+        out.index_add_(0, tok, y.float() if live is not None else y.float() * row_w[lo:hi, None])  # dense: weight 1
     return out.to(x.dtype).reshape(x.shape)
 
 
@@ -144,18 +157,23 @@ def _fp8_experts(module: nn.Module, st: MoeState, x: torch.Tensor, ids: torch.Te
         xs, hs = (st.frozen_scale(op, "input") for op in st.seen_ops)
         if xs.device != x.device:
             xs, hs = xs.to(x.device), hs.to(x.device)
-    assert spec.activation is not None  # experts_spec gives every spec it does not reject an epilogue
+    # experts_spec gives every spec it does not reject an epilogue, or the module's own gate function
+    assert spec.activation is not None or spec.own_gate
     cfg = gate_up.qconfig.activation
-    compute: Callable[..., torch.Tensor] | None = fp8_experts_compute
+    gate = None
+    if spec.own_gate:  # the module's own function: its alpha / limit, a subclass's gate, stay the model's
+        gate = lambda y: spec.activate(module, y)  # noqa: E731
+    # a graph: one node, or with the module's own gate two nodes and the gate traced between them (moe_ops.py)
+    graph_op = "fp8_moe_experts" if gate is None else "fp8_moe_gated"
     ops = kernels.graph_ops()
-    if ops is not None:
-        compute = getattr(ops, "fp8_moe_experts", None)
+    compute: Callable[..., torch.Tensor] | None = fp8_experts_compute if ops is None else getattr(ops, graph_op, None)
     if compute is None:
-        raise NotImplementedError(f"dbr_quant: the graph op table {type(ops).__name__} has no fp8_moe_experts "
+        raise NotImplementedError(f"dbr_quant: the graph op table {type(ops).__name__} has no {graph_op} "
                                   f"op for the MoE experts module '{st.fqn}'; run the converted model eagerly")
+    how: dict[str, Any] = {"activation": spec.activation} if gate is None else {"gate": gate}
     # p1.block: block-scaled weights, both (checked when the state was made); MX: E8M0 codes, run by their own path
     mx = cfg.granularity == "mx"
-    return compute(x2, ids2, w2, p1.qdata, p1.scale, p2.qdata, p2.scale, xs, hs, b1, b2, activation=spec.activation,
+    return compute(x2, ids2, w2, p1.qdata, p1.scale, p2.qdata, p2.scale, xs, hs, b1, b2, **how,
                    fmt=cfg.format, per_token=cfg.granularity == "token", out_dtype=x.dtype,
                    block=None if mx else p1.block, group=p1.block is not None and cfg.granularity == "group",
                    weight_only=gate_up.qconfig.weight_only, mx=mx,

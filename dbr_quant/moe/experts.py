@@ -21,9 +21,17 @@ Activation scales: one for the gate_up input (the same hidden states go to every
 per token), one per expert for the down input (produced by each expert's own weights). An expert that
 received no calibration rows takes the largest down-input scale of the experts that did (reported) —
 never an uncalibrated scale (benchmarks/moe_calibration.py measures the choice). The router, the linear
-whose logits reach the top-k ids, stays high precision. An experts module this path cannot run (custom
-gating such as GPT-OSS's clamp, gate/up rows interleaved, an activation without an FP8 epilogue) runs as
+whose logits reach the top-k ids, stays high precision. A module with a gate function of its own (GPT-OSS:
+a clamped SwiGLU on interleaved gate/up columns, with biases) runs the gate_up grouped GEMM without an
+epilogue, its own ``_apply_gate`` in high precision, then the quantized down GEMM. An experts module this
+path cannot run (the default gate on interleaved rows, an activation without an FP8 epilogue) runs as
 written in high precision, and the report says why.
+
+Dense experts (Llama 4's ``Llama4TextExperts``: every expert runs on every token by ``torch.bmm``, its block
+of the rows pre-scaled by the router's score) are recognised by their forward and run the same FP8 block:
+:func:`bind_call` gives them the routing row r → expert r // T, weight 1, and each expert its own gate_up
+input scale (the router scales each expert's rows differently); its router is found from the rows through
+the top-k (trace.py).
 
 Files: this one recognises the module (:class:`ExpertsSpec`), keeps its record (:class:`MoeState`: the
 per-expert scales and their fallback rule) and reports it; trace.py makes the record, call.py runs a call in
@@ -65,8 +73,17 @@ class ExpertsSpec:
     gated: bool
     transposed: bool  # parameters stored [E, in, out]
     has_bias: bool
-    activation: str | None  # the kernels' epilogue name: "swiglu", "geglu", "relu", …
+    activation: str | None  # the kernels' epilogue name: "swiglu", "geglu", "relu", … (None: own_gate)
     reason: str = ""  # why it runs as written in high precision ("" when it runs in FP8)
+    # a gate function of its own (GptOssExperts._apply_gate: a clamped SwiGLU) runs in high precision between
+    # the two FP8 grouped GEMMs (no epilogue); interleaved: gate / up are the even / odd rows of gate_up
+    # (``is_concatenated=False``), not its two halves — the checkpoint's gate_proj / up_proj split follows it
+    own_gate: bool = False
+    interleaved: bool = False
+    # every expert takes its own block of the input rows, every token (Llama4TextExperts: hidden_states [E·T, H]
+    # viewed [E, T, H], each block pre-scaled by the router's scores, torch.bmm): no routing arguments, and one
+    # gate_up input scale per expert (bind_call makes the routing: row r to expert r // T, weight 1)
+    dense: bool = False
 
     @property
     def names(self) -> tuple[str, str]:
@@ -90,6 +107,9 @@ class ExpertsSpec:
     def activate(self, module: nn.Module, y: torch.Tensor) -> torch.Tensor:
         """The module's own ``act(gate)·up`` (gated) or ``act(y)`` on the first projection's output ``y``."""
         m = cast(ExpertsModule, module)
+        if self.dense:  # Llama4TextExperts.forward: gate, up = gate_up.chunk(2); up * act_fn(gate)
+            gate, up = y.chunk(2, dim=-1)
+            return up * m.act_fn(gate)
         return m._apply_gate(y) if self.gated else m.act_fn(y)
 
 
@@ -103,11 +123,13 @@ class ExpertsModule(Protocol):
 
 def experts_spec(module: nn.Module) -> ExpertsSpec | None:
     """An ``ExpertsSpec`` when ``module`` is a Hugging Face experts module with 3-D weights, else None."""
+    if _qualname(getattr(type(module), "forward", None)) == _LLAMA4_FORWARD:
+        return _dense_spec(module)
     if not all(hasattr(module, a) for a in ("has_gate", "is_transposed", "is_concatenated")):
         return None
     gated = bool(module.has_gate)
-    # a gate function of its own needs no act_fn (GptOssExperts: clamped SwiGLU on interleaved rows); it is
-    # recognised all the same, so it runs as written with its reason reported and its router kept high precision
+    # a gate function of its own needs no act_fn (GptOssExperts: clamped SwiGLU on interleaved rows): it runs in
+    # high precision between the FP8 GEMMs (compute.py), so alpha / limit / a subclass's gate stay the model's
     own_gate = gated and _qualname(getattr(type(module), "_apply_gate", None)) != _DEFAULT_GATE
     if not own_gate and not hasattr(module, "act_fn"):
         return None
@@ -118,21 +140,38 @@ def experts_spec(module: nn.Module) -> ExpertsSpec | None:
     transposed, has_bias = bool(module.is_transposed), bool(getattr(module, "has_bias", False))
     act = _activation_name(getattr(module, "act_fn", None))
     reason = ""
-    if own_gate:
-        reason = f"{type(module).__name__} has its own gate function (_apply_gate), which has no FP8 epilogue"
-    elif gated and not module.is_concatenated:
+    if gated and not own_gate and not module.is_concatenated:
         reason = "gate and up rows are interleaved (is_concatenated=False); the FP8 MoE kernel takes [gate; up]"
-    elif act is None or (gated and act not in _GATED_EPILOGUE):
+    elif not own_gate and (act is None or (gated and act not in _GATED_EPILOGUE)):
         reason = f"activation {type(module.act_fn).__name__} has no FP8 grouped-GEMM epilogue"
     elif getattr(module, "_is_expert_parallel", False):
         reason = "expert parallel (sentinel expert ids) is not supported"
     elif not all(w.dtype in (torch.float32, torch.bfloat16, torch.float16) for w in (w1, w2)):
         reason = f"expert weights have dtype {w1.dtype}"
-    epilogue = None if reason or act is None else _GATED_EPILOGUE[act] if gated else act
-    return ExpertsSpec(int(w1.shape[0]), first, gated, transposed, has_bias, epilogue, reason)
+    epilogue = None if reason or own_gate or act is None else _GATED_EPILOGUE[act] if gated else act
+    return ExpertsSpec(int(w1.shape[0]), first, gated, transposed, has_bias, epilogue, reason, own_gate=own_gate,
+                       interleaved=gated and not module.is_concatenated)
 
 
 _DEFAULT_GATE = "transformers.integrations.moe._default_apply_gate"
+# transformers/models/llama4/modeling_llama4.py: ``gate_up = bmm(x.view(E, -1, H), gate_up_proj)`` ([E, H, 2I]),
+# ``gate, up = gate_up.chunk(2)``, ``bmm(up * act_fn(gate), down_proj)`` ([E, I, H]); recognised by this forward
+# (a subclass that keeps it computes the same), whose layout is the transposed, [gate; up] one
+_LLAMA4_FORWARD = "transformers.models.llama4.modeling_llama4.Llama4TextExperts.forward"
+
+
+def _dense_spec(module: nn.Module) -> ExpertsSpec | None:
+    w1, w2 = module._parameters.get("gate_up_proj"), module._parameters.get("down_proj")
+    if w1 is None or w2 is None or w1.dim() != 3 or w2.dim() != 3 or w1.shape[0] != w2.shape[0]:
+        return None
+    act = _activation_name(getattr(module, "act_fn", None))
+    reason = ""
+    if act not in _GATED_EPILOGUE:
+        reason = f"activation {type(getattr(module, 'act_fn', None)).__name__} has no FP8 grouped-GEMM epilogue"
+    elif not all(w.dtype in (torch.float32, torch.bfloat16, torch.float16) for w in (w1, w2)):
+        reason = f"expert weights have dtype {w1.dtype}"
+    epilogue = None if reason or act is None else _GATED_EPILOGUE[act]
+    return ExpertsSpec(int(w1.shape[0]), "gate_up_proj", True, True, False, epilogue, reason, dense=True)
 
 
 def _qualname(fn: Any) -> str:
@@ -161,8 +200,13 @@ def mark_experts(model: nn.Module) -> None:
             mod.__dict__[TAG].experts = spec
 
 
-def bind_call(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(hidden_states, top_k_index, top_k_weights) of an experts call, or None for another signature."""
+def bind_call(args: tuple, kwargs: dict, spec: ExpertsSpec | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(hidden_states, top_k_index, top_k_weights) of an experts call, or None for another signature. Dense
+    experts (``spec.dense``: one argument, the rows of every expert in turn) get the routing that says so: row
+    ``r`` of ``E·T`` to expert ``r // T`` with weight 1."""
+    if spec is not None and spec.dense:
+        return _bind_dense(args, kwargs, spec.num_experts)
     names = ("hidden_states", "top_k_index", "top_k_weights")
     if len(args) > 3 or set(kwargs) - set(names[len(args):]):
         return None
@@ -175,15 +219,31 @@ def bind_call(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, to
     return x, ids, w
 
 
+def _bind_dense(args: tuple, kwargs: dict, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    vals = list(args) + list(kwargs.values())
+    if len(vals) != 1 or set(kwargs) - {"hidden_states"}:
+        return None
+    x = vals[0]
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 2:
+        return None
+    rows = math.prod(x.shape[:-1])
+    if rows % num_experts:
+        return None
+    ids = torch.arange(num_experts, device=x.device).repeat_interleave(rows // num_experts)[:, None]
+    return x, ids, torch.ones(rows, 1, dtype=x.dtype, device=x.device)
+
+
 # ------------------------------------------------------------------------------------------- state
 
 class MoeState(AutoQuantizationState):
     """An experts module's record: two ops (gate_up, down) with their activation observers.
 
     The gate_up input (the block's hidden states, the same tensor for every expert) has one observer and
-    one scale: quantized once per token. The down input (``act(gate)·up``, computed by each expert's own
+    one scale: quantized once per token — dense experts (``spec.dense``, each expert's rows scaled by its
+    router score) one per expert. The down input (``act(gate)·up``, computed by each expert's own
     weights) has one observer and one scale per expert. ``rows`` counts the calibration rows (token, slot
-    pairs) each expert received. benchmarks/moe_calibration.py measures these choices against the others.
+    pairs; dense: the non-zero rows) each expert received. benchmarks/moe_calibration.py measures these
+    choices against the others.
     """
 
     rows: torch.Tensor
@@ -196,8 +256,9 @@ class MoeState(AutoQuantizationState):
         if self.static:
             for op in ops:
                 cfg = op.qconfig.activation
-                keys = [observer_key(0, "input")] if op.index == 0 else [expert_key(1, e)
-                                                                        for e in range(spec.num_experts)]
+                per_expert = op.index == 1 or spec.dense
+                keys = [expert_key(op.index, e) for e in range(spec.num_experts)] if per_expert else \
+                    [observer_key(0, "input")]
                 for key in keys:
                     self.observers[key] = cfg.observer.create(cfg.format, None)
 
@@ -214,11 +275,12 @@ class MoeState(AutoQuantizationState):
         """Experts without calibration rows: their down-input scale is the max over the others'."""
         return (self.rows == 0).nonzero().flatten().tolist()
 
-    def observe_tokens(self, x: torch.Tensor) -> None:  # the gate_up input, all tokens
+    def observe_tokens(self, x: torch.Tensor) -> None:  # the gate_up input, all tokens (not dense)
         self.observers[observer_key(0, "input")](x)
 
-    def observe_expert(self, expert: int, h: torch.Tensor) -> None:  # the down input of one expert's rows
-        self.observers[expert_key(1, expert)](h)
+    def observe_expert(self, expert: int, h: torch.Tensor, op_index: int = 1) -> None:
+        """One expert's rows of the down input (dense experts: of the gate_up input too, ``op_index`` 0)."""
+        self.observers[expert_key(op_index, expert)](h)
 
     def uncalibrated(self) -> list[str]:
         """Only when no expert saw calibration data: one expert's data is enough to fall back on."""
@@ -230,7 +292,8 @@ class MoeState(AutoQuantizationState):
         """The gate_up input scale, and one down-input scale per expert: experts without calibration rows
         take the largest of the others'."""
         if self.static:
-            self.register_buffer(f"scale_{observer_key(0, 'input')}",
+            self.register_buffer(f"scale_{observer_key(0, 'input')}", self.expert_input_scales(0)[0]
+                                 if self.spec.dense else
                                  observer_of(self, observer_key(0, "input")).scale().detach().clone())
             self.register_buffer(f"scale_{observer_key(1, 'input')}", self.down_scales()[0])
         self.converted = True
@@ -238,7 +301,11 @@ class MoeState(AutoQuantizationState):
     def down_scales(self) -> tuple[torch.Tensor, list[int]]:
         """The down input's per-expert scales ([E]) from the observers now, as :meth:`freeze_scales` stores
         them, and the experts that took the fallback."""
-        obs = [observer_of(self, expert_key(1, e)) for e in range(self.spec.num_experts)]
+        return self.expert_input_scales(1)
+
+    def expert_input_scales(self, op_index: int) -> tuple[torch.Tensor, list[int]]:
+        """Per-expert input scales of op ``op_index`` ([E]) and the experts that took the fallback."""
+        obs = [observer_of(self, expert_key(op_index, e)) for e in range(self.spec.num_experts)]
         return expert_scales(obs, self.rows > 0)
 
 
@@ -289,6 +356,9 @@ def fallback_note(missing: list[int], total: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------- report
+OWN_GATE_NOTE = "the module's own gate function (_apply_gate) runs in high precision between the FP8 GEMMs"
+
+
 def report_rows(st: MoeState) -> list[dict[str, Any]]:
     """``dbr_quant.report`` rows of an experts module: one per 3-D expert tensor, FP8 or not and why (or
     which experts fell back to the max-over-experts down-input scale)."""
@@ -306,8 +376,10 @@ def report_rows(st: MoeState) -> list[dict[str, Any]]:
                 groups = f"per token per {bk} channels" if op.qconfig.activation.granularity == "group" else \
                     f"per {op.qconfig.activation.granularity}"
                 note = f"dynamic activation scales ({groups}), {bn}×{bk} weight blocks"
-        elif op.quantize and op.index == 1 and st.converted:
+        elif op.quantize and (op.index == 1 or st.spec.dense) and st.converted:  # the per-expert input scales
             note = fallback_note(st.fallback, st.spec.num_experts)
+        if op.quantize and op.index == 0 and st.spec.own_gate:
+            note = "; ".join(filter(None, (note, OWN_GATE_NOTE)))
         rows.append({"fqn": op.fqn, "kind": EXPERTS, "module": st.fqn, "fp8": op.quantize, "fusion": op.fusion,
                      "reason": note, "weight": op.fqn})
     return rows

@@ -59,10 +59,13 @@ class TracedRun(Protocol):
 def trace_experts(run: TracedRun, module: nn.Module, args: tuple, kwargs: dict) -> None:
     """After the trace ran the experts ``module`` as written and logged the call: its record (the first call's;
     a module called again keeps it), and its router in high precision."""
-    bound = bind_call(args, kwargs)
+    tag: ModuleTag = module.__dict__[TAG]
+    bound = bind_call(args, kwargs, tag.experts)
     if module not in run.states:
         run.states[module] = _new_state(run, module, bound)
-    if bound is not None:
+    if bound is not None and tag.experts is not None and tag.experts.dense:
+        keep_router_high_precision(run, bound[:1], through_topk=True)  # the router scales the rows themselves
+    elif bound is not None:
         keep_router_high_precision(run, bound[1:])
 
 
@@ -85,30 +88,38 @@ _METADATA_OPERANDS: dict[object, frozenset[int]] = {
 }
 
 
-def keep_router_high_precision(run: TracedRun, routing: tuple[torch.Tensor, ...], max_events: int = 64) -> None:
+_TOPK = (torch.topk, torch.Tensor.topk)
+
+
+def keep_router_high_precision(run: TracedRun, routing: tuple[torch.Tensor, ...], max_events: int = 64,
+                               through_topk: bool = False) -> None:
     """Walk the trace's dataflow back from the top-k ids and weights an experts module receives (topk ←
     softmax ← …) to the linear ops that computed the router logits, and keep those in high precision.
 
     Breadth first, through the operands that carry values, stopping at the nearest level that holds a linear:
     a group-limited router (DeepSeek-V3: masks, scatters, a gather of the scores) has long side paths, and
-    past the router the walk would reach the block's input and the linears before it."""
-    level = [run.tids[id(t)] for t in routing if id(t) in run.tids]
+    past the router the walk would reach the block's input and the linears before it. ``through_topk``: the
+    walk starts at the experts' input rows (Llama 4: the hidden states times the router's scores), and a linear
+    is the router only when reached through a top-k (a path without one leads to the block's input)."""
+    level = [(run.tids[id(t)], not through_topk) for t in routing if id(t) in run.tids]
     seen: set[int] = set()
     while level and len(seen) < max_events:
         routers: list[SeenOp] = []
-        upstream: list[int] = []
-        for tid in level:
+        upstream: list[tuple[int, bool]] = []
+        for tid, past_topk in level:
             ev_index = run.producers.get(tid)
             if ev_index is None or ev_index in seen:
                 continue
             seen.add(ev_index)
             ev = run.events[ev_index]
             if isinstance(ev.op, SeenOp) and ev.op.kind == "linear":  # a trace's events hold SeenOps
-                routers.append(ev.op)
+                if past_topk:
+                    routers.append(ev.op)
                 continue
+            past_topk = past_topk or ev.func in _TOPK
             skip = _METADATA_OPERANDS.get(ev.func, frozenset())
-            upstream += [i for pos, i in enumerate(ev.arg_ids) if i is not None and pos not in skip]
-            upstream += [] if skip else list(ev.kwarg_ids)
+            upstream += [(i, past_topk) for pos, i in enumerate(ev.arg_ids) if i is not None and pos not in skip]
+            upstream += [] if skip else [(i, past_topk) for i in ev.kwarg_ids]
         for op in routers:
             _keep_high_precision(run, op)
         if routers:  # the router's input is the block's input: stop there
@@ -164,6 +175,9 @@ def _block_reason(module: nn.Module, spec: ExpertsSpec, qcs: list[OpQConfig]) ->
     if first is None or first != second:
         return (f"the two expert projections resolve to different weight granularities ({first or 'not block'} "
                 f"vs {second or 'not block'}); the MoE block takes one: give both the same block")
+    if spec.interleaved:
+        return (f"block-scaled experts need gate and up as the two halves of gate_up; {type(module).__name__} "
+                "interleaves them (gate even rows, up odd rows): use per-channel weight scales for these experts")
     w1, _ = spec.weights(module)
     inter = (w1.shape[2] if spec.transposed else w1.shape[1]) // (2 if spec.gated else 1)
     if spec.gated and inter % first[0]:
