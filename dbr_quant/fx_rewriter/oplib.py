@@ -18,6 +18,13 @@ GraphModule calls one op per quantized kernel, so that overhead made rewritten e
   takes the ordinary re-dispatch, so tracing sees the op as one node.
 
 Under ``torch.inference_mode()`` the dispatcher skips the Autograd kernel and calls the body directly.
+
+* an ``AutocastCPU`` / ``AutocastCUDA`` kernel: inside a ``torch.autocast`` region the op runs below autocast
+  with autocast off and its result takes the dtype the op it replaces gives under autocast
+  (``kernels.autocast.run_autocast``, the rule the eager converted model follows). ``torch.library.register_autocast``
+  would cast the inputs instead (FP8 operands and fp32 scales included), which changes what is quantized. While
+  ``torch.compile`` / ``torch.export`` trace, this kernel runs at trace time, so the graph holds the op and then
+  an ordinary cast node: the compiled code does not depend on autocast's state when it runs.
 """
 
 from __future__ import annotations
@@ -27,11 +34,14 @@ from collections.abc import Callable
 import torch
 from torch import _C
 
+from dbr_quant.kernels.autocast import exact_arguments, parameter_index, run_autocast
+
 LIB = torch.library.Library("dbr_quant", "FRAGMENT")  # a module global: the registrations live as long as it does
 
 _BELOW_AUTOGRAD = _C._after_autograd_keyset
 _BELOW_INPLACE_OR_VIEW = _C._after_ADInplaceOrView_keyset
 _PLAIN_BACKENDS = frozenset({_C.DispatchKey.CPU, _C.DispatchKey.CUDA})
+_AUTOCAST_KEYS = _C.DispatchKeySet(_C.DispatchKey.AutocastCPU) | _C.DispatchKeySet(_C.DispatchKey.AutocastCUDA)
 OPS: dict[str, Op] = {}  # every op defined here, by name (tests check each one's registrations)
 _plain_keysets: dict[int, bool] = {}  # DispatchKeySet.raw_repr() → nothing but a CPU/CUDA kernel below autograd
 
@@ -93,6 +103,8 @@ class Op:
                 return op.redispatch(keyset & _BELOW_AUTOGRAD, *args)
 
         LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+        for device in ("cpu", "cuda"):
+            LIB.impl(name, _autocast_kernel(name, op, device), "Autocast" + device.upper())
         OPS[name] = self
 
     def register_fake(self, fake: Callable) -> Callable:
@@ -101,6 +113,22 @@ class Op:
 
     def __call__(self, *args):
         return self.default(*args)
+
+
+def _autocast_kernel(name: str, op: torch._ops.OpOverload, device: str) -> Callable:
+    """The op's kernel for ``device``'s autocast key (see the module docstring)."""
+    index = parameter_index(name, "residual")
+
+    def kernel(*args):
+        exact, _ = exact_arguments(name, args, {}) if torch.is_autocast_enabled(device) else (args, {})
+
+        def below() -> object:
+            with _C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
+                return op(*exact)
+
+        return run_autocast(name, below, device, None if index is None else args[index])
+
+    return kernel
 
 
 def define(name: str) -> Callable[[Callable], Op]:

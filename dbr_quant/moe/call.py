@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dbr_quant import kernels
+from dbr_quant.kernels.autocast import run_autocast
 from dbr_quant.moe.compute import flat_inputs, fp8_experts_compute
 from dbr_quant.moe.experts import MoeState, bind_call
 from dbr_quant.ops.straight_through import run_straight_through, substitute, wants_gradient
@@ -140,6 +141,12 @@ def _calibrate_experts(module: nn.Module, st: MoeState, x: torch.Tensor, ids: to
     return out.to(x.dtype).reshape(x.shape)
 
 
+def _autocast_off(compute: Callable[..., torch.Tensor], device: str) -> Callable[..., torch.Tensor]:
+    """``compute`` by ``kernels.autocast.run_autocast``: the experts' exact FP8 result in the hidden states' dtype,
+    which an experts module keeps under autocast (it accumulates in it)."""
+    return lambda *args, **kwargs: run_autocast("fp8_moe_experts", lambda: compute(*args, **kwargs), device)
+
+
 def _fp8_experts(module: nn.Module, st: MoeState, x: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:
     """The converted experts: :func:`fp8_experts_compute`, or while ``fx_rewriter`` captures a graph one
@@ -173,6 +180,8 @@ def _fp8_experts(module: nn.Module, st: MoeState, x: torch.Tensor, ids: torch.Te
     how: dict[str, Any] = {"activation": spec.activation} if gate is None else {"gate": gate}
     # p1.block: block-scaled weights, both (checked when the state was made); MX: E8M0 codes, run by their own path
     mx = cfg.granularity == "mx"
+    if ops is None:  # eager: with autocast off, as the graph ops' autocast kernels run them (kernels/autocast.py)
+        compute = _autocast_off(compute, x.device.type)
     return compute(x2, ids2, w2, p1.qdata, p1.scale, p2.qdata, p2.scale, xs, hs, b1, b2, **how,
                    fmt=cfg.format, per_token=cfg.granularity == "token", out_dtype=x.dtype,
                    block=None if mx else p1.block, group=p1.block is not None and cfg.granularity == "group",

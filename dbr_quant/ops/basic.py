@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from dbr_quant import kernels
+from dbr_quant.kernels.autocast import AUTOCAST_ELIGIBLE, autocast_off
 from dbr_quant.kernels.reference.mx import MX_WEIGHT_BLOCK
 from dbr_quant.ops.call import Call, Env, not_float_activation
 from dbr_quant.ops.call import linear_hp_weight as linear_hp_weight  # where runs and inspect read it
@@ -210,7 +211,7 @@ def run_matmul(call: Call, env: Env, *, a: torch.Tensor | None = None, b: torch.
     b = call.args[1] if b is None else b
     a_q, a_s = quantized_input(call, "a", a, env)
     b_q, b_s = quantized_input(call, "b", b, env)
-    return kernels.fp8_matmul(a_q, head_view(a_s), b_q, head_view(b_s)).to(torch.promote_types(a.dtype, b.dtype))
+    return _in_dtype(kernels.fp8_matmul(a_q, head_view(a_s), b_q, head_view(b_s)), torch.promote_types(a.dtype, b.dtype))
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -234,15 +235,19 @@ def run_sdpa(call: Call, env: Env) -> torch.Tensor:
         attn_mask=a.get("attn_mask"), is_causal=bool(a.get("is_causal", False)),
         softmax_scale=a.get("scale"), fmt=call.op.qconfig.activation.format,
     )
-    return out.to(q.dtype)
+    return _in_dtype(out, q.dtype)
+
+
+def _in_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A GEMM kernel's fp32 result in its inputs' dtype. No cast when it already is (a graph captured on fp32
+    inputs then holds no cast node pinning float32) or under autocast, where the kernel's result already has the
+    dtype autocast gives the op (kernels/autocast.py)."""
+    if out.dtype == dtype or torch.is_autocast_enabled(out.device.type):
+        return out
+    return out.to(dtype)
 
 
 EXECUTORS: dict[str, Callable[[Call, Env], torch.Tensor]] = {LINEAR: run_linear, MATMUL: run_matmul, SDPA: run_sdpa}
-
-
-# what torch.autocast casts to its lower-precision dtype (aten/src/ATen/autocast_mode.h, is_autocast_eligible:
-# floating point but not float64)
-_AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def autocast_on() -> bool:
@@ -266,12 +271,9 @@ def run_basic_autocast(call: Call, env: Env) -> torch.Tensor:
     dtype = torch.get_autocast_dtype(device)
 
     def fp8() -> torch.Tensor:
-        torch.set_autocast_enabled(device, False)  # not a torch function: no interception mode sees it
-        try:
+        with autocast_off(device):  # not a torch function: no interception mode sees it
             out = EXECUTORS[call.kind](call, env)
-        finally:
-            torch.set_autocast_enabled(device, True)
-        return out.to(dtype) if out.dtype in _AUTOCAST_ELIGIBLE else out
+        return out.to(dtype) if out.dtype in AUTOCAST_ELIGIBLE else out
 
     if _is_grad_enabled() and (tensors := wants_gradient((call,))) is not None:
         def reference(sub: dict[int, torch.Tensor]) -> Any:

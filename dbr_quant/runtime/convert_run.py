@@ -19,6 +19,9 @@ from torch.utils._pytree import tree_map
 
 from dbr_quant.integrations import accelerate as offload
 from dbr_quant.integrations.accelerate import has_opaque_hook
+from dbr_quant.kernels import graph_ops
+from dbr_quant.kernels.autocast import AUTOCAST_KERNELS
+from dbr_quant.kernels.dispatch import capture_with
 from dbr_quant.ops.basic import autocast_on, run_basic, run_basic_autocast
 from dbr_quant.ops.call import Call
 from dbr_quant.ops.mappings import (
@@ -81,9 +84,15 @@ class ConvertRun(Run):
         # swaps it), whose handler runs with this run's mode already off and must leave torch-function modes below
         # it (torch.export's) on. A class, not a method: entering it costs no Python frame.
         self.torch_work: Callable[[], AbstractContextManager[None]] = suspended
-        # under torch.autocast each recorded op runs alone, so autocast picks every op's dtype as it would in
-        # the model as written (layer_norm fp32, linear bf16); a fused kernel would compute all of it in x's dtype
+        # under torch.autocast every FP8 kernel runs with autocast off and its result takes the dtype autocast
+        # gives the op it replaces (kernels/autocast.py: the rule the rewritten graph's ops follow too)
         self.autocast = autocast_on()
+        self.execute = run_basic_autocast if self.autocast else run_basic
+        # a fused subgraph's kernels follow that rule one by one, as the graph's ops do (while a graph is captured
+        # its ops carry the rule themselves)
+        self.fused_kernels: Callable[[], AbstractContextManager[None]] = (
+            (lambda: capture_with(AUTOCAST_KERNELS)) if self.autocast and graph_ops() is None
+            else contextlib.nullcontext)
 
     # ------------------------------------------------------------------ placeholders
     def _scan(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, _Pending | None]:
@@ -133,7 +142,7 @@ class ConvertRun(Run):
             for call in p.calls:
                 self.placeholders.pop(id(call.placeholder), None)
                 args = tuple(self.resolved.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in call.args)
-                out = run_basic(Call(call.kind, call.func, args, call.kwargs, call.op, call.state), self)
+                out = self.execute(Call(call.kind, call.func, args, call.kwargs, call.op, call.state), self)
                 self.resolved[id(call.placeholder)] = out
 
     def _step(self, p: _Pending, call: Call, last: bool) -> torch.Tensor:
@@ -154,7 +163,7 @@ class ConvertRun(Run):
         for c in p.calls[:-1]:
             self.placeholders.pop(id(c.placeholder), None)
         fusion = p.subgraph.fusion
-        with self.torch_work():
+        with self.torch_work(), self.fused_kernels():
             try:
                 return fusion.run_with_gradient(p.calls, self) if _is_grad_enabled() else fusion.run(p.calls, self)
             except TypeError as e:  # inside `a + b` Python would turn a TypeError into a bare NotImplemented
@@ -205,7 +214,7 @@ class ConvertRun(Run):
                 return Call(kind, func, args, kwargs).run_original()
         call = Call(kind, func, args, kwargs, step.op, st)
         sg = step.subgraph
-        if sg is not None and not self.autocast:
+        if sg is not None:
             p = self.pending.get(sg.id)
             if step.step == 0:
                 if p is not None:
@@ -221,7 +230,7 @@ class ConvertRun(Run):
         if hit is not None:
             call.args, call.kwargs = self._resolve_all(args, kwargs, hit)
         with self.torch_work():
-            return run_basic_autocast(call, self) if self.autocast else run_basic(call, self)
+            return self.execute(call, self)
 
     def function_call(self, func, args, kwargs):
         if self.hooked and func in HOOKED_BODY_FUNCS:
@@ -344,8 +353,8 @@ class ConvertRun(Run):
             if self.placeholders or self.resolved:
                 args, kwargs = self._resolve_all(*self._scan(args, kwargs))
             op = self.next_op(st := self.owner_state(), LINEAR, self.op_fqn(LINEAR, module))
-        execute = run_basic_autocast if self.autocast else run_basic
-        return self.call_hooked(module, lambda x: execute(Call(LINEAR, module, (x,), {}, op, st), self), args, kwargs)
+        return self.call_hooked(module, lambda x: self.execute(Call(LINEAR, module, (x,), {}, op, st), self), args,
+                                kwargs)
 
     def finish(self, out: Any) -> Any:
         for p in list(self.pending.values()):
