@@ -139,6 +139,7 @@ def rewrite(converted: nn.Module, example_inputs: Any = None, *,
                                "for a dataclass (or torch.utils._pytree.register_pytree_node), then rewrite "
                                "again") from e
     gm = exported.module()
+    _no_dtype_checks(gm)
     gm.graph.eliminate_dead_code()  # the runtime's placeholders and unused observer buffers
     gm.recompile()
     if not trainable:
@@ -147,6 +148,17 @@ def rewrite(converted: nn.Module, example_inputs: Any = None, *,
     if implied:
         _drop_constant_inputs(gm, implied, args, {k: v for k, v in kwargs.items() if k in given})
     return gm
+
+
+def _no_dtype_checks(gm: torch.fx.GraphModule) -> None:
+    """torch.export puts a check of the captured dtype before each ``.to(...)`` of the model's code (Llama's
+    RMSNorm: ``hidden_states.to(torch.float32)``; torch/_export/utils.py, the aten.to assertion pass), so that the
+    op aliases or copies as it did while captured. Under ``torch.autocast`` activations arrive in autocast's dtype
+    and the check failed (``Tensor dtype mismatch! Expected: Float``). The graph is functional (no op writes into
+    a ``.to`` result), so the dtype part is dropped; the device and layout checks stay."""
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten._assert_tensor_metadata.default):
+        if node.kwargs.get("dtype") is not None:
+            node.kwargs = {k: v for k, v in node.kwargs.items() if k != "dtype"}
 
 
 def _export(converted: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: dict) -> torch.export.ExportedProgram:

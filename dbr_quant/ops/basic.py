@@ -51,7 +51,10 @@ def stacked_gate_up(gate: Call, up: Call) -> tuple[torch.Tensor, torch.Tensor] |
     q = adjacent_rows(gw.qdata, uw.qdata)
     s = adjacent_rows(gw.scale, uw.scale)
     if q is None or s is None:
-        return torch.cat([gw.qdata, uw.qdata]), torch.cat([gw.scale, uw.scale])
+        # the FP8 data concatenated as bytes: under torch.autocast, cat's dtype promotion refuses FP8 ("Unexpected
+        # floating ScalarType in at::autocast::prioritize"), and a rewritten graph does this cat on every call
+        data = torch.cat([gw.qdata.view(torch.uint8), uw.qdata.view(torch.uint8)]).view(gw.qdata.dtype)
+        return data, torch.cat([gw.scale, uw.scale])
     return q, s
 
 
