@@ -14,11 +14,14 @@ not a multiple of 32 (ragged last MX block).
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 from test_moe import HF_MODELS, batches, build, logits, no_warnings  # tests/ is on sys.path
-from test_moe_block import _mixtral
+from test_moe_block import BLOCK, _mixtral
 from test_mx_weight_only import log2_codes
 
 import dbr_quant as dq
@@ -228,3 +231,69 @@ def test_transformers_with_compressed_tensors_loads_the_weight_only_folder(tmp_p
     ev = batches(1, (3, 9), 4)[0]
     with torch.no_grad():
         close_to_reference(logits(loaded(**ev)), logits(converted(**ev)), min_cos=0.99999, max_rel=0.0025)
+
+
+# ----------------------------------------------------------------------------------------- torch.autocast
+def rope_as_captured(monkeypatch: pytest.MonkeyPatch, family: str) -> None:
+    """The eager model's rotary embedding as a rewritten graph runs it. transformers computes RoPE's frequencies
+    with autocast off through ``maybe_autocast(enabled=False)``, which enters nothing when autocast is off
+    (transformers/utils/generic.py: "prevents autocast being added to the graph when it is effectively a no-op"),
+    so a graph captured without autocast, any ``torch.export`` of the model, has no such region: under autocast
+    its frequency matmul runs in autocast's dtype (README, torch.autocast). Patched the same way, eager and graph
+    run the same ops."""
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    monkeypatch.setattr(module, "maybe_autocast", lambda *args, **kwargs: contextlib.nullcontext())
+
+
+# every MoE scheme the experts run: W8A8 static per tensor (calibrated), dynamic per token, block-scaled, and the
+# weight-only / MX schemes above
+AUTOCAST_SCHEMES = {"w8a8_tensor": dq.QConfig(),
+                    "w8a8_token": dq.QConfig(dynamic=True, activation=dq.TensorQConfig(granularity="token")),
+                    "block": dq.QConfig.fp8_block(BLOCK), **SCHEMES}
+
+
+def _calibrated(model: torch.nn.Module, qconfig: dq.QConfig) -> torch.nn.Module:
+    with no_warnings():
+        prepared = dq.prepare(model, example_kwargs=batches(1, (1, 2), 1)[0], qconfig=qconfig)
+        if not qconfig.dynamic:
+            dq.calibrate(prepared, batches(2, (2, 16), 2), progress=False)
+        return dq.convert(prepared)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("scheme", list(AUTOCAST_SCHEMES))
+def test_experts_under_autocast_eager_and_rewritten(scheme, monkeypatch):
+    """Under cpu bf16 autocast, for every scheme: the model's and each experts call's output dtypes are the fp32
+    model's under autocast (an experts module keeps the hidden states' dtype: it accumulates in it), the
+    rewritten graph equals eager bit for bit, and an experts call is its exact result without autocast (its
+    kernels run with autocast off).
+
+    Against the converted experts run without autocast on bf16-cast inputs (what autocast would hand a bf16
+    model): that run rounds x, the routing weights, h and the output to bf16 (relative 2^-9 each), E4M3 rounds
+    to 2^-4; so the two differ by less than the scheme's own FP8 error, measured here as the experts call against
+    the fp32 experts on the same inputs."""
+    from dbr_quant.fx_rewriter import rewrite
+
+    model = _mixtral()
+    converted = _calibrated(model, AUTOCAST_SCHEMES[scheme])
+    gm = rewrite(converted, example_kwargs=batches(1, (2, 5), 9)[0])
+    rope_as_captured(monkeypatch, "mixtral")
+    ev = batches(1, (3, 7), 5)[0]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want, eager, graph = logits(model(**ev)), logits(converted(**ev)), logits(gm(**ev))
+    assert want.dtype == eager.dtype == graph.dtype == torch.bfloat16
+    assert torch.equal(eager, graph)
+
+    experts, fp32_experts = _experts(converted)[0], _experts(model)[0]
+    x, ids, w = _call_inputs(experts, 24, 2, torch.float32, seed=3)
+    with torch.no_grad():
+        plain, hp = experts(x, ids, w), fp32_experts(x, ids, w)
+        on_bf16 = experts(x.bfloat16(), ids, w.bfloat16())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, hp_autocast = experts(x, ids, w), fp32_experts(x, ids, w)
+    assert got.dtype == hp_autocast.dtype == torch.float32 and on_bf16.dtype == torch.bfloat16
+    assert torch.equal(got, plain)
+    assert _rel(got, on_bf16) < _rel(plain, hp), (scheme, _rel(got, on_bf16), _rel(plain, hp))

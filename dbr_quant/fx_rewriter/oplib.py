@@ -120,7 +120,7 @@ def _autocast_kernel(name: str, op: torch._ops.OpOverload, device: str) -> Calla
     index = parameter_index(name, "residual")
 
     def kernel(*args):
-        exact, _ = exact_arguments(name, args, {}) if torch.is_autocast_enabled(device) else (args, {})
+        exact, _ = exact_arguments(name, args, {}, device) if torch.is_autocast_enabled(device) else (args, {})
 
         def below() -> object:
             with _C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):

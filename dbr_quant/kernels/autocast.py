@@ -37,6 +37,7 @@ AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
 # the kernels whose result is a linear / matmul / SDPA result (the grouped GEMMs run inside the experts block)
 LOWER_PRECISION = frozenset({"fp8_linear", "fp8_mlp", "fp8_matmul", "fp8_attention", "fp8_block_linear",
                              "fp8_mx_linear", "fp8_weight_only_linear"})
+_LAYER_NORMS = frozenset({"layer_norm_quantize", "layer_norm_group_quantize"})
 _BY_NAME = {op.name: op for op in TABLE}
 
 
@@ -47,19 +48,38 @@ def parameter_index(name: str, parameter: str) -> int | None:
     return names.index(parameter) if parameter in names else None
 
 
-def exact_arguments(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A GEMM kernel's arguments with a lower-precision ``out_dtype`` (a model's activations in autocast's dtype
-    choose it) made float32: the kernel's exact result, then :func:`autocast_result`'s one cast. Same values
-    where only that cast follows; with a fused residual the sum is no longer rounded to bf16 before it is
-    promoted back (the residual stream keeps float32, as the graph captured on float32 inputs computes it)."""
-    index = parameter_index(name, "out_dtype") if name in LOWER_PRECISION else None
+def _replace(name: str, args: tuple, kwargs: dict, parameter: str, new: Callable[[Any], Any]) -> tuple[tuple, dict]:
+    """``args`` / ``kwargs`` with kernel ``name``'s ``parameter`` (positional or keyword) mapped by ``new``."""
+    index = parameter_index(name, parameter)
     if index is None:
         return args, kwargs
     if index < len(args):
-        if args[index] in (torch.float16, torch.bfloat16):
-            args = (*args[:index], torch.float32, *args[index + 1:])
-    elif kwargs.get("out_dtype") in (torch.float16, torch.bfloat16):
-        kwargs = {**kwargs, "out_dtype": torch.float32}
+        return (*args[:index], new(args[index]), *args[index + 1:]), kwargs
+    return (args, {**kwargs, parameter: new(kwargs[parameter])}) if parameter in kwargs else (args, kwargs)
+
+
+def _float32(value: Any) -> Any:
+    """A lower-precision tensor or dtype as float32; anything else (float64, FP8, None) as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
+    return torch.float32 if value in (torch.float16, torch.bfloat16) else value
+
+
+def exact_arguments(name: str, args: tuple, kwargs: dict, device: str) -> tuple[tuple, dict]:
+    """Kernel ``name``'s arguments as it runs under ``device``'s autocast (see the module docstring).
+
+    A GEMM kernel's lower-precision ``out_dtype`` (a model's activations in autocast's dtype choose it) is made
+    float32: the exact result, then :func:`autocast_result`'s one cast. Same values where only that cast
+    follows; with a fused residual the sum is not rounded to bf16 before it is promoted back (the residual stream
+    keeps float32, as the graph captured on float32 inputs computes it). A fused LayerNorm (not RMSNorm) on CUDA
+    takes float32 inputs: CUDA's autocast runs ``layer_norm`` in float32 (its fp32 op list), the CPU's does not."""
+    if name in LOWER_PRECISION:
+        return _replace(name, args, kwargs, "out_dtype", _float32)
+    if device == "cuda" and name in _LAYER_NORMS:
+        index = parameter_index(name, "rms")
+        if not (args[index] if index is not None and index < len(args) else kwargs.get("rms", False)):
+            for parameter in ("x", "weight", "bias"):
+                args, kwargs = _replace(name, args, kwargs, parameter, _float32)
     return args, kwargs
 
 
@@ -111,7 +131,7 @@ class _AutocastKernels:
             residual = kwargs.get("residual") if index is None or index >= len(args) else args[index]
             device = _device(args, kwargs)
             if torch.is_autocast_enabled(device):
-                args, kwargs = exact_arguments(name, args, kwargs)
+                args, kwargs = exact_arguments(name, args, kwargs, device)
             with capture_with(None):  # the entry point itself, not this table again
                 return run_autocast(name, lambda: entry(*args, **kwargs), device, residual)
 

@@ -214,7 +214,8 @@ def run_matmul(call: Call, env: Env, *, a: torch.Tensor | None = None, b: torch.
     b = call.args[1] if b is None else b
     a_q, a_s = quantized_input(call, "a", a, env)
     b_q, b_s = quantized_input(call, "b", b, env)
-    return _in_dtype(kernels.fp8_matmul(a_q, head_view(a_s), b_q, head_view(b_s)), torch.promote_types(a.dtype, b.dtype))
+    out = kernels.fp8_matmul(a_q, head_view(a_s), b_q, head_view(b_s))
+    return _in_dtype(out, torch.promote_types(a.dtype, b.dtype))
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")

@@ -10,14 +10,12 @@ returns bfloat16) or failed outright (``Tensor dtype mismatch`` from the dtype c
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 from test_hf_models import run_pipeline  # tests/ is on sys.path (conftest)
-from test_moe import batches, logits, pipeline
+from test_moe import batches, pipeline
+from test_moe_schemes import rope_as_captured
 from test_oplib import linear_inputs
 from torch import nn
 from torch.utils._pytree import tree_flatten
@@ -143,23 +141,12 @@ def test_eager_keeps_its_fusions_under_autocast(name):
         assert any(n.target is OP.fp8_mlp.default for n in gm.graph.nodes)
 
 
-def _rope_as_captured(monkeypatch, family: str) -> None:
-    """The eager model's rotary embedding as the graph runs it. transformers computes RoPE's frequencies with
-    autocast off through ``maybe_autocast(enabled=False)``, which enters nothing when autocast is off
-    (transformers/utils/generic.py: "prevents autocast being added to the graph when it is effectively a no-op"),
-    so a graph captured without autocast, any ``torch.export`` of the model, has no such region: under autocast
-    its frequency matmul runs in autocast's dtype (README: the one difference). Patched here the same way, eager
-    and graph run the same ops, and must agree bit for bit."""
-    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    monkeypatch.setattr(module, "maybe_autocast", lambda *args, **kwargs: contextlib.nullcontext())
-
-
 @pytest.mark.parametrize("name", ["llama", "bert"])
 def test_hf_models_follow_autocast(name, monkeypatch):
     p = run_pipeline(name)
     gm = rewrite(p.converted, example_kwargs=p.eval_batch)
     if name == "llama":
-        _rope_as_captured(monkeypatch, "llama")
+        rope_as_captured(monkeypatch, "llama")
     _assert_graph_follows_autocast(p.model, p.converted, gm, torch.bfloat16, **p.eval_batch)
 
 
@@ -169,7 +156,7 @@ def test_mixtral_follows_autocast(monkeypatch):
     model, _, converted = pipeline("mixtral", "eager")
     gm = rewrite(converted, example_kwargs=batches(1, (2, 5), 9)[0])
     ev = batches(1, (3, 7), 5)[0]
-    _rope_as_captured(monkeypatch, "mixtral")
+    rope_as_captured(monkeypatch, "mixtral")
     _assert_graph_follows_autocast(model, converted, gm, torch.bfloat16, **ev)
     experts = converted.model.layers[0].mlp.experts
     x = torch.randn(6, experts.gate_up_proj.shape[-1])
@@ -251,3 +238,28 @@ def test_every_op_has_autocast_kernels_and_cuda_fp16_follows_the_rule():
     assert got_residual.dtype == torch.float32 and torch.equal(got_residual, with_residual)
     assert got_fp8.dtype == torch.float8_e4m3fn and torch.equal(got_fp8.float(), fp8_out.float())
     assert torch.equal(got_quantized.float(), quantized.float())
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_cuda_autocast_runs_a_fused_layer_norm_in_float32(rms):
+    """CUDA's autocast runs ``layer_norm`` in float32 (its fp32 op list; the CPU's does not): the fused LayerNorm +
+    quantize op on a float16 input gives what it gives on the float32 input; an RMSNorm (a module as written, not
+    an autocast op) stays as it is."""
+    gen = torch.Generator().manual_seed(2)
+    x, bias = torch.randn(4, 16, generator=gen), torch.randn(16, generator=gen)
+    weight = torch.rand(16, generator=gen) + 0.5
+    scale = x.abs().amax() / 448
+    args = (weight, bias, 1e-5, scale, "e4m3", rms)
+    half = x.half()
+    want = OP.layer_norm_quantize(half if rms else half.float(), *args)  # LayerNorm: float32 math on the values
+    was = torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", torch.float16)
+    try:
+        got = OP.layer_norm_quantize.default.redispatch(
+            torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA), half, *args)
+    finally:
+        torch.set_autocast_enabled("cuda", False)
+        torch.set_autocast_dtype("cuda", was)
+    assert got[0].dtype == want[0].dtype and torch.equal(got[0], want[0])
+    assert torch.equal(got[1].float(), want[1].float())
