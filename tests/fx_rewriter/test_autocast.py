@@ -166,10 +166,11 @@ def test_mixtral_follows_autocast(monkeypatch):
     assert got.dtype == torch.float32 and torch.equal(got, plain)
 
 
-def test_compiled_graph_follows_autocast_without_graph_breaks(close_to_reference):
+@pytest.mark.parametrize("name", ["linear", "attention"])
+def test_compiled_graph_follows_autocast_without_graph_breaks(name, close_to_reference):
     """``torch.compile(gm, fullgraph=True)`` under autocast: the Autocast kernels run while it traces, so its graph
     holds each op and then a cast; the same compiled module outside autocast recompiles to float32."""
-    _, converted, gm = _toy("attention")
+    _, converted, gm = _toy(name)
     compiled = torch.compile(gm, fullgraph=True)
     x = torch.randn(2, 5, D)
     for dtype in [torch.bfloat16, None]:
