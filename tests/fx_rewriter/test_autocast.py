@@ -11,6 +11,7 @@ returns bfloat16) or failed outright (``Tensor dtype mismatch`` from the dtype c
 from __future__ import annotations
 
 import pytest
+import test_moe_own_gate as oss
 import torch
 import torch.nn.functional as F
 from test_hf_models import run_pipeline  # tests/ is on sys.path (conftest)
@@ -164,6 +165,26 @@ def test_mixtral_follows_autocast(monkeypatch):
     (plain,), _ = _under(None, experts, x, ids, w)
     (got,), _ = _under(torch.bfloat16, experts, x, ids, w)
     assert got.dtype == torch.float32 and torch.equal(got, plain)
+
+
+def test_gpt_oss_experts_with_their_own_gate_follow_autocast(monkeypatch):
+    """GPT-OSS experts: two graph ops with the module's own gate traced between them (moe_ops.py). Output dtypes
+    are the fp32 model's and the kernels the same. Not the same bits: GPT-OSS's router computes
+    ``softmax(top_values, dtype=top_values.dtype)``, a dtype read in Python, which a graph holds as the capture's
+    float32 (eager under autocast: bfloat16 routing weights); so graph and eager differ by less than autocast's
+    own rounding does (eager with against without autocast)."""
+    model = oss.build()
+    converted = oss.convert(model)
+    gm = rewrite(converted, example_kwargs=oss.batches(1, (2, 8), 3)[0])
+    rope_as_captured(monkeypatch, "gpt_oss")
+    batch = oss.batches(1, (3, 6), 5)[0]
+    want, _ = _under(torch.bfloat16, model, **batch)
+    (eager,), eager_launches = _under(torch.bfloat16, converted, **batch)
+    (graph,), graph_launches = _under(torch.bfloat16, gm, **batch)
+    (plain,), _ = _under(None, converted, **batch)
+    assert eager.dtype == graph.dtype == want[0].dtype and eager_launches == graph_launches
+    rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()  # noqa: E731
+    assert rel(graph, eager) < rel(eager, plain), (rel(graph, eager), rel(eager, plain))
 
 
 @pytest.mark.parametrize("name", ["linear", "attention"])
