@@ -43,6 +43,8 @@ from dbr_quant.runtime.interception import current_run, has_hooks, suspended
 from dbr_quant.runtime.plan import plan_of
 from dbr_quant.runtime.runs import HOOKED_BODY_FUNCS, Run
 
+_NO_CONTEXT = contextlib.nullcontext()  # reusable, and entering it does nothing (no per-fusion object)
+
 
 class _Pending:
     """A subgraph whose ops have arrived so far (made per subgraph run: a plain ``__init__``, cheaper than a
@@ -90,9 +92,7 @@ class ConvertRun(Run):
         self.execute = run_basic_autocast if self.autocast else run_basic
         # a fused subgraph's kernels follow that rule one by one, as the graph's ops do (while a graph is captured
         # its ops carry the rule themselves)
-        self.fused_kernels: Callable[[], AbstractContextManager[None]] = (
-            (lambda: capture_with(AUTOCAST_KERNELS)) if self.autocast and graph_ops() is None
-            else contextlib.nullcontext)
+        self.autocast_kernels = self.autocast and graph_ops() is None
 
     # ------------------------------------------------------------------ placeholders
     def _scan(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, _Pending | None]:
@@ -163,7 +163,7 @@ class ConvertRun(Run):
         for c in p.calls[:-1]:
             self.placeholders.pop(id(c.placeholder), None)
         fusion = p.subgraph.fusion
-        with self.torch_work(), self.fused_kernels():
+        with self.torch_work(), capture_with(AUTOCAST_KERNELS) if self.autocast_kernels else _NO_CONTEXT:
             try:
                 return fusion.run_with_gradient(p.calls, self) if _is_grad_enabled() else fusion.run(p.calls, self)
             except TypeError as e:  # inside `a + b` Python would turn a TypeError into a bare NotImplemented
