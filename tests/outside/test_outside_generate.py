@@ -1,0 +1,254 @@
+"""How users run a converted Hugging Face model, beyond tests/test_hf_*.py: ``generate()`` strategies (sampling,
+beam search, returned sequences, static / sliding-window caches, assisted decoding with a converted draft or
+target, batched left-padded prompts), the ``output_*`` flags (attentions with ``quantize_attention`` on and off),
+``return_dict=False``, ``labels=``, ``transformers.pipeline(...)``, encoder-decoders given ``encoder_outputs``,
+``torch.compile`` of the eager converted model, and MiniLM sentence embeddings beside a fake-quant yardstick.
+
+Each check compares the converted model with a reference that could disagree: its own forward without the KV
+cache over the same tokens (what a KV-cached step must compute), the fp32 model, or the same call another way.
+Tiny random-weight configs of tests/test_hf_families.py and tests/hf_families_more.py (vocab 100, hidden 64,
+2 layers), plus a Mixtral (4 experts, top 2).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers as hf
+from hf_families_more import FAMILIES as MORE_FAMILIES
+from test_hf_families import FAMILIES as FAMILIES
+from test_hf_families import make_batch as family_batch
+from test_hf_families_more import fake_quant
+from test_hf_models import cosine, untied
+from torch import nn
+from transformers.utils import logging as hf_logging
+
+import dbr_quant as dq
+
+hf_logging.set_verbosity_error()
+
+VOCAB, PAD, BOS, EOS = 100, 0, 1, 2
+PROMPTS, PROMPT_LEN, NEW = 4, 8, 6
+# a KV-cached step vs the converted model's own forward without cache over the same tokens: the same FP8 GEMMs on
+# other row counts (fp32 accumulation order). Measured max |Δ| 6e-8 on logits of magnitude ~0.1-2 (llama, qwen3,
+# mixtral, gpt2): within a few fp32 ulps.
+STEP_ATOL, STEP_RTOL = 1e-6, 1e-6
+
+
+def _mixtral() -> nn.Module:
+    return hf.MixtralForCausalLM(hf.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+        initializer_range=0.05, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS))
+
+
+BUILDERS: dict[str, Callable[[], nn.Module]] = {
+    "llama": FAMILIES["llama"].build, "gpt2": FAMILIES["gpt2"].build, "t5": FAMILIES["t5"].build,
+    "bert": FAMILIES["bert"].build, "qwen3": MORE_FAMILIES["qwen3"].build, "bart": MORE_FAMILIES["bart"].build,
+    "mixtral": _mixtral,
+}
+DECODERS = ["llama", "qwen3", "mixtral", "gpt2"]
+SEQ2SEQ = ["t5", "bart"]
+
+
+def build(name: str, attn: str | None = None) -> nn.Module:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = BUILDERS[name]().eval()
+    if attn is not None:
+        model.set_attn_implementation(attn)
+    return model
+
+
+def batch(name: str, gen: torch.Generator, b: int, s: int, decoder: bool = True) -> dict[str, torch.Tensor]:
+    """input_ids with an attention mask (decoders padded on the left, row i by 2·i, row 0 none); encoder-decoders
+    also get decoder_input_ids starting with their decoder start token."""
+    if name in FAMILIES:
+        return family_batch(name if name != "bart" else "t5", gen, b, s, decoder=decoder)
+    out = family_batch("llama", gen, b, s, decoder=False)  # the same left-padded layout
+    if decoder and name == "bart":
+        dec = torch.randint(3, VOCAB, (b, s // 2), generator=gen)
+        dec[:, 0] = EOS  # BART's decoder start token
+        out["decoder_input_ids"] = dec
+    return out
+
+
+@dataclasses.dataclass
+class Converted:
+    name: str
+    model: nn.Module  # fp32
+    converted: nn.Module
+
+
+def convert(name: str, qconfig: dq.QConfig | None = None, attn: str | None = None) -> Converted:
+    model = build(name, attn)
+    gen = torch.Generator().manual_seed(1)
+    prepared = dq.prepare(model, example_kwargs=batch(name, gen, 2, 12), qconfig=untied(qconfig or dq.QConfig()))
+    dq.calibrate(prepared, [batch(name, gen, 3, 16) for _ in range(2)], progress=False)
+    return Converted(name, model, dq.convert(prepared))
+
+
+@pytest.fixture(scope="module")
+def converted() -> Callable[[str], Converted]:
+    """Shared converted models (default QConfig, sdpa); tests that install hooks build their own."""
+    cache: dict[str, Converted] = {}
+
+    def get(name: str) -> Converted:
+        if name not in cache:
+            cache[name] = convert(name)
+        return cache[name]
+
+    return get
+
+
+def prompts(name: str, b: int = PROMPTS) -> dict[str, torch.Tensor]:
+    return batch(name, torch.Generator().manual_seed(7), b, PROMPT_LEN, decoder=False)
+
+
+def gen_kwargs(model: nn.Module, **extra) -> dict:
+    """Exactly NEW new tokens (min_new_tokens masks EOS out of the scores until then)."""
+    start = getattr(model.config, "decoder_start_token_id", None)
+    return dict(max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=PAD, eos_token_id=EOS,
+                **({"decoder_start_token_id": start} if model.config.is_encoder_decoder else {}), **extra)
+
+
+def generate(model: nn.Module, prompt: dict[str, torch.Tensor], **extra):
+    with torch.no_grad():
+        return model.generate(**prompt, **gen_kwargs(model, **extra))
+
+
+def uncached_logits(model: nn.Module, prompt: dict[str, torch.Tensor], sequences: torch.Tensor) -> torch.Tensor:
+    """The logits ``model`` gives at each of the NEW generated positions from one forward without cache over
+    ``sequences`` (rows of ``prompt`` repeated when generate returned several per prompt)."""
+    mask = prompt["attention_mask"].repeat_interleave(len(sequences) // len(prompt["attention_mask"]), 0)
+    mask = torch.cat([mask, mask.new_ones(len(sequences), NEW)], 1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # what generate() gives a left-padded row
+    with torch.no_grad():
+        logits = model(input_ids=sequences[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1]).logits
+    return logits[:, -NEW:]
+
+
+def eos_masked(logits: torch.Tensor) -> torch.Tensor:
+    """The scores tokens are chosen from: min_new_tokens = NEW masks EOS out of every step (the returned logits are
+    raw, the ``scores`` processed)."""
+    return logits.index_fill(-1, torch.tensor([EOS]), -torch.inf)
+
+
+def assert_steps_equal(steps: torch.Tensor, reference: torch.Tensor, what: str) -> None:
+    diff = (steps - reference).abs().max().item()
+    assert torch.allclose(steps, reference, rtol=STEP_RTOL, atol=STEP_ATOL), \
+        f"{what}: KV-cached step logits vs the converted model's own uncached forward: max |diff| {diff:.3g}"
+
+
+# ----------------------------------------------------------------------------------------- generate strategies
+@pytest.mark.parametrize("name", DECODERS)
+def test_greedy_sampling_and_beams_match_own_forward(converted, name):
+    """Greedy, seeded sampling and beam search (3 beams, 2 returned sequences): every step's logits are the
+    converted model's own uncached forward's; sampled tokens are those a multinomial draw with the same seed takes
+    from that forward's distribution; beam scores are that forward's mean log-probabilities of the sequences."""
+    c = converted(name).converted
+    prompt = prompts(name)
+    greedy = generate(c, prompt, return_dict_in_generate=True, output_logits=True)
+    reference = uncached_logits(c, prompt, greedy.sequences)
+    assert_steps_equal(torch.stack(greedy.logits, 1), reference, f"{name} greedy")
+    assert torch.equal(greedy.sequences[:, -NEW:], eos_masked(reference).argmax(-1))
+
+    sample = dict(do_sample=True, top_k=0, top_p=1.0, temperature=1.0)
+    torch.manual_seed(5)
+    sampled = generate(c, prompt, **sample, return_dict_in_generate=True, output_logits=True)
+    torch.manual_seed(5)
+    assert torch.equal(generate(c, prompt, **sample), sampled.sequences), "seeded sampling is not reproducible"
+    reference = uncached_logits(c, prompt, sampled.sequences)
+    assert_steps_equal(torch.stack(sampled.logits, 1), reference, f"{name} sampling")
+    torch.manual_seed(5)
+    probs = eos_masked(reference).softmax(-1)
+    redrawn = torch.stack([torch.multinomial(probs[:, i], 1)[:, 0] for i in range(NEW)], 1)
+    assert torch.equal(redrawn, sampled.sequences[:, -NEW:])
+
+    beams = generate(c, prompt, num_beams=3, num_return_sequences=2, return_dict_in_generate=True,
+                     output_scores=True, length_penalty=1.0)
+    assert beams.sequences.shape == (2 * PROMPTS, PROMPT_LEN + NEW)
+    logp = uncached_logits(c, prompt, beams.sequences).log_softmax(-1)  # beam search masks EOS after log_softmax
+    mean = logp.gather(-1, beams.sequences[:, -NEW:, None])[..., 0].sum(-1) / NEW  # length_penalty 1: ÷ new tokens
+    assert torch.allclose(beams.sequences_scores, mean, rtol=1e-5, atol=1e-5), (beams.sequences_scores, mean)
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_static_and_sliding_window_caches_give_the_dynamic_cache_result(converted, name):
+    """cache_implementation "static" (preallocated, masked past the tokens so far) and "sliding_window": the
+    tokens and step logits of the default dynamic cache, bit for bit (measured: equal)."""
+    c = converted(name).converted
+    prompt = prompts(name)
+    dynamic = generate(c, prompt, return_dict_in_generate=True, output_logits=True)
+    for cache in ("static", "sliding_window"):
+        out = generate(c, prompt, cache_implementation=cache, return_dict_in_generate=True, output_logits=True)
+        assert torch.equal(out.sequences, dynamic.sequences), cache
+        assert torch.equal(torch.stack(out.logits), torch.stack(dynamic.logits)), cache
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_batched_left_padded_prompts_give_each_prompt_alone(converted, name):
+    """A left-padded batch with its attention mask: each row's tokens are the ones that prompt gets alone, wherever
+    the fp32 model's batched and alone tokens agree (activation scales are per tensor and static: a row does not
+    depend on the others)."""
+    p = converted(name)
+    prompt = prompts(name)
+    batched, batched_fp32 = generate(p.converted, prompt), generate(p.model, prompt)
+    compared = 0
+    for i in range(PROMPTS):
+        real = int(prompt["attention_mask"][i].sum())
+        alone = {k: v[i:i + 1, -real:] for k, v in prompt.items()}
+        if torch.equal(generate(p.model, alone)[0, -NEW:], batched_fp32[i, -NEW:]):
+            compared += 1
+            assert torch.equal(generate(p.converted, alone)[0, -NEW:], batched[i, -NEW:]), f"{name} row {i}"
+    assert compared >= PROMPTS - 1, "the fp32 model's own batched rows differ from its rows alone"
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_assisted_generation_with_a_converted_draft_or_target(converted, name):
+    """Assisted (speculative) greedy decoding verifies the draft's tokens with the target: the result is the
+    target's own greedy output, whichever of the two is the converted model (batch 1, as transformers requires)."""
+    p = converted(name)
+    prompt = {k: v[:1] for k, v in prompts(name).items()}
+    for target, draft in ((p.model, p.converted), (p.converted, p.model)):
+        assert torch.equal(generate(target, prompt, assistant_model=draft), generate(target, prompt))
+
+
+# ----------------------------------------------------------------------------------------- output flags
+def attentions_of(out) -> tuple[torch.Tensor, ...]:
+    return out.attentions
+
+
+@pytest.mark.parametrize("quantize_attention", [False, True], ids=["attention_hp", "quantize_attention"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
+def test_output_attentions_are_real_probabilities(name, quantize_attention):
+    """Eager attention, ``output_attentions=True`` (transformers 5 collects them with forward hooks on the
+    attention modules, installed at the first such call): the attention probabilities, real tensors of the fp32
+    model's shapes whose rows sum to 1, close to the fp32 model's, in forward and in generate(). With
+    quantize_attention the softmax is inside a fused FP8 attention subgraph; it used to come back as the empty meta
+    placeholder of the fused run."""
+    p = convert(name, dq.QConfig(quantize_attention=quantize_attention), attn="eager")
+    inputs = batch(name, torch.Generator().manual_seed(3), 2, 10)
+    with torch.no_grad():
+        plain = p.converted(**inputs)  # before the hooks exist: the fused subgraphs
+        want, got = p.model(**inputs, output_attentions=True), p.converted(**inputs, output_attentions=True)
+    assert len(got.attentions) == len(want.attentions) == 2
+    for layer, (g, w) in enumerate(zip(got.attentions, want.attentions)):
+        assert type(g) is torch.Tensor and not g.is_meta and g.shape == w.shape, f"layer {layer}: {g.shape}"
+        assert torch.allclose(g.sum(-1), torch.ones(()), atol=1e-5), f"layer {layer}: rows do not sum to 1"
+        # measured cosines 0.9994-0.99998 (bert, quantize_attention: 0.99943)
+        assert cosine(g, w) >= 0.998, f"layer {layer}: cosine {cosine(g, w):.5f} vs fp32"
+    field = "logits" if "logits" in want else "last_hidden_state"
+    assert cosine(got[field], plain[field]) >= 0.99999, "output_attentions changed the model's output"
+    if name != "bert":
+        out = generate(p.converted, prompts(name, 2), return_dict_in_generate=True, output_attentions=True)
+        assert len(out.attentions) == NEW
+        for step in out.attentions:
+            assert all(type(a) is torch.Tensor and not a.is_meta and a.numel() > 0 for a in step)
+            assert all(torch.allclose(a.sum(-1), torch.ones(()), atol=1e-5) for a in step)
