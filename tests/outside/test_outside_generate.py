@@ -280,3 +280,102 @@ def test_hidden_states_tuples_and_labels(converted, name):
     assert torch.allclose(loss, own, rtol=1e-5), (loss, own)
     # measured |loss - fp32 loss| / fp32 loss: mixtral 0.0003, gpt2 0.0004, llama 0.0011, t5 0.0045, bart 0.0165
     assert abs(loss.item() - fp32_loss.item()) <= 0.04 * fp32_loss.item(), (loss, fp32_loss)
+
+
+# ----------------------------------------------------------------------------------------- encoder-decoders
+@pytest.mark.parametrize("name", SEQ2SEQ)
+def test_encoder_decoder_generate_with_encoder_outputs_and_beams(converted, name):
+    """``model.get_encoder()`` after convert is the model's own encoder class; generate() given its
+    ``encoder_outputs`` (encoded once, reused) gives what generate() from the input ids gives; beam search's scores
+    are the converted model's own mean log-probabilities of the sequences (a forward without cache)."""
+    p = converted(name)
+    c = p.converted
+    prompt = prompts(name)
+    encoder = c.get_encoder()
+    assert type(encoder) is type(p.model.get_encoder())
+    with torch.no_grad():
+        encoded = encoder(**prompt)
+    direct = generate(c, prompt)
+    reused = generate(c, {"encoder_outputs": encoded, "attention_mask": prompt["attention_mask"]})
+    assert torch.equal(reused, direct)
+    beams = generate(c, prompt, num_beams=3, num_return_sequences=2, return_dict_in_generate=True,
+                     output_scores=True, length_penalty=1.0)
+    repeat = {k: v.repeat_interleave(2, 0) for k, v in prompt.items()}
+    with torch.no_grad():
+        logits = c(**repeat, decoder_input_ids=beams.sequences[:, :-1]).logits
+    logp = logits.log_softmax(-1).gather(-1, beams.sequences[:, 1:, None])[..., 0]
+    assert torch.allclose(beams.sequences_scores, logp.sum(-1) / NEW, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------- pipelines
+def word_tokenizer() -> hf.PreTrainedTokenizerFast:
+    """A word-level tokenizer over the tiny vocabulary: specials 0-4, words "w0".."w94" as ids 5-99."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab = {**{s: i for i, s in enumerate(specials)}, **{f"w{i}": i + len(specials) for i in range(VOCAB - 5)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return hf.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                                      sep_token="[SEP]", mask_token="[MASK]")
+
+
+def bert_head(cls: type[nn.Module]) -> nn.Module:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return cls(hf.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 intermediate_size=128, initializer_range=0.1, pad_token_id=PAD, num_labels=3)).eval()
+
+
+def convert_words(model: nn.Module) -> nn.Module:
+    gen = torch.Generator().manual_seed(1)
+    make = lambda: {"input_ids": torch.randint(5, VOCAB, (3, 12), generator=gen),  # noqa: E731
+                    "attention_mask": torch.ones(3, 12, dtype=torch.long)}
+    prepared = dq.prepare(model, example_kwargs=make(), qconfig=untied(dq.QConfig()))
+    dq.calibrate(prepared, [make(), make()], progress=False)
+    return dq.convert(prepared)
+
+
+TEXT = "w1 w7 w3 w42 w5 w60 w17"
+
+
+@pytest.mark.parametrize("task", ["fill-mask", "text-classification", "token-classification"])
+def test_pipelines_read_the_converted_models_outputs(task):
+    """transformers.pipeline(task, model=converted): the scores are the softmax of the converted model's own logits
+    for the tokenized text (the pipeline runs the FP8 model, pre- and post-processing unchanged)."""
+    head = {"fill-mask": hf.BertForMaskedLM, "text-classification": hf.BertForSequenceClassification,
+            "token-classification": hf.BertForTokenClassification}[task]
+    tokenizer = word_tokenizer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the MLM head tied to the embeddings is quantized anyway (untie)
+        c = convert_words(bert_head(head))
+    text = TEXT.replace("w3", "[MASK]") if task == "fill-mask" else TEXT
+    result = hf.pipeline(task, model=c, tokenizer=tokenizer)(text)
+    with torch.no_grad():
+        enc = tokenizer(text, return_tensors="pt")
+        probs = c(**enc).logits[0].softmax(-1)
+    if task == "fill-mask":
+        where = int((enc["input_ids"][0] == tokenizer.mask_token_id).nonzero())
+        top = probs[where].topk(5)
+        assert [r["token"] for r in result] == top.indices.tolist()
+        got, want = [r["score"] for r in result], top.values.tolist()
+    elif task == "text-classification":
+        assert result[0]["label"] == f"LABEL_{int(probs.argmax())}"
+        got, want = [result[0]["score"]], [probs.max().item()]
+    else:  # one entity per word (the tokenizer adds no special tokens; no label is called "O", which it drops)
+        assert [r["word"] for r in result] == TEXT.split()
+        assert [r["entity"] for r in result] == [f"LABEL_{i}" for i in probs.argmax(-1).tolist()]
+        got, want = [float(r["score"]) for r in result], probs.max(-1).values.tolist()
+    assert got == pytest.approx(want, rel=1e-6, abs=1e-7)
+
+
+def test_text_generation_pipeline_is_the_converted_models_greedy_generate(converted):
+    """pipeline("text-generation", model=converted): the text of the converted model's own greedy tokens."""
+    c = converted("llama").converted
+    tokenizer = word_tokenizer()
+    result = hf.pipeline("text-generation", model=c, tokenizer=tokenizer)(TEXT, max_new_tokens=NEW, do_sample=False,
+                                                                            pad_token_id=PAD)
+    enc = tokenizer(TEXT, return_tensors="pt")
+    with torch.no_grad():
+        tokens = c.generate(**enc, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
+    assert result[0]["generated_text"] == TEXT + tokenizer.decode(tokens[0, enc["input_ids"].shape[1]:])
