@@ -12,7 +12,6 @@ Tiny random-weight configs of tests/test_hf_families.py and tests/hf_families_mo
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import warnings
 from collections.abc import Callable
@@ -22,7 +21,7 @@ import torch
 import torch.nn.functional as F
 import transformers as hf
 from hf_families_more import FAMILIES as MORE_FAMILIES
-from test_hf_families import FAMILIES as FAMILIES
+from test_hf_families import FAMILIES
 from test_hf_families import make_batch as family_batch
 from test_hf_families_more import fake_quant
 from test_hf_models import cosine, untied
@@ -70,8 +69,8 @@ def batch(name: str, gen: torch.Generator, b: int, s: int, decoder: bool = True)
     """input_ids with an attention mask (decoders padded on the left, row i by 2·i, row 0 none); encoder-decoders
     also get decoder_input_ids starting with their decoder start token."""
     if name in FAMILIES:
-        return family_batch(name if name != "bart" else "t5", gen, b, s, decoder=decoder)
-    out = family_batch("llama", gen, b, s, decoder=False)  # the same left-padded layout
+        return family_batch(name, gen, b, s, decoder=decoder)
+    out = family_batch("llama", gen, b, s, decoder=False)  # qwen3, mixtral, bart: the decoders' left-padded layout
     if decoder and name == "bart":
         dec = torch.randint(3, VOCAB, (b, s // 2), generator=gen)
         dec[:, 0] = EOS  # BART's decoder start token
@@ -221,10 +220,6 @@ def test_assisted_generation_with_a_converted_draft_or_target(converted, name):
 
 
 # ----------------------------------------------------------------------------------------- output flags
-def attentions_of(out) -> tuple[torch.Tensor, ...]:
-    return out.attentions
-
-
 @pytest.mark.parametrize("quantize_attention", [False, True], ids=["attention_hp", "quantize_attention"])
 @pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
 def test_output_attentions_are_real_probabilities(name, quantize_attention):
@@ -401,17 +396,18 @@ def test_compile_of_the_eager_converted_model(converted):
                 torch._dynamo.reset()  # Dynamo caches compiled frames per code object, whatever the options
                 config = hf.CompileConfig(fullgraph=fullgraph)
                 config._compile_all_devices = True  # compile on CPU too, as generate() does on a GPU
-                run = lambda: generate(c, prompt, cache_implementation="static", compile_config=config)  # noqa: E731
+                static = dict(cache_implementation="static", compile_config=config)
                 if not fullgraph:
-                    assert torch.equal(run(), tokens)
+                    assert torch.equal(generate(c, prompt, **static), tokens)
                     continue
                 with pytest.raises(torch._dynamo.exc.Unsupported, match=r"dbr_quant.*fx_rewriter\.rewrite"):
-                    run()
+                    generate(c, prompt, **static)
     finally:
         torch._dynamo.reset()
 
 
 # ----------------------------------------------------------------------------------------- MiniLM
+@pytest.mark.slow  # ~8-16 s: the real model, its conversion and a fake-quantized copy
 def test_minilm_sentence_embeddings_beside_a_fake_quant_yardstick():
     """all-MiniLM-L6-v2 used for sentence embeddings: mean-pooled over the attention mask, the converted model's
     embeddings are as close to fp32's as a per-tensor FP8 fake quantization's (every linear's weight per channel,
