@@ -240,7 +240,8 @@ def test_output_attentions_are_real_probabilities(name, quantize_attention):
         # measured cosines 0.9994-0.99998 (bert, quantize_attention: 0.99943)
         assert cosine(g, w) >= 0.998, f"layer {layer}: cosine {cosine(g, w):.5f} vs fp32"
     field = "logits" if "logits" in want else "last_hidden_state"
-    assert cosine(got[field], plain[field]) >= 0.99999, "output_attentions changed the model's output"
+    # op by op or fused, the FP8 attention computes the same (measured: equal)
+    assert torch.equal(got[field], plain[field]), "output_attentions changed the model's output"
     if name != "bert":
         out = generate(p.converted, prompts(name, 2), return_dict_in_generate=True, output_attentions=True)
         assert len(out.attentions) == NEW
