@@ -48,8 +48,8 @@ def _mixtral() -> nn.Module:
 
 
 BUILDERS: dict[str, Callable[[], nn.Module]] = {
-    "llama": FAMILIES["llama"].build, "gpt2": FAMILIES["gpt2"].build, "t5": FAMILIES["t5"].build,
-    "bert": FAMILIES["bert"].build, "qwen3": MORE_FAMILIES["qwen3"].build, "bart": MORE_FAMILIES["bart"].build,
+    **{name: FAMILIES[name].build for name in ("llama", "qwen2", "gpt2", "t5", "bert")},
+    "qwen3": MORE_FAMILIES["qwen3"].build, "bart": MORE_FAMILIES["bart"].build,
     "mixtral": _mixtral,
 }
 DECODERS = ["llama", "qwen3", "mixtral", "gpt2"]
@@ -146,7 +146,7 @@ def assert_steps_equal(steps: torch.Tensor, reference: torch.Tensor, what: str) 
 
 
 # ----------------------------------------------------------------------------------------- generate strategies
-@pytest.mark.parametrize("name", DECODERS)
+@pytest.mark.parametrize("name", [*DECODERS, "qwen2"])
 def test_greedy_sampling_and_beams_match_own_forward(converted, name):
     """Greedy, seeded sampling and beam search (3 beams, 2 returned sequences): every step's logits are the
     converted model's own uncached forward's; sampled tokens are those a multinomial draw with the same seed takes
