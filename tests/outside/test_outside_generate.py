@@ -431,3 +431,24 @@ def test_minilm_sentence_embeddings_beside_a_fake_quant_yardstick():
     with torch.no_grad():
         hidden = c(**ex.encode(tokenizer, ex.EVAL_SENTENCES[:1])).last_hidden_state[0]
     assert torch.equal(torch.tensor(features[0]), hidden)
+
+
+def test_forward_hook_on_a_norm_heading_a_fused_linear_reads_its_output():
+    """A forward hook registered after convert on GPT-2's ``ln_1`` (a LayerNorm whose output the fused
+    norm → quantize → qkv linear consumes, an intermediate of the fused run): it reads the real normalized
+    activations, not the fused run's empty placeholder, and the model's output is the unhooked one."""
+    p = convert("gpt2")
+    ln = p.converted.transformer.h[0].ln_1
+    inputs = batch("gpt2", torch.Generator().manual_seed(3), 2, 10)
+    with torch.no_grad():
+        plain = p.converted(**inputs).logits
+    seen: dict[str, torch.Tensor] = {}
+    handle = ln.register_forward_hook(lambda mod, args, out: seen.update(x=args[0], y=out))
+    try:
+        with torch.no_grad():
+            hooked = p.converted(**inputs).logits
+    finally:
+        handle.remove()
+    assert not seen["y"].is_meta and seen["y"].shape == seen["x"].shape, f"the hook read a {seen['y'].shape} tensor"
+    assert torch.equal(seen["y"], F.layer_norm(seen["x"], ln.normalized_shape, ln.weight, ln.bias, ln.eps))
+    assert torch.equal(hooked, plain)  # the norm then the quantize, or fused: the same bits (measured)
