@@ -2,7 +2,8 @@
 beam search, returned sequences, static / sliding-window caches, assisted decoding with a converted draft or
 target, batched left-padded prompts), the ``output_*`` flags (attentions with ``quantize_attention`` on and off),
 ``return_dict=False``, ``labels=``, ``transformers.pipeline(...)``, encoder-decoders given ``encoder_outputs``,
-``torch.compile`` of the eager converted model, and MiniLM sentence embeddings beside a fake-quant yardstick.
+``torch.compile`` of the eager converted model, a forward hook on a norm whose output a fused linear consumes, and
+MiniLM sentence embeddings beside a fake-quant yardstick.
 
 Each check compares the converted model with a reference that could disagree: its own forward without the KV
 cache over the same tokens (what a KV-cached step must compute), the fp32 model, or the same call another way.
