@@ -50,6 +50,8 @@ def _entry_forward(root: nn.Module, m: nn.Module, *args: Any, **kwargs: Any) -> 
     global state is restored on every exit path, KeyboardInterrupt included. A partial, not a class,
     because torch.export reads ``forward.func.__code__``.
     """
+    if torch.compiler.is_dynamo_compiling():  # torch.compile(model): the run itself stays eager
+        return _entry_forward_eagerly(root, m, *args, **kwargs)
     record: ModelRecord = root.__dict__["_dbr_record"]
     # an instance forward that was there before prepare (accelerate's device/offload wrapper) keeps running
     forward = m.__dict__[TAG].inner_forward or type(m).forward.__get__(m)
@@ -79,6 +81,17 @@ def _entry_forward(root: nn.Module, m: nn.Module, *args: Any, **kwargs: Any) -> 
         if m is root:
             return run.finish(forward(*args, **kwargs))
         return run.finish(run.module_call(m, args, kwargs))  # m owns its records: no need of its parents
+
+
+# torch.compile of a prepared / converted model as it is: Dynamo does not trace into the run (interception, C
+# kernels), which runs eagerly between the compiled parts, so the outputs are the eager model's bit for bit. Under
+# fullgraph=True (Hugging Face's generate() compiles a static-cache decode so, by default on GPUs) Dynamo raises
+# with this reason rather than an error deep inside the runtime.
+_entry_forward_eagerly = torch.compiler.disable(
+    _entry_forward, reason="dbr_quant: a prepared / converted model runs its FP8 ops eagerly, which fullgraph=True "
+    "cannot capture: capture a graph with dbr_quant.fx_rewriter.rewrite(model, example_inputs) and compile that, "
+    "or compile with fullgraph=False (generate(): compile_config=CompileConfig(fullgraph=False), or "
+    "disable_compile=True)")
 
 
 def _install_entry_forward(root: nn.Module, m: nn.Module) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from dbr_quant.ops.basic import run_basic
 from dbr_quant.ops.call import Call, Env, OpRecord
@@ -184,9 +185,11 @@ def register_fusion(cls: type[Fusion]) -> type[Fusion]:
 
 @dataclass
 class Subgraph:
-    """A matched fusion instance and the kinds of its ops in call order. (Hooks added after convert need
-    no record here: a hooked module that receives a placeholder materializes the subgraph.)"""
+    """A matched fusion instance and the kinds of its ops in call order. (Hooks added after convert on a
+    module that receives a placeholder need no record here: the module materializes the subgraph. A module that
+    *returns* an intermediate is in ``returned_by``: a forward hook there runs the subgraph op by op.)"""
 
     id: int
     fusion: Fusion
     kinds: tuple[str, ...]
+    returned_by: tuple[nn.Module, ...] = ()  # modules whose call started the subgraph and returned an intermediate

@@ -214,7 +214,7 @@ class ConvertRun(Run):
                 return Call(kind, func, args, kwargs).run_original()
         call = Call(kind, func, args, kwargs, step.op, st)
         sg = step.subgraph
-        if sg is not None:
+        if sg is not None and not (sg.returned_by and _hook_reads_returned(sg)):
             p = self.pending.get(sg.id)
             if step.step == 0:
                 if p is not None:
@@ -363,6 +363,13 @@ class ConvertRun(Run):
         if self.resolved:
             out = tree_map(lambda t: self.resolved.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
         return out
+
+
+def _hook_reads_returned(sg: Subgraph) -> bool:
+    """Whether a forward hook (``output_attentions=True``'s output recorder in transformers 5) will read an
+    intermediate of ``sg`` that a module returns: fused, the hook would get an empty placeholder, so the
+    subgraph's ops run one by one (each in FP8 as recorded)."""
+    return any(has_hooks(m) for m in sg.returned_by)
 
 
 def _read_before(p: _Pending, keys: list[int]) -> bool:

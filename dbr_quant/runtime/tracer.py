@@ -64,6 +64,9 @@ class TraceRun(Run):
         self.tids: dict[int, int] = {}
         self.keep: list[torch.Tensor] = []  # holds every traced tensor so ids are never reused
         self.escaped: set[int] = set()
+        # tensor id → (index of the first event inside the call, module) for each module call that returned it:
+        # a fused intermediate a module returns is read by that module's forward hooks (convert_run.py)
+        self.returned: defaultdict[int, list[tuple[int, nn.Module]]] = defaultdict(list)
         self.states: dict[nn.Module, AutoQuantizationState] = {}
         self.current: Any = None  # the torch function running now, named in errors
         self.failed_stack: list[nn.Module] | None = None
@@ -215,10 +218,15 @@ class TraceRun(Run):
         if hooked:
             with suspended():
                 self._escape((args, kwargs))
+        start = len(self.events)
         out = self.call_module(module, args, kwargs)
-        if hooked:
-            with suspended():
+        with suspended():
+            if hooked:
                 self._escape(out)
+            elif len(self.events) > start:  # ops ran inside: remember what the call returned
+                for t in _reachable_tensors(out):
+                    if (i := self.tids.get(id(t))) is not None:
+                        self.returned[i].append((start, module))
         return out
 
     def _call_unrecorded(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -286,7 +294,7 @@ class TraceRun(Run):
                 found = find_subgraphs(self._graph())
             for gid, (fusion, events) in enumerate(found):
                 kinds = tuple(ev.kind for ev in events if ev.kind is not None)  # a fusion matches kinds
-                self.record.subgraphs[gid] = Subgraph(gid, fusion, kinds)
+                self.record.subgraphs[gid] = Subgraph(gid, fusion, kinds, self._returned_by(events))
                 for step, ev in enumerate(events):
                     if isinstance(ev.op, SeenOp):  # the records this run made
                         ev.op.group = (gid, step)
@@ -312,6 +320,16 @@ class TraceRun(Run):
                 if i is not None:
                     consumers[i].append(ev.index)
         return TraceGraph(self.events, dict(consumers), self.escaped, storage=[_storage(t) for t in self.keep])
+
+    def _returned_by(self, events: list[Event]) -> tuple[nn.Module, ...]:
+        """The modules whose call started the subgraph (its first op ran inside) and returned one of its
+        intermediates, which the caller then dropped: Hugging Face's attention modules return the softmax output
+        that the decoder layer ignores, unless ``output_attentions=True`` installed a forward hook that collects
+        it. A hook there at convert time must read real values, so the subgraph then runs op by op."""
+        head = events[0].index
+        found = {id(m): m for ev in events[:-1] if ev.output is not None
+                 for start, m in self.returned.get(ev.output, ()) if start <= head}
+        return tuple(found.values())
 
     def _held_elsewhere(self, tids: list[int | None]) -> set[int]:
         """The fused intermediates among ``tids`` that something still holds after the forward returned — a
