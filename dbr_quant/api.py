@@ -6,7 +6,7 @@ import copy
 import functools
 import inspect
 import warnings
-from collections.abc import Iterable, Mapping, Sized
+from collections.abc import Callable, Iterable, Mapping, Sized
 from typing import Any
 
 import torch
@@ -51,7 +51,7 @@ def _entry_forward(root: nn.Module, m: nn.Module, *args: Any, **kwargs: Any) -> 
     because torch.export reads ``forward.func.__code__``.
     """
     if torch.compiler.is_dynamo_compiling():  # torch.compile(model): the run itself stays eager
-        return _entry_forward_eagerly(root, m, *args, **kwargs)
+        return _EAGER_ENTRY[0](root, m, *args, **kwargs)
     record: ModelRecord = root.__dict__["_dbr_record"]
     # an instance forward that was there before prepare (accelerate's device/offload wrapper) keeps running
     forward = m.__dict__[TAG].inner_forward or type(m).forward.__get__(m)
@@ -86,15 +86,18 @@ def _entry_forward(root: nn.Module, m: nn.Module, *args: Any, **kwargs: Any) -> 
 # torch.compile of a prepared / converted model as it is: Dynamo does not trace into the run (interception, C
 # kernels), which runs eagerly between the compiled parts, so the outputs are the eager model's bit for bit. Under
 # fullgraph=True (Hugging Face's generate() compiles a static-cache decode so, by default on GPUs) Dynamo raises
-# with this reason rather than an error deep inside the runtime.
-_entry_forward_eagerly = torch.compiler.disable(
-    _entry_forward, reason="dbr_quant: a prepared / converted model runs its FP8 ops eagerly, which fullgraph=True "
-    "cannot capture: capture a graph with dbr_quant.fx_rewriter.rewrite(model, example_inputs) and compile that, "
-    "or compile with fullgraph=False (generate(): compile_config=CompileConfig(fullgraph=False), or "
-    "disable_compile=True)")
+# with this reason rather than an error deep inside the runtime. Made when the first entry forward is installed,
+# not at import: torch.compiler.disable imports torch._dynamo, and with it triton, which a CPU user never needs.
+_EAGER_ENTRY: list[Callable[..., Any]] = []
+_EAGER_REASON = ("dbr_quant: a prepared / converted model runs its FP8 ops eagerly, which fullgraph=True cannot "
+                 "capture: capture a graph with dbr_quant.fx_rewriter.rewrite(model, example_inputs) and compile "
+                 "that, or compile with fullgraph=False (generate(): compile_config=CompileConfig(fullgraph=False), "
+                 "or disable_compile=True)")
 
 
 def _install_entry_forward(root: nn.Module, m: nn.Module) -> None:
+    if not _EAGER_ENTRY:
+        _EAGER_ENTRY.append(torch.compiler.disable(_entry_forward, reason=_EAGER_REASON))
     tag: ModuleTag = m.__dict__[TAG]
     if "forward" in m.__dict__:
         tag.inner_forward = m.__dict__["forward"]

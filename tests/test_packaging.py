@@ -9,7 +9,9 @@ import ast
 import configparser
 import functools
 import importlib.metadata
+import os
 import re
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -125,3 +127,13 @@ def test_triton_backend_without_triton_says_what_to_do(no_triton):
 
     with pytest.raises(ImportError, match=r"triton.quantize: the triton backend needs the triton package"):
         triton_backend.quantize(torch.ones(2), torch.ones(()), FP8Format.E4M3)
+
+
+def test_import_loads_neither_dynamo_nor_triton():
+    """``import dbr_quant`` stays light on a CPU machine: torch._dynamo imports triton when it is installed (both
+    seconds), and only torch.compile or the CUDA backend needs them. A module-level torch.compiler.disable(...)
+    in api.py once pulled both in at import (the wheel check caught it)."""
+    code = "import sys, dbr_quant, dbr_quant.fx_rewriter; print(sorted({'torch._dynamo', 'triton'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
