@@ -453,19 +453,6 @@ STOCK_CALL = nn.Module.__call__
 
 
 # ---------------------------------------------------------------------- the real MiniLM
-@pytest.fixture(scope="module")
-def minilm():
-    from dbr_quant.examples import minilm as example
-
-    model, tokenizer = example.load_minilm()
-    calibration = example.encode(tokenizer, example.CALIBRATION_SENTENCES)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        prepared = dq.prepare(model, example_kwargs=calibration)
-        dq.calibrate(prepared, [calibration], progress=False)
-        converted = dq.convert(prepared)
-    return model, converted, example.encode(tokenizer, example.EVAL_SENTENCES[:8])
-
 
 MINILM_REL_L2 = 0.12  # measured 0.079 (fp32) / 0.078-0.080 (autocast) on these 8 sentences; last_hidden_state
 

@@ -318,18 +318,10 @@ def test_init_empty_weights_registers_an_fp8_weight_on_meta():
 
 
 # ---------------------------------------------------------------------- the real MiniLM
-def test_minilm_footprint_and_counts():
+def test_minilm_footprint_and_counts(minilm):
     """The real all-MiniLM-L6-v2: the footprint is its stored bytes and shows the saving on its linears (its
     embeddings, half the model, stay fp32), the parameter count is the fp32 model's."""
-    from dbr_quant.examples import minilm as example
-
-    model, tokenizer = example.load_minilm()
-    calibration = example.encode(tokenizer, example.CALIBRATION_SENTENCES)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        prepared = dq.prepare(model, example_kwargs=calibration)
-        dq.calibrate(prepared, [calibration], progress=False)
-        converted = dq.convert(prepared)
+    model, converted, batch = minilm
     fp8 = _fp8(converted)
     assert len(fp8) == 6 * 6 + 1  # q, k, v, attention output, intermediate, output per layer; the pooler
     assert converted.get_memory_footprint() == _stored_bytes(converted, True)
@@ -337,5 +329,4 @@ def test_minilm_footprint_and_counts():
     assert model.get_memory_footprint(return_buffers=False) - converted.get_memory_footprint(return_buffers=False) \
         == saved
     assert converted.num_parameters() == model.num_parameters()
-    batch = example.encode(tokenizer, example.EVAL_SENTENCES[:4])
     assert torch.equal(copy.deepcopy(converted)(**batch).last_hidden_state, converted(**batch).last_hidden_state)
