@@ -50,7 +50,7 @@ def _entry_forward(root: nn.Module, m: nn.Module, *args: Any, **kwargs: Any) -> 
     global state is restored on every exit path, KeyboardInterrupt included. A partial, not a class,
     because torch.export reads ``forward.func.__code__``.
     """
-    if torch.compiler.is_dynamo_compiling():  # torch.compile(model): the run itself stays eager
+    if torch.compiler.is_dynamo_compiling() and _EAGER_ENTRY:  # torch.compile(model): the run itself stays eager
         return _EAGER_ENTRY[0](root, m, *args, **kwargs)
     record: ModelRecord = root.__dict__["_dbr_record"]
     # an instance forward that was there before prepare (accelerate's device/offload wrapper) keeps running
@@ -59,6 +59,8 @@ def _entry_forward(root: nn.Module, m: nn.Module, *args: Any, **kwargs: Any) -> 
         active = current_run()
         if record.phase == "tracing" or (active is not None and active.record is record):
             return forward(*args, **kwargs)
+    if not _EAGER_ENTRY:  # a model unpickled in a new process: no entry forward was installed in this one
+        _make_eager_entry()
     run: TraceRun | HighPrecisionRun | InspectRun | CalibrateRun | ConvertRun
     if record.phase == "tracing":
         assert isinstance(record.trace_run, TraceRun), "prepare() sets the trace run before its traced forward"
@@ -86,8 +88,9 @@ def _entry_forward(root: nn.Module, m: nn.Module, *args: Any, **kwargs: Any) -> 
 # torch.compile of a prepared / converted model as it is: Dynamo does not trace into the run (interception, C
 # kernels), which runs eagerly between the compiled parts, so the outputs are the eager model's bit for bit. Under
 # fullgraph=True (Hugging Face's generate() compiles a static-cache decode so, by default on GPUs) Dynamo raises
-# with this reason rather than an error deep inside the runtime. Made when the first entry forward is installed,
-# not at import: torch.compiler.disable imports torch._dynamo, and with it triton, which a CPU user never needs.
+# with this reason rather than an error deep inside the runtime. Made when the first entry forward is installed
+# or runs, not at import: torch.compiler.disable imports torch._dynamo, and with it triton, which a CPU user never
+# needs. (A model unpickled in a new process and compiled before any eager call is traced as before this existed.)
 _EAGER_ENTRY: list[Callable[..., Any]] = []
 _EAGER_REASON = ("dbr_quant: a prepared / converted model runs its FP8 ops eagerly, which fullgraph=True cannot "
                  "capture: capture a graph with dbr_quant.fx_rewriter.rewrite(model, example_inputs) and compile "
@@ -95,9 +98,13 @@ _EAGER_REASON = ("dbr_quant: a prepared / converted model runs its FP8 ops eager
                  "or disable_compile=True)")
 
 
+def _make_eager_entry() -> None:
+    _EAGER_ENTRY.append(torch.compiler.disable(_entry_forward, reason=_EAGER_REASON))
+
+
 def _install_entry_forward(root: nn.Module, m: nn.Module) -> None:
     if not _EAGER_ENTRY:
-        _EAGER_ENTRY.append(torch.compiler.disable(_entry_forward, reason=_EAGER_REASON))
+        _make_eager_entry()
     tag: ModuleTag = m.__dict__[TAG]
     if "forward" in m.__dict__:
         tag.inner_forward = m.__dict__["forward"]

@@ -165,3 +165,24 @@ def test_stable_hash_is_metadata_and_deterministic():
               FP8Weight(q, torch.rand(6), torch.float32, transposed=True),
               FP8Weight(q.to(torch.float32).to(torch.float8_e5m2), torch.rand(6), torch.float32)]
     assert len({h} | {o._stable_hash_for_caching() for o in others}) == 1 + len(others)
+
+
+def test_unpickled_model_compiles_before_and_after_its_first_eager_call(monkeypatch):
+    """A converted model unpickled in a new process has no torch.compiler.disable'd entry yet (it is made when
+    an entry forward is installed, which that process never did): compiled first, it is traced into as before
+    that entry existed (no IndexError inside Dynamo) and the run makes the entry; a compile then runs the FP8
+    ops eagerly. Both give the eager outputs."""
+    model, x = _linear_stack()
+    loaded = _pickled(model)
+    monkeypatch.setattr(dq.api, "_EAGER_ENTRY", [])  # the state of a fresh process
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            expected = model(x)
+            assert torch.equal(torch.compile(loaded)(x), expected)  # traced into the run, which makes the entry
+            assert len(dq.api._EAGER_ENTRY) == 1
+            assert torch.equal(loaded(x), expected)
+            torch._dynamo.reset()
+            assert torch.equal(torch.compile(loaded)(x), expected)
+    finally:
+        torch._dynamo.reset()
