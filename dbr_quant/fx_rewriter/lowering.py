@@ -126,7 +126,10 @@ def quantize(x: Tensor, scale: Tensor, fmt: FP8Format) -> Tensor:
     y = (x.float() * torch.reciprocal(scale.float())).clamp(-fmt.max, fmt.max)
     values = round_to_grid(y, fmt)
     q = encode(values, fmt, sign_of=y)
-    _remember_grid_values(q, values)
+    # the cache serves inductor's lowering; under Dynamo (this function compiled on its own) tracing
+    # weakref.finalize can meet a finalizer the GC runs meanwhile ("dictionary changed size during iteration")
+    if not torch.compiler.is_dynamo_compiling():
+        _remember_grid_values(q, values)
     return q
 
 
